@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup clean lint
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU wheel on these machines; an open range would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m pdserve.tools.demo
+
+test: $(STAMP) lint
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check pdserve tests benchmarks
+	$(BIN)/mypy pdserve
+
+clean:
+	rm -rf $(VENV) .cache

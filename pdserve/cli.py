@@ -1,0 +1,121 @@
+"""`pdserve` command line: make-model, serve (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pdserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelSpec,
+    SchedulerConfig,
+    ServerConfig,
+    resolve_device,
+)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model",
+        default="builtin:tiny",
+        help="builtin:NAME or a local Hugging Face model directory",
+    )
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = the checkpoint's torch_dtype",
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
+    g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may live before it is failed",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from pdserve.model.builtin import resolve_model
+    from pdserve.model.config import ModelArch
+
+    path = resolve_model(args.model)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = ModelArch.from_dir(path).torch_dtype
+        dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    return EngineConfig(
+        model=ModelSpec(
+            path=str(path),
+            name=args.served_model_name or args.model,
+            dtype=dtype,
+            device=resolve_device(args.device),
+        ),
+        cache=CacheConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * 2**20)),
+        scheduler=SchedulerConfig(
+            max_batched_tokens=args.max_batched_tokens,
+            max_running=args.max_running,
+            max_model_len=args.max_model_len,
+        ),
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from pdserve.model.builtin import make_model
+
+    out = make_model(args.name, Path(args.out))
+    print(f"wrote {args.name} to {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.server.app import run_server
+
+    cfg = ServerConfig(engine=engine_config(args), host=args.host, port=args.port, role=args.role)
+    return run_server(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a built-in model as an HF directory")
+    mk.add_argument("name", help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.set_defaults(func=cmd_make_model)
+
+    sv = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    sv.add_argument("--role", default="colocated", choices=["colocated"])
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

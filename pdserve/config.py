@@ -1,0 +1,77 @@
+"""Configuration: frozen dataclasses, one per concern, composed per role.
+
+"auto" values (device, dtype, context length) are resolved before construction by
+`resolve_*` helpers, so a constructed config is always concrete and valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str  # a local HF directory, after builtin:NAME was resolved
+    name: str  # the name clients use in "model"
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    kv_budget_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv budget must be positive, got {self.kv_budget_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_running: int = 64
+    max_model_len: int = 2048  # prompt + output, capped by the model's context
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1 or self.max_running < 1 or self.max_model_len < 2:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    request_timeout_s: float = 600.0  # no request lives longer than this in the engine
+    idle_wait_s: float = 0.05  # how long the idle engine loop blocks on its inbox
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.role != "colocated":
+            raise ValueError(f"role {self.role!r} not supported yet (only 'colocated')")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    return name

@@ -1,0 +1,288 @@
+"""The engine: one thread owns every request, the scheduler and the KV pool.
+
+Its loop is `drain inbox -> apply deadlines -> schedule -> forward -> sample -> emit`.
+Other threads talk to it only through the inbox (submit, abort, snapshot) and hear back
+through each request's sink; there are no locks on request state. An exception inside a
+step fails the requests of that step (they get an error output) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.metrics import EngineMetrics
+from pdserve.engine.params import InvalidParams, SamplingParams
+from pdserve.engine.request import FINISH_REASON, Event, OutputSink, Request, RequestOutput
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import Scheduler, StepPlan
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool, pages_for_budget
+from pdserve.model.llama import CausalLM
+from pdserve.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SnapshotQuery:
+    reply: Future[dict[str, Any]]
+
+
+Command = Submit | Abort | SnapshotQuery
+
+
+class Engine:
+    def __init__(
+        self, cfg: EngineConfig, model: CausalLM, pool: KVPool, eos_token_ids: frozenset[int]
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.pool = pool
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = model.arch.vocab_size
+        self.max_model_len = min(
+            cfg.scheduler.max_model_len, model.arch.max_position_embeddings, pool.capacity_tokens
+        )
+        self.scheduler = Scheduler(cfg.scheduler, pool.allocator, pool.page_size)
+        self.runner = ModelRunner(model, pool)
+        self.metrics = EngineMetrics()
+        self.metrics.pages_total.set(pool.num_pages)
+        self.inbox: queue.Queue[Command] = queue.Queue()
+        self.last_tick = time.monotonic()
+        self.steps = 0
+
+    @classmethod
+    def build(cls, cfg: EngineConfig, eos_token_ids: frozenset[int]) -> Engine:
+        device = torch.device(cfg.model.device)
+        dtype = getattr(torch, cfg.model.dtype)
+        model = load_model(Path(cfg.model.path), dtype, device)
+        arch = model.arch
+        layout = KVLayout(
+            dtype=cfg.model.dtype,
+            page_size=cfg.cache.page_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes)
+        pool = KVPool(layout, num_pages, device)
+        log.info(
+            "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)",
+            num_pages,
+            layout.page_size,
+            pool.capacity_tokens,
+            pool.data.numel() * layout.itemsize / 2**20,
+        )
+        return cls(cfg, model, pool, eos_token_ids)
+
+    # -- called from other threads --------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParams for a request this engine can never serve."""
+        if not prompt_ids:
+            raise InvalidParams("the prompt is empty", "prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidParams(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidParams(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, including at least one generated token",
+                "prompt",
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParams(
+                f"max_tokens {params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
+                f"context of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.validate(prompt_ids, params)
+        timeout = min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        req = Request(
+            request_id,
+            list(prompt_ids),
+            params,
+            sink,
+            self.eos_token_ids,
+            deadline=time.monotonic() + timeout,
+        )
+        self.inbox.put(Submit(req))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(Abort(request_id))
+
+    def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any]:
+        """The engine's own view, answered by the engine thread; raises TimeoutError if wedged."""
+        fut: Future[dict[str, Any]] = Future()
+        self.inbox.put(SnapshotQuery(fut))
+        return fut.result(timeout=timeout_s)
+
+    # -- the engine thread ----------------------------------------------------------------
+    def tick(self) -> None:
+        """One loop iteration; the supervisor calls it forever."""
+        self.last_tick = time.monotonic()
+        self._drain_inbox(block=not self.scheduler.has_work())
+        self._apply_deadlines()
+        if self.scheduler.has_work():
+            self.step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            cmd = self.inbox.get(timeout=self.cfg.idle_wait_s) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: Command) -> None:
+        match cmd:
+            case Submit(request=req):
+                if self.scheduler.get(req.request_id) is not None:
+                    self._emit_end(req, "error", f"duplicate request id {req.request_id}")
+                    return
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self.scheduler.add(req)
+            case Abort(request_id=rid):
+                live = self.scheduler.get(rid)
+                if live is not None:  # unknown or already finished: nothing to do
+                    self._finish(live, Event.ABORT)
+            case SnapshotQuery(reply=fut):
+                if not fut.done():
+                    fut.set_result(self._snapshot())
+
+    def _apply_deadlines(self) -> None:
+        now = time.monotonic()
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if req.deadline is not None and now > req.deadline:
+                req.error = f"request exceeded its deadline in state {req.status.value}"
+                self._finish(req, Event.FAIL)
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(len(plan.preempted))
+        if plan.chunks:
+            try:
+                self._run(plan)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                self.metrics.step_errors.inc()
+                log.exception("engine step failed; failing %d requests", len(plan.chunks))
+                for c in plan.chunks:
+                    c.request.error = f"engine step failed: {type(e).__name__}: {e}"
+                    self._finish(c.request, Event.FAIL)
+        self.steps += 1
+        counts = self.scheduler.counts()
+        self.metrics.running.set(counts["running"])
+        self.metrics.waiting.set(counts["waiting"])
+        self.metrics.pages_used.set(counts["pages_used"])
+
+    def _run(self, plan: StepPlan) -> None:
+        logits = self.runner.forward(plan.chunks)
+        for c in plan.chunks:
+            c.request.num_computed = c.start + c.length
+        sampling = [c.request for c in plan.chunks if c.samples]
+        if not sampling:
+            return
+        token_ids, logprobs = sample(logits, sampling)
+        now = time.monotonic()
+        for req, tok, lp in zip(sampling, token_ids, logprobs, strict=True):
+            req.output_ids.append(tok)
+            self.metrics.generated_tokens.inc()
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.metrics.ttft.observe(now - req.arrival)
+            elif req.last_token_at is not None:
+                self.metrics.itl.observe(now - req.last_token_at)
+            req.last_token_at = now
+            event = self._stop_event(req, tok)
+            req.sink(
+                RequestOutput(
+                    req.request_id,
+                    (tok,),
+                    (lp,) if lp is not None else (),
+                    num_prompt_tokens=len(req.prompt_ids),
+                )
+            )
+            if event is not None:
+                self._finish(req, event)
+
+    def _stop_event(self, req: Request, tok: int) -> Event | None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens and (
+            tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids)
+        ):
+            return Event.STOP
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return Event.LENGTH
+        return None
+
+    def _finish(self, req: Request, event: Event) -> None:
+        self.scheduler.finish(req, event)
+        reason = FINISH_REASON[req.status]
+        self.metrics.finished.labels(reason).inc()
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self._emit_end(req, reason, req.error)
+
+    def _emit_end(self, req: Request, reason: str, error: str | None) -> None:
+        req.sink(RequestOutput(req.request_id, (), (), reason, error, len(req.prompt_ids)))
+
+    def _snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+
+        def row(r: Request) -> dict[str, Any]:
+            return {
+                "request_id": r.request_id,
+                "state": r.status.value,
+                "time_in_state_s": round(now - r.state_since, 3),
+                "age_s": round(now - r.arrival, 3),
+                "prompt_tokens": len(r.prompt_ids),
+                "output_tokens": len(r.output_ids),
+                "computed_tokens": r.num_computed,
+                "pages": len(r.pages),
+                "preemptions": r.num_preemptions,
+            }
+
+        return {
+            "steps": self.steps,
+            "max_model_len": self.max_model_len,
+            "pool": {
+                "pages_total": self.pool.num_pages,
+                "page_size": self.pool.page_size,
+                "pages_free": self.pool.allocator.num_free,
+                "pages_used": self.pool.allocator.num_used,
+                "layout": self.pool.layout.to_dict(),
+            },
+            "requests": [
+                row(r) for r in list(self.scheduler.running) + list(self.scheduler.waiting)
+            ],
+        }

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one engine, in their own registry (several engines may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("pdserve_requests_running", "Requests holding KV pages", registry=r)
+        self.waiting = Gauge(
+            "pdserve_requests_waiting", "Requests queued for admission", registry=r
+        )
+        self.pages_used = Gauge("pdserve_kv_pages_used", "KV pages in use", registry=r)
+        self.pages_total = Gauge("pdserve_kv_pages_total", "KV pages in the pool", registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "pdserve_requests_finished", "Finished requests by reason", ["reason"], registry=r
+        )
+        self.preemptions = Counter("pdserve_preemptions", "Requests preempted", registry=r)
+        self.step_errors = Counter("pdserve_step_errors", "Engine steps that raised", registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=LATENCY_BUCKETS + (120, 300),
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

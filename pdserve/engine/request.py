@@ -1,0 +1,146 @@
+"""A request inside the engine, and its lifecycle as one transition table.
+
+Only the engine thread touches a Request. `status` changes only through `transition()`,
+which refuses an edge the table does not list; finished states are sticky.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds pages; prefilling in chunks or decoding
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "finished_aborted"  # the client went away or asked to stop
+    FINISHED_FAILED = "finished_failed"  # an error; the reason travels with it
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = frozenset(
+    {
+        Status.FINISHED_STOPPED,
+        Status.FINISHED_LENGTH,
+        Status.FINISHED_ABORTED,
+        Status.FINISHED_FAILED,
+    }
+)
+
+
+class Event(enum.Enum):
+    SCHEDULE = "schedule"
+    PREEMPT = "preempt"
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    FAIL = "fail"
+
+
+TRANSITIONS: dict[tuple[Status, Event], Status] = {
+    (Status.WAITING, Event.SCHEDULE): Status.RUNNING,
+    (Status.WAITING, Event.ABORT): Status.FINISHED_ABORTED,
+    (Status.WAITING, Event.FAIL): Status.FINISHED_FAILED,
+    (Status.RUNNING, Event.PREEMPT): Status.WAITING,
+    (Status.RUNNING, Event.STOP): Status.FINISHED_STOPPED,
+    (Status.RUNNING, Event.LENGTH): Status.FINISHED_LENGTH,
+    (Status.RUNNING, Event.ABORT): Status.FINISHED_ABORTED,
+    (Status.RUNNING, Event.FAIL): Status.FINISHED_FAILED,
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+FINISH_REASON = {
+    Status.FINISHED_STOPPED: "stop",
+    Status.FINISHED_LENGTH: "length",
+    Status.FINISHED_ABORTED: "abort",
+    Status.FINISHED_FAILED: "error",
+}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What the engine emits for a request: new tokens, and the end when it comes."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: OutputSink
+    eos_token_ids: frozenset[int] = frozenset()
+    deadline: float | None = None  # monotonic; past it the engine fails the request
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the pool
+    num_preemptions: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    state_since: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING and self.num_uncomputed == 1 and bool(self.output_ids)
+
+    def transition(self, event: Event) -> Status:
+        nxt = TRANSITIONS.get((self.status, event))
+        if nxt is None:
+            raise IllegalTransition(
+                f"request {self.request_id}: {event.name} in {self.status.name}"
+            )
+        self.status = nxt
+        self.state_since = time.monotonic()
+        return nxt

@@ -1,0 +1,84 @@
+"""Paged attention over the KV pool, in plain torch (runs on CPU and CUDA).
+
+Invariants: the runner lays a step's tokens out flat with the decode tokens first (one per
+sequence) and the prefill chunks after them. Every index tensor here is computed once per
+step by the runner and shared by all layers; a layer only scatters its new K/V into the pool
+and gathers what each query may see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One prefill chunk: queries q[q_start : q_start+q_len] see kv_slots (context + chunk)."""
+
+    q_start: int
+    q_len: int
+    kv_slots: torch.Tensor  # [kv_len] long: flat pool slots of every visible key, in order
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, or None when the chunk is the whole context
+
+
+@dataclass
+class AttentionContext:
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [B, max_kv] long (padded with slot 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_kv] bool: True = visible
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    ctx: AttentionContext,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    hkv, d = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, hkv, d)
+    v_flat = v_cache.view(-1, hkv, d)
+    k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
+    v_flat[ctx.slot_mapping] = v.to(v_flat.dtype)
+    gqa = q.shape[1] != hkv
+
+    out = torch.empty_like(q)
+    b = ctx.num_decode
+    if b:
+        assert ctx.decode_slots is not None and ctx.decode_mask is not None
+        kd = k_flat[ctx.decode_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vd = v_flat[ctx.decode_slots].transpose(1, 2)
+        qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
+        od = F.scaled_dot_product_attention(
+            qd,
+            kd.to(q.dtype),
+            vd.to(q.dtype),
+            attn_mask=ctx.decode_mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[:b] = od.squeeze(2)
+    for p in ctx.prefills:
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        qp = q[sl].transpose(0, 1)  # [Hq, q_len, D]
+        if p.mask is None:
+            # The chunk is the whole context: attend to the fresh K/V directly.
+            kp, vp = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        else:
+            kp = k_flat[p.kv_slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv_len, D]
+            vp = v_flat[p.kv_slots].transpose(0, 1).to(q.dtype)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
+            )
+        out[sl] = op.transpose(0, 1)
+    return out

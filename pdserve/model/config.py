@@ -1,0 +1,147 @@
+"""ModelArch: the architecture facts pdserve needs, parsed and validated from an HF config.json.
+
+One frozen dataclass for the whole Llama family (Llama, Mistral, Qwen2, Qwen3); the variants
+differ only in flags (qkv bias, q/k norm, tied embeddings, RoPE scaling). Anything we cannot
+run faithfully is refused here with an error that names the field, never guessed at later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """The model directory is not one pdserve can serve; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelArch:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ModelConfigError(f"{path} is not a model directory: config.json is missing")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from e
+        return cls.from_hf_config(cfg, where=str(cfg_path))
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelArch:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"{where}: architectures {archs} not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ModelConfigError(f"{where}: required field {key!r} is missing")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        if family == "qwen2" and cfg.get("use_sliding_window"):
+            raise ModelConfigError(f"{where}: use_sliding_window=true is not supported")
+        window = cfg.get("sliding_window") if family == "mistral" else None
+        if window is not None:
+            # Attention within the window equals full attention while the context fits it.
+            max_pos = min(max_pos, int(window))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{where}: hidden_act {cfg.get('hidden_act')!r} not supported")
+        # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = rope if rope else cfg.get("rope_scaling")
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=_parse_rope_scaling(rope_scaling, where),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no o_proj bias; the others follow attention_bias.
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+def _parse_rope_scaling(rs: dict[str, Any] | None, where: str) -> RopeScaling:
+    if not rs:
+        return RopeScaling()
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{where}: rope_scaling type {rope_type!r} not supported; "
+            f"supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )

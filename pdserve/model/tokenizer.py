@@ -1,0 +1,285 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenization for one model dir.
+
+Wraps an HF `tokenizer.json` (the `tokenizers` library does the work) plus the facts that live
+in the other HF files: which ids end generation, which id is the BOS, the chat template.
+Chat templates are rendered the way HF transformers renders them (same jinja environment
+options, globals and filters), so a prompt built here tokenizes to the same ids as HF's.
+
+Ids the tokenizer does not know (a model's embedding may be larger than its tokenizer) decode
+to nothing, as in HF; `token_to_str` returns "" for them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.nodes
+import jinja2.parser
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# Bytes of an unfinished UTF-8 character decode to this; it means "wait for more tokens".
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Encode, decode and chat-format for one model; immutable after construction."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        eos_token_ids: frozenset[int],
+        bos_token_id: int | None,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+    ) -> None:
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids: frozenset[int] = eos_token_ids
+        self.bos_token_id: int | None = bos_token_id
+        # Token strings by role ("bos_token", "eos_token", ...), as chat templates see them.
+        self._special_tokens = dict(special_tokens)
+        self._chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """Read tokenizer.json (required) and tokenizer_config.json, generation_config.json,
+        config.json and chat_template.jinja (optional) from an HF model directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(
+                f"{tokenizer_file} is missing: pdserve needs a fast (tokenizer.json) tokenizer"
+            )
+        try:
+            backend = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises a bare Exception for any parse error
+            raise ValueError(f"{tokenizer_file} could not be loaded: {e}") from e
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        gen_cfg = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        special_tokens: dict[str, str] = {}
+        for role in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            content = _token_content(tok_cfg.get(role))
+            if content is not None:
+                special_tokens[role] = content
+
+        def token_id(content: str, where: str) -> int:
+            tid = backend.token_to_id(content)
+            if tid is None:
+                raise ValueError(f"{path}: {where} {content!r} is not in {tokenizer_file.name}")
+            return tid
+
+        eos_ids = _id_set(gen_cfg.get("eos_token_id"))
+        if not eos_ids:
+            eos_ids = _id_set(model_cfg.get("eos_token_id"))
+        if not eos_ids and "eos_token" in special_tokens:
+            eos_ids = frozenset(
+                {token_id(special_tokens["eos_token"], "tokenizer_config eos_token")}
+            )
+        bos = special_tokens.get("bos_token")
+        bos_id = token_id(bos, "tokenizer_config bos_token") if bos is not None else None
+        return cls(backend, eos_ids, bos_id, special_tokens, _chat_template(path, tok_cfg))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the post-processor adds (a BOS)."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """One token's text for display (logprobs); a partial UTF-8 character shows as U+FFFD."""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render `messages` with the model's chat template, like HF's
+        apply_chat_template(..., tokenize=False).
+
+        Raises ValueError if the model has no template or the template rejects the input.
+        """
+        if self._chat_template is None:
+            raise ValueError(
+                "this model has no chat template; send a plain prompt instead of messages"
+            )
+        variables: dict[str, Any] = {
+            "tools": None,
+            "documents": None,
+            **self._special_tokens,
+            **kwargs,
+        }
+        template = _compile(self._chat_template)
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template rejected the request: {e}") from e
+        except Exception as e:
+            # Hub templates index and filter the caller's messages freely, so malformed input
+            # surfaces as TypeError, KeyError, ...: still the request's fault, not ours.
+            raise ValueError(
+                f"chat template failed on these messages: {type(e).__name__}: {e}"
+            ) from e
+
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text one token at a time.
+
+    Invariant: `text` + flush() equals tokenizer.decode(all pushed ids). `_ids` holds only a
+    short window: `_ids[:_read]` are the tokens emitted by the last successful push, kept as
+    context, and `_ids[_read:]` are pending. Each push decodes the window with and without the
+    pending tokens and emits the difference. The context matters because some decoders render
+    a token differently at the start of a sequence (SentencePiece drops a leading space).
+    Text ending in U+FFFD is an unfinished multi-byte character and is held back; the window
+    therefore always starts on a character boundary.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._read = 0
+        self._pieces: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        """Append one generated token; return the text that became final (maybe "")."""
+        self._ids.append(token_id)
+        context_text = self._decode(self._ids[: self._read])
+        window_text = self._decode(self._ids)
+        if len(window_text) <= len(context_text) or window_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(window_text[len(context_text) :])
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        rest = self._decode(self._ids)[len(self._decode(self._ids[: self._read])) :]
+        return self._emit(rest) if rest else ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def _emit(self, new_text: str) -> str:
+        # The tokens just emitted become the next window's context; older ones are not needed.
+        del self._ids[: self._read]
+        self._read = len(self._ids)
+        self._pieces.append(new_text)
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config writes a special token as a string or as {"content": ..., ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _id_set(value: Any) -> frozenset[int]:
+    if isinstance(value, int):
+        return frozenset({value})
+    if isinstance(value, list):
+        return frozenset(v for v in value if isinstance(v, int))
+    return frozenset()
+
+
+def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
+    # Newer HF exports keep the template in its own file; it wins over the config entry.
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        # A list of named templates: the one named "default" serves plain chat.
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes; templates expect plain JSON, as HF renders it.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` and renders the body unchanged.
+
+    HF uses the tag to mark assistant tokens for training masks; some templates contain it,
+    and without this extension they would not parse at all.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    # Templates come from downloaded model files: the sandbox keeps them from reaching Python.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(
+            f"the model's chat template does not parse (line {e.lineno}): {e.message}"
+        ) from e

@@ -1,0 +1,132 @@
+"""The co-located server process: engine thread + supervisor + aiohttp API.
+
+Lifecycle: startup (load, warm up, bind) -> serve -> drain (stop accepting, let requests
+finish up to a bound) -> stop (abort the rest, stop threads with a timeout). A supervised
+thread that dies for good triggers the same shutdown with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.config import ServerConfig
+from pdserve.engine.engine import Engine
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.runtime.supervisor import Supervisor
+from pdserve.server.openai_api import OpenAIApi
+
+log = logging.getLogger(__name__)
+
+ENGINE_HEARTBEAT_S = 30.0  # one CPU step on a large prompt chunk can take seconds
+
+
+class Server:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.fatal: str | None = None
+        self._stop_event: asyncio.Event | None = None
+        self.supervisor = Supervisor(on_fatal=self._on_fatal)
+        self.tokenizer = Tokenizer.from_dir(Path(cfg.engine.model.path))
+        self.engine = Engine.build(cfg.engine, self.tokenizer.eos_token_ids)
+        self.api = OpenAIApi(
+            self.engine,
+            self.tokenizer,
+            cfg.engine.model.name,
+            self.engine.max_model_len,
+            cfg.engine.request_timeout_s,
+        )
+        self.started = time.monotonic()
+
+    def _on_fatal(self, why: str) -> None:
+        self.fatal = why
+        loop, ev = getattr(self, "_loop", None), self._stop_event
+        if loop is not None and ev is not None:
+            loop.call_soon_threadsafe(ev.set)
+
+    # -- endpoints ------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        out = self.supervisor.problems()
+        stale = time.monotonic() - self.engine.last_tick
+        if stale > ENGINE_HEARTBEAT_S:
+            out.append(f"engine loop has not ticked for {stale:.1f}s")
+        return out
+
+    async def health(self, request: web.Request) -> web.Response:
+        problems = self.problems()
+        return web.json_response(
+            {"status": "ok" if not problems else "unhealthy", "problems": problems},
+            status=200 if not problems else 503,
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.engine.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def debug_state(self, request: web.Request) -> web.Response:
+        state: dict[str, Any] = {
+            "role": self.cfg.role,
+            "model": self.cfg.engine.model.name,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "threads": self.supervisor.snapshot(),
+            "problems": self.problems(),
+        }
+        try:
+            state["engine"] = await asyncio.to_thread(self.engine.snapshot, 2.0)
+        except TimeoutError:
+            state["engine"] = {"error": "the engine thread did not answer within 2 s"}
+        return web.json_response(state)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.add_routes(self.api.routes())
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/debug/state", self.debug_state),
+            ]
+        )
+        return app
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def serve(self, drain_timeout_s: float = 10.0) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self._stop_event.set)
+        self.supervisor.spawn("engine", self.engine.tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"READY http://{self.cfg.host}:{port}", flush=True)
+        log.info("serving %s on http://%s:%d", self.cfg.engine.model.name, self.cfg.host, port)
+        await self._stop_event.wait()
+        log.info("shutting down%s", f" (fatal: {self.fatal})" if self.fatal else "")
+        # Drain: stop accepting, give running requests a bounded time to finish.
+        await site.stop()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.engine.scheduler.has_work() and time.monotonic() < deadline and not self.fatal:
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        stuck = self.supervisor.stop(timeout_s=5.0)
+        if stuck:
+            log.error("threads did not stop in time: %s", stuck)
+        return 1 if self.fatal or stuck else 0
+
+
+def run_server(cfg: ServerConfig) -> int:
+    server = Server(cfg)
+    code = asyncio.run(server.serve())
+    sys.stdout.flush()
+    return code

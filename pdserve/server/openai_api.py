@@ -1,0 +1,322 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models.
+
+Text lives here (tokenize, chat template, detokenize, stop strings); the backend sees token
+ids only. Errors are OpenAI-shaped bodies with a 4xx/5xx status; a failure after a stream
+has begun ends the stream with an error finish_reason and an error event, never a fake stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.engine.params import InvalidParams
+from pdserve.server.generation import Backend, Delta, Generation
+from pdserve.server.openai_protocol import (
+    ApiError,
+    GenerationSpec,
+    bad,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger(__name__)
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class OpenAIApi:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        default_timeout_s: float,
+    ) -> None:
+        self.backend = backend
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.default_timeout_s = default_timeout_s
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.get("/v1/models", self.models),
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "pdserve",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            spec = parse_completion(await _json(request))
+            self._check_model(spec)
+            prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in spec.prompts]
+            return await self._serve(request, spec, prompts)
+        except ApiError as e:
+            return error_response(e)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            spec = parse_chat(await _json(request))
+            self._check_model(spec)
+            try:
+                text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
+            except ValueError as e:
+                raise bad(f"chat template: {e}", "messages") from e
+            prompt = self.tok.encode(text, add_special_tokens=False)
+            return await self._serve(request, spec, [prompt])
+        except ApiError as e:
+            return error_response(e)
+
+    def _check_model(self, spec: GenerationSpec) -> None:
+        if spec.model and spec.model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{spec.model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _serve(
+        self, request: web.Request, spec: GenerationSpec, prompts: list[list[int]]
+    ) -> web.StreamResponse:
+        params = spec.params
+        if not spec.max_tokens_given and spec.kind == "chat":
+            # Chat without max_tokens: generate until EOS or the end of the context.
+            room = self.max_model_len - max(len(p) for p in prompts)
+            params = params.__class__(**{**params.__dict__, "max_tokens": max(room, 1)})
+        try:
+            for p in prompts:
+                self.backend.validate(p, params)
+        except InvalidParams as e:
+            raise bad(str(e), e.param) from e
+        gen = Generation(
+            self.backend,
+            prompts,
+            spec.n,
+            params,
+            lambda: self.tok.incremental(spec.skip_special_tokens),
+            spec.stop,
+            spec.include_stop_str,
+            spec.timeout_s or self.default_timeout_s,
+        )
+        gen.start()
+        fmt = _Formatter(self, spec, gen, prompts)
+        if spec.stream:
+            return await self._stream(request, gen, fmt)
+        async for d in gen.deltas():
+            fmt.accumulate(d)
+        errors = [c for c in gen.choices if c.finish_reason == "error"]
+        if errors:
+            return error_response(
+                ApiError(500, errors[0].error or "generation failed", type_="server_error")
+            )
+        return web.json_response(fmt.full_response())
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, fmt: _Formatter
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        for chunk in fmt.stream_start():
+            await resp.write(sse(chunk))
+        async for d in gen.deltas():
+            await resp.write(sse(fmt.stream_delta(d)))
+            if d.finish_reason == "error":
+                await resp.write(
+                    sse(
+                        ApiError(
+                            500, d.choice.error or "generation failed", type_="server_error"
+                        ).body()
+                    )
+                )
+        if fmt.spec.include_usage:
+            await resp.write(sse(fmt.usage_chunk()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from e
+
+
+class _Formatter:
+    """Turns deltas into OpenAI response objects (completion or chat, whole or chunked)."""
+
+    def __init__(
+        self, api: OpenAIApi, spec: GenerationSpec, gen: Generation, prompts: list[list[int]]
+    ) -> None:
+        self.api, self.spec, self.gen = api, spec, gen
+        self.chat = spec.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + gen.id
+        self.created = int(time.time())
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.texts = [""] * len(gen.choices)
+        self.offsets = [0] * len(gen.choices)
+        self.decode: Callable[[list[int]], str] = api.tok.decode
+        if spec.echo:
+            for c in gen.choices:
+                self.texts[c.index] = self.decode(c.prompt_ids)
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        obj = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.api.model_name,
+            "choices": choices,
+        }
+
+    def usage(self) -> dict[str, int]:
+        done = self.gen.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+    def accumulate(self, d: Delta) -> None:
+        self.texts[d.choice.index] += d.text
+
+    def full_response(self) -> dict[str, Any]:
+        choices = []
+        for c in self.gen.choices:
+            lp = self._logprobs(c.logprobs, 0) if self.spec.params.logprobs is not None else None
+            if self.chat:
+                choices.append(
+                    {
+                        "index": c.index,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": lp,
+                        "message": {"role": "assistant", "content": self.texts[c.index]},
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": c.index,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": lp,
+                        "text": self.texts[c.index],
+                    }
+                )
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        if self.chat:
+            return [
+                self._envelope(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    chunk=True,
+                )
+                for c in self.gen.choices
+            ]
+        if self.spec.echo:
+            return [
+                self._envelope(
+                    [
+                        {
+                            "index": c.index,
+                            "text": self.texts[c.index],
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    chunk=True,
+                )
+                for c in self.gen.choices
+            ]
+        return []
+
+    def stream_delta(self, d: Delta) -> dict[str, Any]:
+        i = d.choice.index
+        lp = None
+        if self.spec.params.logprobs is not None and d.logprobs:
+            lp = self._logprobs(list(d.logprobs), self.offsets[i])
+        self.offsets[i] += len(d.text)
+        body: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": d.finish_reason}
+        if self.chat:
+            body["delta"] = {"content": d.text} if d.text or d.finish_reason is None else {}
+        else:
+            body["text"] = d.text
+        chunk = self._envelope([body], chunk=True)
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope([], chunk=True), "usage": self.usage()}
+
+    def _logprobs(self, lps: list[Any], offset: int) -> dict[str, Any]:
+        tok = self.api.tok
+        if self.chat:
+
+            def entry(tid: int, lp: float) -> dict[str, Any]:
+                s = tok.decode([tid], skip_special_tokens=False)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {
+                "content": [
+                    {
+                        **entry(x.token_id, x.logprob),
+                        "top_logprobs": [entry(t, v) for t, v in x.top],
+                    }
+                    for x in lps
+                ]
+            }
+        tokens = [tok.decode([x.token_id], skip_special_tokens=False) for x in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [
+                {tok.decode([t], skip_special_tokens=False): v for t, v in x.top} for x in lps
+            ],
+            "text_offset": offsets,
+        }

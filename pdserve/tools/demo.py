@@ -1,0 +1,147 @@
+"""`make run`: start a co-located server on the built-in model, talk to it, stop it.
+
+Prints each answer, the time to first token and the tokens/s, then stops the server by its
+pid (SIGTERM, then SIGKILL after a bound) whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+READY_TIMEOUT_S = 300.0
+
+
+def post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def stream(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    req = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def start_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                found.append(line.split()[1])
+                ready.set()
+            else:
+                sys.stderr.write("  [server] " + line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise SystemExit("the server did not start; see its log above")
+    return proc, found[0]
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def main() -> int:
+    model = os.environ.get("PDSERVE_MODEL", "builtin:tiny")
+    print(f"== starting pdserve serve --model {model}")
+    proc, url = start_server(["--log-level", "WARNING", "serve", "--model", model, "--port", "0"])
+    try:
+        print(f"== server ready at {url}\n")
+        prompt = "def fibonacci(n):"
+        r = post(
+            url + "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0},
+        )
+        print(f"-- completion (greedy)\n{prompt}{r['choices'][0]['text']}")
+        print(f"   finish_reason={r['choices'][0]['finish_reason']} usage={r['usage']}\n")
+
+        print("-- chat, streamed")
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        body = {
+            "model": model,
+            "max_tokens": 64,
+            "temperature": 0.8,
+            "seed": 7,
+            "messages": [{"role": "user", "content": "Write a haiku about queues."}],
+        }
+        for chunk in stream(url + "/v1/chat/completions", body):
+            delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if delta:
+                first = first or time.perf_counter()
+                n += 1
+                print(delta, end="", flush=True)
+        dt = time.perf_counter() - t0
+        print(f"\n   ttft={1000 * ((first or t0) - t0):.1f} ms, {n} chunks in {dt:.2f} s\n")
+
+        print("-- 16 concurrent completions")
+        t0 = time.perf_counter()
+        results: list[Any] = []
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.append(
+                    post(
+                        url + "/v1/completions",
+                        {
+                            "model": model,
+                            "prompt": f"item {i}:",
+                            "max_tokens": 64,
+                            "ignore_eos": True,
+                        },
+                    )
+                )
+            )
+            for i in range(16)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        dt = time.perf_counter() - t0
+        toks = sum(r["usage"]["completion_tokens"] for r in results)
+        print(f"   {len(results)} requests, {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tokens/s")
+        return 0 if len(results) == 16 else 1
+    finally:
+        stop(proc)
+        print(f"== server stopped (exit code {proc.returncode})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+import pytest
+
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.request import FINISHED, TRANSITIONS, Event, IllegalTransition, Request, Status
+
+
+def make() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(), sink=lambda o: None)
+
+
+@pytest.mark.parametrize("state", list(Status))
+@pytest.mark.parametrize("event", list(Event))
+def test_every_cell_of_the_table(state, event):
+    req = make()
+    req.status = state
+    if (state, event) in TRANSITIONS:
+        assert req.transition(event) is TRANSITIONS[(state, event)]
+    else:
+        with pytest.raises(IllegalTransition):
+            req.transition(event)
+        assert req.status is state
+
+
+def test_finished_states_are_sticky_and_live_states_can_end():
+    for s in FINISHED:
+        assert not any(k[0] is s for k in TRANSITIONS)
+    for s in (Status.WAITING, Status.RUNNING):
+        assert (s, Event.ABORT) in TRANSITIONS and (s, Event.FAIL) in TRANSITIONS
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_bad_params_name_the_parameter(kw, param):
+    from pdserve.engine.params import InvalidParams
+
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param

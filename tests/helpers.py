@@ -1,0 +1,28 @@
+"""Test shorthands over the offline engine API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.offline import build_engine, generate
+
+run = generate
+
+
+def make_engine(
+    path: Path,
+    page_size: int = 16,
+    chunk: int = 32,
+    max_running: int = 32,
+    kv_mb: float = 16.0,
+    max_model_len: int = 1024,
+) -> Engine:
+    return build_engine(
+        path,
+        page_size=page_size,
+        max_batched_tokens=chunk,
+        max_running=max_running,
+        kv_budget_mb=kv_mb,
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,257 @@
+"""The OpenAI API of a real `pdserve serve` process, driven by the official openai client."""
+
+from __future__ import annotations
+
+import http.client as httpclient
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import openai
+import pytest
+
+from tests.procs import http
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", timeout=60)
+
+
+def greedy(client, prompt: str, n: int = 12, **kw):
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **kw)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_and_stream_agree(client):
+    full = greedy(client, "def main():")
+    c = full.choices[0]
+    assert c.finish_reason in ("length", "stop") and c.text
+    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens <= 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="def main():",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == c.text
+    finals = [
+        ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason
+    ]
+    assert finals == [c.finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_length_finish_counts_tokens(client):
+    r = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+
+
+def test_chat_and_chat_stream(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    m = r.choices[0].message
+    assert m.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True
+    )
+    parts = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+    assert "".join(parts) == m.content
+
+
+def test_stop_string_cuts_text(client):
+    base = greedy(client, "import os", 16, extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    cut = base[: base.index(stop)]
+    r = greedy(client, "import os", 16, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    s = client.completions.create(
+        model="tiny",
+        prompt="import os",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == cut
+
+
+def test_logprobs(client):
+    r = greedy(client, "x = 1", 5, logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(
+        len(t) <= 3 and max(t.values()) >= lp.token_logprobs[i] - 1e-5
+        for i, t in enumerate(lp.top_logprobs)
+    )
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = c.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 2 for e in content)
+
+
+def test_seeded_sampling_reproducible_and_n(client):
+    kw = dict(
+        model="tiny",
+        prompt="the",
+        max_tokens=12,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+    both = client.completions.create(**{**kw, "n": 2})
+    assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text == a
+    assert both.usage.completion_tokens == 24
+
+
+def test_concurrent_streams_match_greedy(client):
+    prompts = [f"line {i}: " + "word " * (i * 3) for i in range(16)]
+    alone = [greedy(client, p, 8, extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+    def streamed(p: str) -> str:
+        s = client.completions.create(
+            model="tiny",
+            prompt=p,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join(ch.choices[0].text for ch in s if ch.choices)
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == alone
+
+
+BAD = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": [999999]}, "prompt"),
+    ({"prompt": "word " * 5000}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD)
+def test_bad_input_is_400_with_openai_error(tiny_server, body, param):
+    status, resp = http("POST", tiny_server.url + "/v1/completions", {"model": "tiny", **body})
+    assert status == 400, resp
+    assert resp["error"]["type"] == "invalid_request_error" and resp["error"]["param"] == param
+    assert resp["error"]["message"]
+
+
+def test_malformed_json_unknown_model_and_chat_errors(tiny_server):
+    status, resp = http("POST", tiny_server.url + "/v1/completions", raw=b"{not json")
+    assert status == 400 and "JSON" in resp["error"]["message"]
+    status, resp = http(
+        "POST", tiny_server.url + "/v1/completions", {"model": "gpt-9", "prompt": "x"}
+    )
+    assert status == 404 and resp["error"]["code"] == "model_not_found"
+    status, resp = http("POST", tiny_server.url + "/v1/chat/completions", {"messages": "hi"})
+    assert status == 400 and resp["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x").completions.create(
+            model="tiny", prompt="x", temperature=-3
+        )
+    # None of it disturbed the server.
+    assert http("GET", tiny_server.url + "/health")[0] == 200
+    status, resp = http(
+        "POST",
+        tiny_server.url + "/v1/completions",
+        {"model": "tiny", "prompt": "ok", "max_tokens": 2},
+    )
+    assert status == 200 and resp["choices"][0]["text"] is not None
+
+
+def wait_idle(url: str, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = http("GET", url + "/debug/state")[1]
+        eng = state["engine"]
+        if not eng["requests"] and eng["pool"]["pages_used"] == 0:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s}s: {eng}")
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(tiny_server):
+    u = urlparse(tiny_server.url)
+    conn = httpclient.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "model": "tiny",
+                "prompt": "abc " * 20,
+                "max_tokens": 800,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):
+        assert resp.readline().startswith(b"data: ")
+        resp.readline()
+    state = http("GET", tiny_server.url + "/debug/state")[1]
+    assert state["engine"]["requests"], "the request should still be running"
+    conn.sock.close()
+    conn.close()
+    state = wait_idle(tiny_server.url)
+    assert all(t["alive"] for t in state["threads"])
+    assert http("GET", tiny_server.url + "/health")[0] == 200
+
+
+def test_metrics_and_debug_state(tiny_server):
+    greedy_body = {"model": "tiny", "prompt": "metrics", "max_tokens": 3}
+    assert http("POST", tiny_server.url + "/v1/completions", greedy_body)[0] == 200
+    _, text = http("GET", tiny_server.url + "/metrics")
+    for name in (
+        "pdserve_requests_running",
+        "pdserve_requests_waiting",
+        "pdserve_kv_pages_used",
+        "pdserve_kv_pages_total",
+        "pdserve_generation_tokens_total",
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_inter_token_latency_seconds_bucket",
+    ):
+        assert name in text, name
+    gen = [ln for ln in text.splitlines() if ln.startswith("pdserve_generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 3
+    state = wait_idle(tiny_server.url)
+    assert state["engine"]["pool"]["pages_total"] > 0
+    assert [t["name"] for t in state["threads"]] == ["engine"]
