@@ -82,7 +82,12 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.app import run_server
 
-    cfg = ServerConfig(engine=engine_config(args), host=args.host, port=args.port, role=args.role)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = ServerConfig(engine=engine_config(args), host=args.host, port=args.port, role=args.role,
+                       control_port=args.control_port, backend=args.backend)
     return run_server(cfg)
 
 
@@ -99,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve a model over the OpenAI API")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    sv.add_argument("--role", default="colocated", choices=["colocated"])
+    sv.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
+    sv.add_argument("--control-port", type=int, default=0,
+                    help="prefill role: ZMQ control port (0 picks a free one)")
+    sv.add_argument("--backend", default="shm", choices=["shm", "tcp"],
+                    help="KV transfer data plane for prefill/decode roles")
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     return p

@@ -60,11 +60,15 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    role: str = "colocated"
+    role: str = "colocated"  # colocated | prefill | decode
+    control_port: int = 0  # prefill: ZMQ control socket (0 = pick a free port)
+    backend: str = "shm"  # shm | tcp: the KV data plane between prefill and decode
 
     def __post_init__(self) -> None:
-        if self.role != "colocated":
-            raise ValueError(f"role {self.role!r} not supported yet (only 'colocated')")
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
+        if self.backend not in ("shm", "tcp"):
+            raise ValueError(f"backend must be shm or tcp, got {self.backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
 

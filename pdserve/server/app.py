@@ -22,6 +22,7 @@ from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.server.openai_api import OpenAIApi
+from pdserve.worker.api import WorkerApi
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Server:
             self.engine.max_model_len,
             cfg.engine.request_timeout_s,
         )
+        self.worker_api = WorkerApi(self.engine, cfg.role, cfg.engine.model.name,
+                                    {"layout": self.engine.pool.layout.to_dict()})
         self.started = time.monotonic()
 
     def _on_fatal(self, why: str) -> None:
@@ -85,14 +88,30 @@ class Server:
             state["engine"] = {"error": "the engine thread did not answer within 2 s"}
         return web.json_response(state)
 
+    async def debug_invariants(self, request: web.Request) -> web.Response:
+        """At quiescence: no live request, every page free, every thread alive and fresh."""
+        try:
+            eng = await asyncio.to_thread(self.engine.snapshot, 2.0)
+        except TimeoutError:
+            return web.json_response({"ok": False, "violations": ["engine not answering"]})
+        violations = list(self.problems())
+        pool = eng["pool"]
+        if eng["requests"]:
+            violations.append(f"{len(eng['requests'])} requests still live")
+        if pool["pages_free"] != pool["pages_total"]:
+            violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
+        return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
         app.add_routes(self.api.routes())
+        app.add_routes(self.worker_api.routes())
         app.add_routes(
             [
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
                 web.get("/debug/state", self.debug_state),
+            web.get("/debug/invariants", self.debug_invariants),
             ]
         )
         return app
