@@ -145,6 +145,8 @@ class Server:
 
 
 def run_server(cfg: ServerConfig) -> int:
+    if cfg.role != "colocated":
+        raise ValueError(f"role {cfg.role!r} is not implemented yet")
     server = Server(cfg)
     code = asyncio.run(server.serve())
     sys.stdout.flush()
