@@ -21,7 +21,14 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.params import InvalidParams, SamplingParams
-from pdserve.engine.request import FINISH_REASON, Event, OutputSink, Request, RequestOutput
+from pdserve.engine.request import (
+    FINISH_REASON,
+    Event,
+    OutputSink,
+    Request,
+    RequestOutput,
+    TokenLogprob,
+)
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
@@ -67,12 +74,14 @@ class Engine:
         self.runner = ModelRunner(model, pool)
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
-        self.inbox: queue.Queue[Command] = queue.Queue()
+        self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
         self.last_tick = time.monotonic()
         self.steps = 0
 
     @classmethod
-    def build(cls, cfg: EngineConfig, eos_token_ids: frozenset[int]) -> Engine:
+    def build(
+        cls, cfg: EngineConfig, eos_token_ids: frozenset[int], shared_pool: bool = False
+    ) -> Engine:
         device = torch.device(cfg.model.device)
         dtype = getattr(torch, cfg.model.dtype)
         model = load_model(Path(cfg.model.path), dtype, device)
@@ -85,7 +94,7 @@ class Engine:
             head_dim=arch.head_dim,
         )
         num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes)
-        pool = KVPool(layout, num_pages, device)
+        pool = KVPool(layout, num_pages, device, shared=shared_pool)
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)",
             num_pages,
@@ -148,7 +157,7 @@ class Engine:
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
         self.last_tick = time.monotonic()
-        self._drain_inbox(block=not self.scheduler.has_work())
+        self._drain_inbox(block=not (self.scheduler.has_work() or self.has_role_work()))
         self._apply_deadlines()
         if self.scheduler.has_work():
             self.step()
@@ -165,7 +174,7 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, cmd: Command) -> None:
+    def _handle(self, cmd: Command | object) -> None:
         match cmd:
             case Submit(request=req):
                 if self.scheduler.get(req.request_id) is not None:
@@ -174,14 +183,23 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
             case Abort(request_id=rid):
+                if self.abort_role(rid):
+                    return
                 live = self.scheduler.get(rid)
                 if live is not None:  # unknown or already finished: nothing to do
                     self._finish(live, Event.ABORT)
             case SnapshotQuery(reply=fut):
                 if not fut.done():
                     fut.set_result(self._snapshot())
+            case _:
+                self.handle_other(cmd)
+
+    def handle_other(self, cmd: object) -> None:
+        """Role engines (prefill, decode) handle their own inbox commands here."""
+        raise TypeError(f"engine inbox: unexpected command {type(cmd).__name__}")
 
     def _apply_deadlines(self) -> None:
+        self.apply_role_deadlines()
         now = time.monotonic()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             if req.deadline is not None and now > req.deadline:
@@ -206,35 +224,56 @@ class Engine:
         self.metrics.waiting.set(counts["waiting"])
         self.metrics.pages_used.set(counts["pages_used"])
 
+    def abort_role(self, request_id: str) -> bool:
+        """Role engines abort requests they hold outside the scheduler; True if handled."""
+        return False
+
+    def apply_role_deadlines(self) -> None:
+        """Role engines enforce the deadlines of their transfer rooms here."""
+
+    def has_role_work(self) -> bool:
+        return False
+
+    def role_snapshot(self) -> dict[str, Any]:
+        return {}
+
     def _run(self, plan: StepPlan) -> None:
         logits = self.runner.forward(plan.chunks)
         for c in plan.chunks:
             c.request.num_computed = c.start + c.length
+        self.on_computed(plan)
         sampling = [c.request for c in plan.chunks if c.samples]
         if not sampling:
             return
         token_ids, logprobs = sample(logits, sampling)
-        now = time.monotonic()
         for req, tok, lp in zip(sampling, token_ids, logprobs, strict=True):
-            req.output_ids.append(tok)
-            self.metrics.generated_tokens.inc()
-            if req.first_token_at is None:
-                req.first_token_at = now
-                self.metrics.ttft.observe(now - req.arrival)
-            elif req.last_token_at is not None:
-                self.metrics.itl.observe(now - req.last_token_at)
-            req.last_token_at = now
-            event = self._stop_event(req, tok)
-            req.sink(
-                RequestOutput(
-                    req.request_id,
-                    (tok,),
-                    (lp,) if lp is not None else (),
-                    num_prompt_tokens=len(req.prompt_ids),
-                )
+            self.on_token(req, tok, lp)
+
+    def on_computed(self, plan: StepPlan) -> None:
+        """After a forward: the chunks' KV is in the pool (the prefill role ships it)."""
+
+    def on_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
+        """A token was sampled for `req`: record it, stream it, stop if it ends the request."""
+        now = time.monotonic()
+        req.output_ids.append(tok)
+        self.metrics.generated_tokens.inc()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrival)
+        elif req.last_token_at is not None:
+            self.metrics.itl.observe(now - req.last_token_at)
+        req.last_token_at = now
+        event = self._stop_event(req, tok)
+        req.sink(
+            RequestOutput(
+                req.request_id,
+                (tok,),
+                (lp,) if lp is not None else (),
+                num_prompt_tokens=len(req.prompt_ids),
             )
-            if event is not None:
-                self._finish(req, event)
+        )
+        if event is not None:
+            self._finish(req, event)
 
     def _stop_event(self, req: Request, tok: int) -> Event | None:
         p = req.params
@@ -273,6 +312,7 @@ class Engine:
             }
 
         return {
+            "role": self.role_snapshot(),
             "steps": self.steps,
             "max_model_len": self.max_model_len,
             "pool": {

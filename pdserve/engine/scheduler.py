@@ -53,6 +53,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def adopt(self, req: Request) -> None:
+        """Add a request whose prompt KV is already in its pages (computed elsewhere)."""
+        req.transition(Event.SCHEDULE)
+        self.running.append(req)
+
     def get(self, request_id: str) -> Request | None:
         for req in self.running:
             if req.request_id == request_id:
@@ -139,4 +144,3 @@ class Scheduler:
             "pages_free": self.allocator.num_free,
             "pages_used": self.allocator.num_used,
         }
-

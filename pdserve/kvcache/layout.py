@@ -83,6 +83,9 @@ class KVLayout:
         if unknown:
             raise ValueError(f"KVLayout: unknown fields {sorted(unknown)}")
         kw = dict(d)
-        if "buffers" in kw:
-            kw["buffers"] = tuple(kw["buffers"])  # type: ignore[arg-type]
-        return cls(**kw)  # type: ignore[arg-type]
+        try:
+            if "buffers" in kw:
+                kw["buffers"] = tuple(kw["buffers"])  # type: ignore[arg-type]
+            return cls(**kw)  # type: ignore[arg-type]
+        except TypeError as e:  # missing fields or wrong types: the peer's fault
+            raise ValueError(f"KVLayout: {e}") from e

@@ -7,18 +7,54 @@ are handed to the model. The layout descriptor is derived from that tensor.
 
 from __future__ import annotations
 
+import mmap
+import os
+import uuid
+from pathlib import Path
+
 import torch
 
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.layout import KVLayout
+
+SHM_DIR = Path("/dev/shm")
 
 
 def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     return budget_bytes // layout.bytes_per_page_all_layers
 
 
+def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
+    return (
+        layout.num_layers,
+        len(layout.buffers),
+        num_pages,
+        layout.page_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+
+
+def map_shared(path: Path, layout: KVLayout, num_pages: int, create: bool) -> torch.Tensor:
+    """A pool tensor backed by a file in /dev/shm (created zeroed, or attached by a peer)."""
+    nbytes = num_pages * layout.bytes_per_page_all_layers
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, layout implies {nbytes}")
+        buf = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages))
+
+
 class KVPool:
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device: torch.device, shared: bool = False
+    ) -> None:
+        """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it."""
         if num_pages < 1:
             raise ValueError(
                 f"KV budget fits no page: one page needs {layout.bytes_per_page_all_layers} bytes"
@@ -26,17 +62,23 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
-        self.data = torch.zeros(
-            layout.num_layers,
-            len(layout.buffers),
-            num_pages,
-            layout.page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-            dtype=layout.torch_dtype,
-            device=device,
-        )
+        self.shm_path: Path | None = None
+        if shared:
+            if device.type != "cpu":
+                raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
+            self.shm_path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.data = map_shared(self.shm_path, layout, num_pages, create=True)
+        else:
+            self.data = torch.zeros(
+                pool_shape(layout, num_pages), dtype=layout.torch_dtype, device=device
+            )
         self.allocator = PageAllocator(num_pages)
+
+    def close(self) -> None:
+        """Unlink the shared segment (peers that mapped it keep their mapping)."""
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+            self.shm_path = None
 
     @property
     def page_size(self) -> int:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,14 @@ from aiohttp import web
 from pdserve.config import ServerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.messages import Msg
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.server.openai_api import OpenAIApi
+from pdserve.transfer.control import Control, Inbound
 from pdserve.worker.api import WorkerApi
+from pdserve.worker.decode import DecodeEngine
+from pdserve.worker.prefill import PrefillEngine
+from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +43,27 @@ class Server:
         self._stop_event: asyncio.Event | None = None
         self.supervisor = Supervisor(on_fatal=self._on_fatal)
         self.tokenizer = Tokenizer.from_dir(Path(cfg.engine.model.path))
-        self.engine = Engine.build(cfg.engine, self.tokenizer.eos_token_ids)
+        eos = self.tokenizer.eos_token_ids
+        self.control: Control | None = None
+        info: dict[str, Any] = {"pid": os.getpid()}
+        self.engine: Engine
+        if cfg.role == "colocated":
+            self.engine = Engine.build(cfg.engine, eos)
+        else:
+            identity = f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.control = Control(identity, self._to_engine, self._send_failed)
+            if cfg.role == "prefill":
+                p_engine = PrefillEngine.build(cfg.engine, eos)
+                assert isinstance(p_engine, PrefillEngine)
+                info["control"] = self.control.bind(cfg.host, cfg.control_port)
+                p_engine.attach(self.control)
+                self.engine = p_engine
+            else:
+                d_engine = DecodeEngine.build(cfg.engine, eos, shared_pool=cfg.backend == "shm")
+                assert isinstance(d_engine, DecodeEngine)
+                d_engine.attach(self.control, cfg.backend)
+                self.engine = d_engine
+            info.update(identity=identity, backend=cfg.backend)
         self.api = OpenAIApi(
             self.engine,
             self.tokenizer,
@@ -44,9 +71,19 @@ class Server:
             self.engine.max_model_len,
             cfg.engine.request_timeout_s,
         )
-        self.worker_api = WorkerApi(self.engine, cfg.role, cfg.engine.model.name,
-                                    {"layout": self.engine.pool.layout.to_dict()})
+        self.worker_api = WorkerApi(
+            self.engine,
+            cfg.role,
+            cfg.engine.model.name,
+            {"layout": self.engine.pool.layout.to_dict(), **info},
+        )
         self.started = time.monotonic()
+
+    def _to_engine(self, inbound: Inbound) -> None:
+        self.engine.inbox.put(inbound)
+
+    def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
+        self.engine.inbox.put(SendFailed(peer, msg, why))
 
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
@@ -98,20 +135,29 @@ class Server:
         pool = eng["pool"]
         if eng["requests"]:
             violations.append(f"{len(eng['requests'])} requests still live")
+        role = eng.get("role") or {}
+        if role.get("rooms"):
+            violations.append(f"{len(role['rooms'])} transfer rooms still open")
+        if role.get("admitting"):
+            violations.append(f"{role['admitting']} requests still waiting for pages")
         if pool["pages_free"] != pool["pages_total"]:
             violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
         return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
-        app.add_routes(self.api.routes())
-        app.add_routes(self.worker_api.routes())
+        if self.cfg.role == "colocated":
+            app.add_routes(self.api.routes())
+        if self.cfg.role != "prefill":
+            app.add_routes(self.worker_api.routes())
+        else:
+            app.add_routes([r for r in self.worker_api.routes() if r.path == "/info"])
         app.add_routes(
             [
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
                 web.get("/debug/state", self.debug_state),
-            web.get("/debug/invariants", self.debug_invariants),
+                web.get("/debug/invariants", self.debug_invariants),
             ]
         )
         return app
@@ -123,6 +169,8 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._stop_event.set)
         self.supervisor.spawn("engine", self.engine.tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
+        if self.control is not None:
+            self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
@@ -139,14 +187,15 @@ class Server:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         stuck = self.supervisor.stop(timeout_s=5.0)
+        if self.control is not None:
+            self.control.close()
+        self.engine.pool.close()
         if stuck:
             log.error("threads did not stop in time: %s", stuck)
         return 1 if self.fatal or stuck else 0
 
 
 def run_server(cfg: ServerConfig) -> int:
-    if cfg.role != "colocated":
-        raise ValueError(f"role {cfg.role!r} is not implemented yet")
     server = Server(cfg)
     code = asyncio.run(server.serve())
     sys.stdout.flush()

@@ -1,0 +1,167 @@
+"""Control-plane messages between decode (D) and prefill (P) workers, and their one codec.
+
+Every message is a msgspec Struct tagged by its type name and carries the same envelope:
+`proto_version, room, epoch, sender`. `decode()` never raises: a frame it cannot read, an
+unknown type or another protocol version becomes a `DecodeError` event that the caller
+counts and drops (LESSONS #1: no reader thread ever dies on an unexpected frame).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+PROTO_VERSION = 1
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True, frozen=True):
+    proto_version: int = PROTO_VERSION
+    room: int = 0  # 63-bit request id, never reused; 0 for peer-level messages
+    epoch: int = 0  # bumps when a room is re-sent, so late events of an old attempt are stale
+    sender: str = ""
+
+
+class Register(Msg, frozen=True):
+    """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm_name` its pool (shm)."""
+
+    layout: dict[str, object]
+    backend: str
+    shm_name: str | None = None
+    num_pages: int = 0
+
+
+class RegisterAck(Msg, frozen=True):
+    ok: bool
+    error: str | None = None
+    layout: dict[str, object] | None = None
+
+
+class PrefillRequest(Msg, frozen=True):
+    prompt_ids: list[int]
+    dst_pages: list[int]
+    params: dict[str, object]
+    # Wall-clock (unix) time after which P must not write into dst_pages: D fences the pages
+    # until then, so a P that was stopped and resumes late cannot write into reused pages.
+    write_deadline: float
+
+
+class PrefillAccept(Msg, frozen=True):
+    pass
+
+
+class PrefillReject(Msg, frozen=True):
+    reason: str
+
+
+class KVChunk(Msg, frozen=True):
+    """P -> D (tcp backend): pages' bytes follow as extra frames, one per page, in order.
+
+    Each page frame holds every (layer, buffer) slice of that page, layer-major.
+    """
+
+    dst_pages: list[int]
+
+
+class PrefillDone(Msg, frozen=True):
+    """Sent only after every KV write of the room has completed."""
+
+    first_token: int
+    first_logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # id, lp, top
+
+
+class PrefillFailed(Msg, frozen=True):
+    reason: str
+
+
+class Abort(Msg, frozen=True):
+    reason: str = ""
+
+
+class AbortAck(Msg, frozen=True):
+    """P has stopped writing into the room's pages and no write is in flight."""
+
+    known: bool = True
+
+
+class Ping(Msg, frozen=True):
+    nonce: int = 0
+
+
+class Pong(Msg, frozen=True):
+    nonce: int = 0
+
+
+class Error(Msg, frozen=True):
+    message: str
+
+
+Message = (
+    Register
+    | RegisterAck
+    | PrefillRequest
+    | PrefillAccept
+    | PrefillReject
+    | KVChunk
+    | PrefillDone
+    | PrefillFailed
+    | Abort
+    | AbortAck
+    | Ping
+    | Pong
+    | Error
+)
+MESSAGE_TYPES: tuple[type[Msg], ...] = (
+    Register,
+    RegisterAck,
+    PrefillRequest,
+    PrefillAccept,
+    PrefillReject,
+    KVChunk,
+    PrefillDone,
+    PrefillFailed,
+    Abort,
+    AbortAck,
+    Ping,
+    Pong,
+    Error,
+)
+
+
+@dataclass(frozen=True)
+class DecodeError:
+    """A frame that could not be read; `kind` is one of malformed | unknown_type | version."""
+
+    kind: str
+    detail: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_probe = msgspec.msgpack.Decoder(dict)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message | DecodeError:
+    try:
+        msg = _decoder.decode(frame)
+    except msgspec.DecodeError as e:
+        return _classify(frame, str(e))
+    if msg.proto_version != PROTO_VERSION:
+        return DecodeError("version", f"proto_version {msg.proto_version} != {PROTO_VERSION}")
+    return msg
+
+
+def _classify(frame: bytes, detail: str) -> DecodeError:
+    try:
+        obj = _probe.decode(frame)
+    except msgspec.DecodeError:
+        return DecodeError("malformed", detail)
+    tag = obj.get("type")
+    known = {t.__name__ for t in MESSAGE_TYPES}
+    if tag not in known:
+        return DecodeError("unknown_type", f"type {tag!r}")
+    return DecodeError("malformed", detail)

@@ -1,0 +1,163 @@
+"""The control plane: ZMQ sockets owned by one I/O thread, typed messages in and out.
+
+P binds a ROUTER socket; each D connects a DEALER (identity = D's worker id) per P it uses.
+Only the I/O thread touches sockets. Other threads `send()` into a bounded queue; the I/O
+thread sends without blocking (a peer that does not drain fails that message, reported
+through `on_send_failed`, instead of freezing a thread: LESSONS #5). Every inbound frame goes
+through the one decoder; what it cannot read is counted and dropped (LESSONS #1).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 2  # the I/O loop's poll interval; bounds the latency of queued sends
+OUTBOX_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class Inbound:
+    peer: str  # P: the D's identity; D: the P's address
+    msg: Message
+    frames: tuple[bytes, ...] = ()  # extra frames (KV page bytes on the tcp backend)
+
+
+@dataclass
+class ControlStats:
+    received: Counter[str] = field(default_factory=Counter)
+    sent: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)  # decode errors by kind
+    send_failed: int = 0
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "received": dict(self.received),
+            "sent": dict(self.sent),
+            "dropped": dict(self.dropped),
+            "send_failed": self.send_failed,
+        }
+
+
+class Control:
+    """`on_message(Inbound)` and `on_send_failed(peer, msg, why)` run on the I/O thread."""
+
+    def __init__(
+        self,
+        identity: str,
+        on_message: Callable[[Inbound], None],
+        on_send_failed: Callable[[str, Msg, str], None],
+    ) -> None:
+        self.identity = identity
+        self.on_message = on_message
+        self.on_send_failed = on_send_failed
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self.router: zmq.Socket[bytes] | None = None
+        self.dealers: dict[str, zmq.Socket[bytes]] = {}
+        self.outbox: queue.Queue[tuple[str, Msg, tuple[bytes, ...]]] = queue.Queue(OUTBOX_LIMIT)
+        self.stats = ControlStats()
+        self.address = ""
+
+    def bind(self, host: str, port: int) -> str:
+        """P: listen for decode workers; returns the bound address."""
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
+        s.setsockopt(zmq.SNDHWM, 1000)
+        if port:
+            s.bind(f"tcp://{host}:{port}")
+        else:
+            port = s.bind_to_random_port(f"tcp://{host}")
+        self.router = s
+        self.poller.register(s, zmq.POLLIN)
+        self.address = f"tcp://{host}:{port}"
+        return self.address
+
+    # -- any thread -------------------------------------------------------------------------
+    def send(self, peer: str, msg: Msg, frames: tuple[bytes, ...] = ()) -> None:
+        try:
+            self.outbox.put_nowait((peer, msg, frames))
+        except queue.Full:
+            self.stats.send_failed += 1
+            self.on_send_failed(peer, msg, "control outbox full")
+
+    # -- the I/O thread ----------------------------------------------------------------------
+    def _dealer(self, address: str) -> zmq.Socket[bytes]:
+        s = self.dealers.get(address)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, self.identity.encode())
+            s.setsockopt(zmq.SNDHWM, 1000)
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.connect(address)
+            self.poller.register(s, zmq.POLLIN)
+            self.dealers[address] = s
+        return s
+
+    def tick(self) -> None:
+        """Poll once, deliver what arrived, then flush the outbox without blocking."""
+        for sock, _ in self.poller.poll(POLL_MS):
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if sock is self.router:
+                    peer, parts = parts[0].decode(errors="replace"), parts[1:]
+                else:
+                    peer = next(a for a, d in self.dealers.items() if d is sock)
+                self._deliver(peer, parts)
+        while True:
+            try:
+                peer, msg, frames = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send_now(peer, msg, frames)
+
+    def _deliver(self, peer: str, parts: list[bytes]) -> None:
+        if not parts:
+            self.stats.dropped["empty"] += 1
+            return
+        msg = decode(parts[0])
+        if isinstance(msg, DecodeError):
+            self.stats.dropped[msg.kind] += 1
+            log.warning("dropped a control frame from %s: %s (%s)", peer, msg.kind, msg.detail)
+            return
+        self.stats.received[type(msg).__name__] += 1
+        self.on_message(Inbound(peer, msg, tuple(parts[1:])))
+
+    def _send_now(self, peer: str, msg: Msg, frames: tuple[bytes, ...]) -> None:
+        payload = [encode(msg), *frames]
+        try:
+            if self.router is not None and not peer.startswith("tcp://"):
+                self.router.send_multipart([peer.encode(), *payload], zmq.NOBLOCK)
+            else:
+                self._dealer(peer).send_multipart(payload, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # Again (peer not draining) or EHOSTUNREACH (gone)
+            self.stats.send_failed += 1
+            self.on_send_failed(peer, msg, f"send failed: {e}")
+            return
+        self.stats.sent[type(msg).__name__] += 1
+
+    def send_raw(self, peer: str, parts: list[bytes]) -> None:
+        """Test and fault-injection hook: put arbitrary frames on the wire (I/O thread only)."""
+        if self.router is not None and not peer.startswith("tcp://"):
+            self.router.send_multipart([peer.encode(), *parts], zmq.NOBLOCK)
+        else:
+            self._dealer(peer).send_multipart(parts, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        for s in [self.router, *self.dealers.values()]:
+            if s is not None:
+                s.close(0)

@@ -1,0 +1,388 @@
+"""The decode role: owns each request, its destination pages, and the room with its P.
+
+A request with a prefill address gets pages for its prompt, a room (63-bit id, never reused)
+and a PrefillRequest to that P; it joins the decode batch only on PrefillDone, when its KV is
+complete. Every room moves through the D table of `protocol/rooms.py`; its pages are freed
+only on a transition that carries FREE_PAGES (P confirmed it stopped writing, or the fence
+expired). P workers are pinged every second; one silent for PEER_TIMEOUT_S is declared dead
+and its rooms fenced (LESSONS #7, #8, #9).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.request import Event, Request, RequestOutput, TokenLogprob
+from pdserve.protocol import messages as m
+from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
+from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.dataplane import receive_chunk
+from pdserve.worker.api import params_to_json
+from pdserve.worker.roles import RoleStats, SendFailed
+
+log = logging.getLogger(__name__)
+
+PING_EVERY_S = 1.0
+PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
+ABORT_ACK_TIMEOUT_S = 5.0
+FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
+FENCE_MARGIN_S = 2.0  # ...and until this long after the room's write deadline
+PREFILL_TIMEOUT_S = 60.0  # a prefill leg may not take longer than this
+
+
+@dataclass(frozen=True)
+class RemoteSubmit:
+    request: Request
+    prefill: str
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    registered: bool = False
+    refused: str | None = None
+    last_pong: float = field(default_factory=time.monotonic)
+    last_ping: float = 0.0
+    queued: list[int] = field(default_factory=list)  # rooms waiting for RegisterAck
+
+
+@dataclass
+class DRoom:
+    room: int
+    epoch: int
+    request: Request
+    peer: str
+    deadline: float
+    state: DState = DState.PENDING
+    since: float = field(default_factory=time.monotonic)
+    first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
+    reason: str = ""
+    write_deadline: float = 0.0  # unix time after which P may not write (sent to P)
+
+
+class DecodeEngine(Engine):
+    control: Control
+    backend: str
+
+    def attach(self, control: Control, backend: str) -> None:
+        self.control = control
+        self.backend = backend
+        self.peers: dict[str, PrefillPeer] = {}
+        self.rooms: dict[int, DRoom] = {}
+        self.by_request: dict[str, DRoom] = {}
+        self.admitting: deque[RemoteSubmit] = deque()  # waiting for destination pages
+        self._room_ids = itertools.count((secrets.randbits(31) << 31) + 1)
+        self.stats = RoleStats()
+
+    # -- called from other threads -------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[RequestOutput], None],
+        timeout_s: float | None = None,
+        prefill: str | None = None,
+    ) -> None:
+        if prefill is None:  # no prefill worker chosen: prefill locally
+            return super().submit(request_id, prompt_ids, params, sink, timeout_s)
+        self.validate(prompt_ids, params)
+        timeout = min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        req = Request(
+            request_id,
+            list(prompt_ids),
+            params,
+            sink,
+            self.eos_token_ids,
+            deadline=time.monotonic() + timeout,
+        )
+        self.inbox.put(RemoteSubmit(req, prefill))
+
+    # -- inbox -------------------------------------------------------------------------------------
+    def handle_other(self, cmd: object) -> None:
+        match cmd:
+            case RemoteSubmit():
+                self.metrics.prompt_tokens.inc(len(cmd.request.prompt_ids))
+                self.admitting.append(cmd)
+            case SendFailed(peer=peer, msg=msg, why=why):
+                self.stats.send_failed += 1
+                room = self.rooms.get(msg.room)
+                if isinstance(msg, m.PrefillRequest) and room is not None:
+                    self._apply(
+                        room, DEvent.REJECT, f"could not reach prefill worker {peer}: {why}"
+                    )
+            case Inbound():
+                self._inbound(cmd)
+            case _:
+                raise TypeError(f"decode inbox: unexpected {type(cmd).__name__}")
+
+    def _inbound(self, cmd: Inbound) -> None:
+        msg = cmd.msg
+        peer = self.peers.get(cmd.peer)
+        if peer is not None:
+            peer.last_pong = time.monotonic()  # any word from P proves it alive
+        if isinstance(msg, m.RegisterAck):
+            return self._register_ack(cmd.peer, msg)
+        if isinstance(msg, m.Pong):
+            return
+        room = self.rooms.get(msg.room)
+        if room is None or room.epoch != msg.epoch or room.peer != cmd.peer:
+            self.stats.stale[type(msg).__name__] += 1
+            return
+        match msg:
+            case m.PrefillAccept():
+                self._apply(room, DEvent.ACCEPT)
+            case m.PrefillReject(reason=reason):
+                self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
+            case m.PrefillDone():
+                room.first_token = msg.first_token
+                if msg.first_logprob is not None:
+                    tid, lp, top = msg.first_logprob
+                    room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
+                self._apply(room, DEvent.DONE)
+            case m.PrefillFailed(reason=reason):
+                self._apply(room, DEvent.FAILED, f"prefill failed: {reason}")
+            case m.AbortAck():
+                self._apply(room, DEvent.ABORT_ACK)
+            case m.KVChunk():
+                self._kv_chunk(room, msg, cmd.frames)
+            case _:
+                self.stats.unexpected[type(msg).__name__] += 1
+
+    def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...]) -> None:
+        if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.request.pages):
+            self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
+            return
+        try:
+            self.stats.bytes_written += receive_chunk(self.pool, msg.dst_pages, frames)
+        except ValueError as e:
+            self._apply(room, DEvent.FAILED, f"bad KV chunk: {e}")
+
+    def _register_ack(self, address: str, msg: m.RegisterAck) -> None:
+        peer = self.peers.get(address)
+        if peer is None:
+            self.stats.unexpected["RegisterAck"] += 1
+            return
+        queued, peer.queued = peer.queued, []
+        if not msg.ok:
+            peer.refused = msg.error or "registration refused"
+            log.error("prefill worker %s refused us: %s", address, peer.refused)
+            for rid in queued:
+                if rid in self.rooms:
+                    self._apply(self.rooms[rid], DEvent.REJECT, peer.refused)
+            return
+        peer.registered, peer.refused = True, None
+        for rid in queued:
+            if rid in self.rooms and self.rooms[rid].state is DState.PENDING:
+                self._send_prefill(self.rooms[rid])
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.admitting:
+            sub = self.admitting[0]
+            req = sub.request
+            need = self.pool.pages_needed(len(req.prompt_ids))
+            if not self.pool.allocator.can_allocate(need):
+                return
+            self.admitting.popleft()
+            req.pages = self.pool.allocator.allocate(need, req.request_id)
+            left = PREFILL_TIMEOUT_S
+            if req.deadline is not None:
+                left = min(left, req.deadline - time.monotonic())
+            room = DRoom(
+                next(self._room_ids),
+                1,
+                req,
+                sub.prefill,
+                time.monotonic() + left,
+                write_deadline=time.time() + left,
+            )
+            self.rooms[room.room] = room
+            self.by_request[req.request_id] = room
+            peer = self.peers.get(sub.prefill)
+            if peer is None or not peer.registered:
+                if peer is None or peer.refused is not None:
+                    peer = self.peers[sub.prefill] = PrefillPeer(sub.prefill)
+                    self._send(
+                        peer.address,
+                        m.Register(
+                            layout=self.pool.layout.to_dict(),
+                            backend=self.backend,
+                            shm_name=str(self.pool.shm_path) if self.pool.shm_path else None,
+                            num_pages=self.pool.num_pages,
+                        ),
+                    )
+                peer.queued.append(room.room)
+            else:
+                self._send_prefill(room)
+
+    def _send(self, peer: str, msg: m.Msg) -> None:
+        import msgspec
+
+        self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity))
+
+    def _send_prefill(self, room: DRoom) -> None:
+        req = room.request
+        self._send(
+            room.peer,
+            m.PrefillRequest(
+                room=room.room,
+                epoch=room.epoch,
+                prompt_ids=req.prompt_ids,
+                dst_pages=req.pages,
+                params=params_to_json(req.params),
+                write_deadline=room.write_deadline,
+            ),
+        )
+
+    # -- the room machine --------------------------------------------------------------------------
+    def _apply(self, room: DRoom, event: DEvent, reason: str = "") -> None:
+        out = step_d(room.state, event)
+        if out.stale:
+            self.stats.stale[event.value] += 1
+            return
+        room.state = out.state  # type: ignore[assignment]
+        room.since = time.monotonic()
+        room.reason = room.reason or reason
+        if room.state is DState.ABORTING:
+            room.deadline = time.monotonic() + ABORT_ACK_TIMEOUT_S
+        elif room.state is DState.FENCED:
+            # P may still write until write_deadline; quarantine the pages past it.
+            until_unix = max(time.time() + FENCE_S, room.write_deadline + FENCE_MARGIN_S)
+            room.deadline = time.monotonic() + (until_unix - time.time())
+        for c in out.commands:
+            self._run_command(room, c)
+        if room.state in D_TERMINAL:
+            self.rooms.pop(room.room, None)
+            self.by_request.pop(room.request.request_id, None)
+
+    def _run_command(self, room: DRoom, c: Cmd) -> None:
+        req = room.request
+        match c:
+            case Cmd.SEND_ABORT:
+                self._send(room.peer, m.Abort(room=room.room, epoch=room.epoch))
+            case Cmd.FREE_PAGES:
+                if req.pages:
+                    self.pool.allocator.free(req.pages, req.request_id)
+                    req.pages = []
+            case Cmd.FAIL_REQUEST:
+                self._end_detached(req, Event.FAIL, room.reason or "prefill failed")
+            case Cmd.START_DECODE:
+                assert room.first_token is not None  # set with the DONE event
+                req.num_computed = len(req.prompt_ids)
+                self.scheduler.adopt(req)
+                self.on_token(
+                    req,
+                    room.first_token,
+                    room.first_logprob if req.params.logprobs is not None else None,
+                )
+            case _:
+                raise ValueError(f"decode role cannot run {c}")
+
+    def _end_detached(self, req: Request, event: Event, error: str | None) -> None:
+        """End a request that is not in the scheduler, leaving its pages to the room."""
+        if req.status.finished:
+            return
+        req.transition(event)
+        req.error = error
+        self.metrics.finished.labels("abort" if event is Event.ABORT else "error").inc()
+        req.sink(
+            RequestOutput(
+                req.request_id,
+                (),
+                (),
+                "abort" if event is Event.ABORT else "error",
+                error,
+                len(req.prompt_ids),
+            )
+        )
+
+    # -- engine hooks ------------------------------------------------------------------------------
+    def abort_role(self, request_id: str) -> bool:
+        room = self.by_request.get(request_id)
+        if room is not None:
+            self._end_detached(room.request, Event.ABORT, None)
+            self._apply(room, DEvent.LOCAL_ABORT)
+            return True
+        for sub in list(self.admitting):
+            if sub.request.request_id == request_id:
+                self.admitting.remove(sub)
+                self._end_detached(sub.request, Event.ABORT, None)
+                return True
+        return False
+
+    def has_role_work(self) -> bool:
+        return bool(self.rooms or self.admitting)
+
+    def apply_role_deadlines(self) -> None:
+        now = time.monotonic()
+        for sub in list(self.admitting):
+            if sub.request.deadline is not None and now > sub.request.deadline:
+                self.admitting.remove(sub)
+                self._end_detached(sub.request, Event.FAIL, "no KV pages became free in time")
+        for room in list(self.rooms.values()):
+            if now > room.deadline:
+                event = DEvent.FENCE_EXPIRED if room.state is DState.FENCED else DEvent.DEADLINE
+                self._apply(room, event, f"prefill deadline passed in state {room.state.value}")
+        for peer in list(self.peers.values()):
+            open_rooms = [
+                r
+                for r in self.rooms.values()
+                if r.peer == peer.address
+                and r.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING)
+            ]
+            if not open_rooms and not peer.registered:
+                continue
+            if now - peer.last_ping > PING_EVERY_S:
+                peer.last_ping = now
+                self._send(peer.address, m.Ping())
+            if open_rooms and now - peer.last_pong > PEER_TIMEOUT_S:
+                log.warning(
+                    "prefill worker %s silent for %.1fs: declared dead",
+                    peer.address,
+                    now - peer.last_pong,
+                )
+                peer.registered = False  # re-register when it comes back
+                peer.refused = "declared dead"
+                for room in open_rooms:
+                    self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
+        self._admit()
+
+    def role_snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "peers": [
+                {
+                    "address": p.address,
+                    "registered": p.registered,
+                    "refused": p.refused,
+                    "silent_s": round(now - p.last_pong, 3),
+                }
+                for p in self.peers.values()
+            ],
+            "rooms": [
+                {
+                    "room": r.room,
+                    "epoch": r.epoch,
+                    "peer": r.peer,
+                    "state": r.state.value,
+                    "request_id": r.request.request_id,
+                    "pages": len(r.request.pages),
+                    "time_in_state_s": round(now - r.since, 3),
+                }
+                for r in self.rooms.values()
+            ],
+            "admitting": len(self.admitting),
+            "stats": self.stats.snapshot(),
+            "control": self.control.stats.snapshot(),
+        }

@@ -1,0 +1,307 @@
+"""The prefill role: computes prompts' KV for decode workers and writes it into their pages.
+
+The engine thread owns every room (one decode worker's request) and drives it through the P
+table of `protocol/rooms.py`. A room's pages are written as soon as the chunk that fills
+them is computed; PrefillDone follows only after the last write. Anything a peer sends is
+answered or counted and dropped: ABORT for an unknown or finished room gets an AbortAck with
+known=False, never an assert (LESSONS #1, #3).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.params import InvalidParams
+from pdserve.engine.request import Event, Request, TokenLogprob
+from pdserve.engine.scheduler import StepPlan
+from pdserve.kvcache.layout import KVLayout
+from pdserve.protocol import messages as m
+from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
+from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter, WriteError
+from pdserve.worker.api import params_from_json
+from pdserve.worker.roles import RoleStats, SendFailed
+
+log = logging.getLogger(__name__)
+
+PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
+
+
+@dataclass
+class DecodePeer:
+    identity: str
+    writer: PeerWriter
+    num_pages: int
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PRoom:
+    peer: str
+    room: int
+    epoch: int
+    request: Request
+    dst_pages: list[int]
+    deadline: float
+    state: PState = PState.PREFILLING
+    pages_written: int = 0
+    first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
+    reason: str = ""
+    since: float = field(default_factory=time.monotonic)
+    write_deadline: float = 0.0  # unix time; no write into dst_pages after it
+
+
+class PrefillEngine(Engine):
+    control: Control
+
+    def attach(self, control: Control) -> None:
+        self.control = control
+        self.peers: dict[str, DecodePeer] = {}
+        self.rooms: dict[tuple[str, int], PRoom] = {}
+        self.by_request: dict[str, PRoom] = {}
+        self.stats = RoleStats()
+
+    # -- inbox ------------------------------------------------------------------------------
+    def handle_other(self, cmd: object) -> None:
+        if isinstance(cmd, SendFailed):
+            self.stats.send_failed += 1
+            return
+        if not isinstance(cmd, Inbound):
+            raise TypeError(f"prefill inbox: unexpected {type(cmd).__name__}")
+        peer = self.peers.get(cmd.peer)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        msg = cmd.msg
+        match msg:
+            case m.Register():
+                self._register(cmd.peer, msg)
+            case m.PrefillRequest():
+                self._prefill_request(cmd.peer, msg)
+            case m.Abort():
+                room = self.rooms.get((cmd.peer, msg.room))
+                if room is None or room.epoch != msg.epoch:
+                    self._reply(cmd.peer, m.AbortAck(room=msg.room, epoch=msg.epoch, known=False))
+                else:
+                    self._apply(room, PEvent.ABORT)
+            case m.Ping():
+                self._reply(cmd.peer, m.Pong(nonce=msg.nonce))
+            case _:
+                self.stats.unexpected[type(msg).__name__] += 1
+
+    def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
+        self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity), frames)
+
+    def _register(self, peer: str, msg: m.Register) -> None:
+        ours = self.pool.layout
+        try:
+            theirs = KVLayout.from_dict(dict(msg.layout))
+            diff = ours.mismatch(theirs)
+            if diff is not None:
+                raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")
+            writer: PeerWriter
+            if msg.backend == "shm":
+                if not msg.shm_name:
+                    raise ValueError("backend shm needs the decode pool's shm_name")
+                writer = ShmWriter(msg.shm_name, theirs, msg.num_pages)
+            elif msg.backend == "tcp":
+                writer = TcpWriter(self.control, peer, self.control.identity)
+            else:
+                raise ValueError(f"unknown backend {msg.backend!r}")
+        except (ValueError, OSError) as e:
+            log.warning("refused registration of %s: %s", peer, e)
+            self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours.to_dict()))
+            return
+        self.peers[peer] = DecodePeer(peer, writer, msg.num_pages)
+        log.info("registered decode worker %s (%s)", peer, msg.backend)
+        self._reply(peer, m.RegisterAck(ok=True, layout=ours.to_dict()))
+
+    def _prefill_request(self, peer_id: str, msg: m.PrefillRequest) -> None:
+        def reject(reason: str) -> None:
+            self.stats.rejected += 1
+            self._reply(peer_id, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=reason))
+
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return reject("not registered")
+        if (peer_id, msg.room) in self.rooms:
+            return reject(f"room {msg.room} is already in progress")
+        need = self.pool.pages_needed(len(msg.prompt_ids))
+        if len(msg.dst_pages) < need or any(not 0 <= p < peer.num_pages for p in msg.dst_pages):
+            return reject(f"dst_pages invalid: {need} pages in [0, {peer.num_pages}) needed")
+        try:
+            params = replace(params_from_json(msg.params), max_tokens=1, min_tokens=0)
+            self.validate(msg.prompt_ids, params)
+        except (InvalidParams, ValueError) as e:
+            return reject(f"bad request: {e}")
+        except Exception as e:  # noqa: BLE001 - ApiError from params parsing
+            return reject(f"bad request: {e}")
+        left = msg.write_deadline - time.time()
+        if left <= 0:
+            return reject(f"arrived {-left:.1f}s after its write deadline")
+        deadline = time.monotonic() + min(left, self.cfg.request_timeout_s)
+        req = Request(
+            f"{peer_id}:{msg.room}:{msg.epoch}",
+            list(msg.prompt_ids),
+            params,
+            sink=lambda _o: None,
+            deadline=deadline,
+        )
+        room = PRoom(
+            peer_id,
+            msg.room,
+            msg.epoch,
+            req,
+            list(msg.dst_pages),
+            deadline,
+            write_deadline=msg.write_deadline,
+        )
+        self.rooms[(peer_id, msg.room)] = room
+        self.by_request[req.request_id] = room
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self._reply(peer_id, m.PrefillAccept(room=msg.room, epoch=msg.epoch))
+
+    # -- the room machine ---------------------------------------------------------------------
+    def _apply(self, room: PRoom, event: PEvent, reason: str = "") -> None:
+        out = step_p(room.state, event)
+        if out.stale:
+            self.stats.stale[event.value] += 1
+            return
+        room.state = out.state  # type: ignore[assignment]
+        room.since = time.monotonic()
+        room.reason = room.reason or reason
+        for c in out.commands:
+            self._run_command(room, c)
+        # Writes complete inside write(): nothing is ever in flight once a step returns.
+        if room.state in (PState.WRITING, PState.ABORTING, PState.FAILING):
+            self._apply(room, PEvent.WRITES_DONE)
+        if room.state in P_TERMINAL:
+            self.rooms.pop((room.peer, room.room), None)
+            self.by_request.pop(room.request.request_id, None)
+
+    def _run_command(self, room: PRoom, c: Cmd) -> None:
+        req = room.request
+        match c:
+            case Cmd.STOP_COMPUTE | Cmd.FREE_PAGES:
+                if self.scheduler.get(req.request_id) is not None:
+                    self.scheduler.finish(req, Event.ABORT if c is Cmd.STOP_COMPUTE else Event.STOP)
+            case Cmd.SEND_DONE:
+                assert room.first_token is not None  # COMPUTED set it; not input-dependent
+                lp = room.first_logprob
+                self.stats.done += 1
+                self._reply(
+                    room.peer,
+                    m.PrefillDone(
+                        room=room.room,
+                        epoch=room.epoch,
+                        first_token=room.first_token,
+                        first_logprob=(lp.token_id, lp.logprob, list(lp.top))
+                        if lp is not None
+                        else None,
+                    ),
+                )
+            case Cmd.SEND_FAILED:
+                self.stats.failed += 1
+                self._reply(
+                    room.peer,
+                    m.PrefillFailed(
+                        room=room.room, epoch=room.epoch, reason=room.reason or "prefill failed"
+                    ),
+                )
+            case Cmd.SEND_ABORT_ACK:
+                self.stats.aborted += 1
+                self._reply(room.peer, m.AbortAck(room=room.room, epoch=room.epoch, known=True))
+            case Cmd.CANCEL_WRITES:
+                pass  # synchronous backends have nothing in flight to cancel
+            case _:
+                raise ValueError(f"prefill role cannot run {c}")
+
+    # -- engine hooks -------------------------------------------------------------------------
+    def on_computed(self, plan: StepPlan) -> None:
+        for c in plan.chunks:
+            room = self.by_request.get(c.request.request_id)
+            if room is None or room.state is not PState.PREFILLING:
+                continue
+            req = c.request
+            done = req.num_computed >= len(req.prompt_ids)
+            target = (
+                self.pool.pages_needed(len(req.prompt_ids))
+                if done
+                else (req.num_computed // self.pool.page_size)
+            )
+            if target <= room.pages_written:
+                continue
+            peer = self.peers.get(room.peer)
+            try:
+                if peer is None:
+                    raise WriteError(f"decode worker {room.peer} is no longer registered")
+                if time.time() > room.write_deadline:
+                    raise WriteError("the room's write deadline passed (its pages may be reused)")
+                sl = slice(room.pages_written, target)
+                self.stats.bytes_written += peer.writer.write(
+                    room.room, room.epoch, self.pool, req.pages[sl], room.dst_pages[sl]
+                )
+                room.pages_written = target
+            except (WriteError, OSError, ValueError, RuntimeError) as e:
+                log.warning("KV write for room %d failed: %s", room.room, e)
+                self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
+
+    def on_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
+        room = self.by_request.get(req.request_id)
+        if room is None:  # not a room (cannot happen: P serves no local requests)
+            self.scheduler.finish(req, Event.FAIL)
+            return
+        room.first_token, room.first_logprob = tok, lp
+        self.metrics.generated_tokens.inc()
+        self._apply(room, PEvent.COMPUTED)
+
+    def abort_role(self, request_id: str) -> bool:
+        room = self.by_request.get(request_id)
+        if room is not None:
+            self._apply(room, PEvent.ABORT)
+        return room is not None
+
+    def apply_role_deadlines(self) -> None:
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            if now > room.deadline:
+                self._apply(room, PEvent.DEADLINE, "prefill deadline passed")
+        for peer in list(self.peers.values()):
+            if now - peer.last_seen > PEER_SILENCE_S:
+                log.warning(
+                    "decode worker %s silent for %.0fs: dropping it",
+                    peer.identity,
+                    now - peer.last_seen,
+                )
+                del self.peers[peer.identity]
+                for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
+                    self._apply(room, PEvent.PEER_DEAD, "decode worker gone")
+
+    def role_snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "peers": [
+                {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)}
+                for p in self.peers.values()
+            ],
+            "rooms": [
+                {
+                    "peer": r.peer,
+                    "room": r.room,
+                    "epoch": r.epoch,
+                    "state": r.state.value,
+                    "time_in_state_s": round(now - r.since, 3),
+                    "pages_written": r.pages_written,
+                }
+                for r in self.rooms.values()
+            ],
+            "stats": self.stats.snapshot(),
+            "control": self.control.stats.snapshot(),
+        }

@@ -1,0 +1,41 @@
+"""Bits shared by the prefill and decode roles: counters and inbox events."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pdserve.protocol.messages import Msg
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    """The control plane could not send `msg` to `peer` (queue full, peer unreachable)."""
+
+    peer: str
+    msg: Msg
+    why: str
+
+
+@dataclass
+class RoleStats:
+    stale: Counter[str] = field(default_factory=Counter)  # events that did not apply
+    unexpected: Counter[str] = field(default_factory=Counter)  # messages this role never takes
+    send_failed: int = 0
+    rejected: int = 0
+    done: int = 0
+    failed: int = 0
+    aborted: int = 0
+    bytes_written: int = 0
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "stale": dict(self.stale),
+            "unexpected": dict(self.unexpected),
+            "send_failed": self.send_failed,
+            "rejected": self.rejected,
+            "done": self.done,
+            "failed": self.failed,
+            "aborted": self.aborted,
+            "bytes_written": self.bytes_written,
+        }

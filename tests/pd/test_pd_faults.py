@@ -1,0 +1,216 @@
+"""Aborts and hostile frames in PD mode: nothing leaks, no thread dies, the next request works.
+
+The incident this project exists for, as a regression test: ABORT for unknown rooms, unknown
+message types and malformed frames into every control socket of every worker.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from urllib.parse import urlparse
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.kvcache.layout import KVLayout
+from pdserve.protocol import messages as m
+from tests.pd.conftest import PD, tokens
+from tests.procs import http as call
+
+
+def rooms(url: str) -> list[dict]:
+    return call("GET", url + "/debug/state")[1]["engine"]["role"]["rooms"]
+
+
+def wait_for(pred, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def open_stream(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
+    u = urlparse(pd.d.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    body = {
+        "request_id": rid,
+        "prompt_ids": prompt,
+        "prefill": pd.control,
+        "params": {"max_tokens": 500, "temperature": 0, "ignore_eos": True},
+    }
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
+    """Client gone while the room is PENDING (P frozen): D keeps the pages until P's AbortAck."""
+    assert tokens(pd.generate(f"warm-{pd.backend}", [1, 2], max_tokens=1))  # D is registered
+    p_pid = call("GET", pd.p.url + "/info")[1]["pid"]
+    os.kill(p_pid, signal.SIGSTOP)
+    try:
+        conn = open_stream(pd, f"stop-{pd.backend}", list(range(10, 90)))
+        threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
+        wait_for(
+            lambda: [r for r in rooms(pd.d.url) if r["state"] == "pending"], what="a pending room"
+        )
+        conn.sock.shutdown(2)
+        conn.close()
+        aborting = wait_for(
+            lambda: [r for r in rooms(pd.d.url) if r["state"] == "aborting"],
+            what="the room to start aborting",
+        )
+        assert aborting[0]["pages"] > 0  # pages still leased to the room: P may be writing
+        inv = call("GET", pd.d.url + "/debug/invariants")[1]
+        assert not inv["ok"]
+    finally:
+        os.kill(p_pid, signal.SIGCONT)
+    pd.wait_quiet()
+    stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    assert stats["aborted"] >= 1
+    assert tokens(pd.generate(f"after-stop-{pd.backend}", [1, 2, 3], max_tokens=2))
+
+
+def test_hostile_frames_into_prefill_control_socket(pd):
+    """Unknown type, malformed frames, ABORT for unknown rooms, requests from strangers."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, b"stranger")
+    s.connect(pd.control)
+    try:
+        s.send(msgspec.msgpack.encode({"type": "Teleport", "room": 1}))
+        s.send(b"\xc1\xc1 not msgpack")
+        s.send_multipart([b"", b""])
+        s.send(msgspec.msgpack.encode({"type": "PrefillDone", "room": "x"}))
+        s.send(m.encode(m.Abort(room=12345, epoch=1)))
+        s.send(m.encode(m.Abort(room=0)))
+        s.send(m.encode(m.AbortAck(room=7)))  # a message P never takes
+        s.send(
+            m.encode(
+                m.PrefillRequest(
+                    room=9,
+                    epoch=1,
+                    prompt_ids=[1],
+                    dst_pages=[0],
+                    params={},
+                    write_deadline=time.time() + 30,
+                )
+            )
+        )
+        s.send(m.encode(m.Register(layout={"dtype": "float64"}, backend="shm")))
+        s.send(m.encode(m.Ping(nonce=77)))
+        replies = []
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + 10
+        while len(replies) < 5 and time.monotonic() < deadline:
+            if poller.poll(200):
+                replies.append(m.decode(s.recv()))
+    finally:
+        s.close(0)
+    kinds = [type(r).__name__ for r in replies]
+    assert kinds.count("AbortAck") == 2 and all(
+        not r.known for r in replies if isinstance(r, m.AbortAck)
+    )
+    assert "PrefillReject" in kinds and "Pong" in kinds
+    refused = next(r for r in replies if isinstance(r, m.RegisterAck))
+    assert not refused.ok and "KVLayout" in refused.error
+    state = call("GET", pd.p.url + "/debug/state")[1]
+    dropped = state["engine"]["role"]["control"]["dropped"]
+    assert dropped.get("unknown_type", 0) >= 1 and dropped.get("malformed", 0) >= 2
+    assert state["engine"]["role"]["stats"]["unexpected"].get("AbortAck", 0) >= 1
+    assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
+    assert not state["problems"] and call("GET", pd.p.url + "/health")[0] == 200
+    assert tokens(pd.generate(f"after-hostile-{pd.backend}", [4, 5, 6], max_tokens=2))
+    pd.wait_quiet()
+
+
+def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
+    """A fake P answers D with garbage, stale events and a refused registration."""
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    result: dict[str, object] = {}
+
+    def client() -> None:
+        body = {
+            "request_id": f"fake-{pd.backend}",
+            "prompt_ids": [1, 2, 3],
+            "prefill": address,
+            "params": {"max_tokens": 4, "temperature": 0},
+        }
+        result["lines"] = call("POST", pd.d.url + "/generate", body, timeout=30)
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    try:
+        assert fake.poll(10_000), "D never registered with the fake prefill worker"
+        ident, frame = fake.recv_multipart()
+        assert isinstance(m.decode(frame), m.Register)
+        for junk in (
+            b"\x00garbage",
+            msgspec.msgpack.encode({"type": "Nope"}),
+            m.encode(m.AbortAck(room=424242, epoch=1)),
+            m.encode(m.PrefillDone(room=424242, epoch=1, first_token=3)),
+            m.encode(m.KVChunk(room=424242, epoch=1, dst_pages=[0])),
+            m.encode(m.RegisterAck(ok=False, error="refused by the test")),
+        ):
+            fake.send_multipart([ident, junk])
+        t.join(30)
+    finally:
+        fake.close(0)
+    status, text = result["lines"]
+    assert status == 200
+    last = text if isinstance(text, dict) else json.loads(text.strip().splitlines()[-1])
+    assert last["finish_reason"] == "error" and "refused by the test" in last["error"]
+    state = call("GET", pd.d.url + "/debug/state")[1]
+    assert state["engine"]["role"]["control"]["dropped"].get("malformed", 0) >= 1
+    assert sum(state["engine"]["role"]["stats"]["stale"].values()) >= 3
+    assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
+    assert call("GET", pd.d.url + "/health")[0] == 200
+    assert tokens(pd.generate(f"after-fake-{pd.backend}", [7, 8, 9], max_tokens=2))
+    pd.wait_quiet()
+
+
+def test_layout_mismatch_is_refused_naming_the_field(pd):
+    """Registration compares layouts field by field; the refusal names the field."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, b"mismatch")
+    s.connect(pd.control)
+    layout = KVLayout.from_dict(call("GET", pd.p.url + "/info")[1]["layout"])
+    try:
+        for field, value in (
+            ("page_size", 8),
+            ("head_dim", 64),
+            ("num_layers", 2),
+            ("dtype", "bfloat16"),
+            ("num_kv_heads", 2),
+        ):
+            bad = {**layout.to_dict(), field: value}
+            s.send(m.encode(m.Register(layout=bad, backend="tcp", num_pages=4)))
+            assert s.poll(10_000)
+            ack = m.decode(s.recv())
+            assert isinstance(ack, m.RegisterAck) and not ack.ok and field in ack.error
+    finally:
+        s.close(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_stopped_prefill(pd):
+    yield
+    pid = call("GET", pd.p.url + "/info")[1]["pid"]
+    os.kill(pid, signal.SIGCONT)
