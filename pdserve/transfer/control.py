@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
+from pdserve.runtime.faults import FAULTS
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,13 @@ class Control:
             log.warning("dropped a control frame from %s: %s (%s)", peer, msg.kind, msg.detail)
             return
         self.stats.received[type(msg).__name__] += 1
+        if FAULTS.hit(f"control.recv.{type(msg).__name__}"):
+            return
         self.on_message(Inbound(peer, msg, tuple(parts[1:])))
 
     def _send_now(self, peer: str, msg: Msg, frames: tuple[bytes, ...]) -> None:
+        if FAULTS.hit(f"control.send.{type(msg).__name__}"):
+            return
         payload = [encode(msg), *frames]
         try:
             if self.router is not None and not peer.startswith("tcp://"):

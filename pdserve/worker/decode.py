@@ -24,6 +24,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, RequestOutput, TokenLogprob
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
+from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import receive_chunk
 from pdserve.worker.api import params_to_json
@@ -279,6 +280,7 @@ class DecodeEngine(Engine):
                 self._end_detached(req, Event.FAIL, room.reason or "prefill failed")
             case Cmd.START_DECODE:
                 assert room.first_token is not None  # set with the DONE event
+                FAULTS.hit("d.start_decode")
                 req.num_computed = len(req.prompt_ids)
                 self.scheduler.adopt(req)
                 self.on_token(

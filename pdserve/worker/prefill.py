@@ -23,6 +23,7 @@ from pdserve.engine.scheduler import StepPlan
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
+from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter, WriteError
 from pdserve.worker.api import params_from_json
@@ -244,12 +245,13 @@ class PrefillEngine(Engine):
                     raise WriteError(f"decode worker {room.peer} is no longer registered")
                 if time.time() > room.write_deadline:
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
+                FAULTS.hit("p.write")
                 sl = slice(room.pages_written, target)
                 self.stats.bytes_written += peer.writer.write(
                     room.room, room.epoch, self.pool, req.pages[sl], room.dst_pages[sl]
                 )
                 room.pages_written = target
-            except (WriteError, OSError, ValueError, RuntimeError) as e:
+            except (WriteError, OSError, ValueError, RuntimeError) as e:  # incl. FaultInjected
                 log.warning("KV write for room %d failed: %s", room.room, e)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
 

@@ -1,0 +1,114 @@
+"""Abort from each state of a room, with fault points holding the room in that state.
+
+P stalls before each KV write (so a room sits mid-write); D stalls between PrefillDone and
+joining the decode batch. After every abort: both workers quiet (no request, no room, every
+page free), every thread alive, and the next request succeeds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from tests.pd.conftest import CHUNK, PD, tokens
+from tests.procs import ServerProcess
+from tests.procs import http as call
+
+STALL_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
+    logs = tmp_path_factory.mktemp("pd-faults")
+    common = ["--model", str(tiny_dir), "--threads", "1", "--kv-budget-mb", "16",
+              "--max-model-len", "1024", "--max-batched-tokens", str(CHUNK), "--backend", "shm"]
+    saved = os.environ.get("PDSERVE_FAULTS")
+    try:
+        os.environ["PDSERVE_FAULTS"] = f"p.write=delay:{STALL_S}"
+        p = ServerProcess(["serve", "--role", "prefill", *common], logs / "p.log").__enter__()
+        os.environ["PDSERVE_FAULTS"] = f"d.start_decode=delay:{STALL_S}"
+        try:
+            d = ServerProcess(["serve", "--role", "decode", *common], logs / "d.log").__enter__()
+        except BaseException:
+            p.stop()
+            raise
+    finally:
+        if saved is None:
+            os.environ.pop("PDSERVE_FAULTS", None)
+        else:
+            os.environ["PDSERVE_FAULTS"] = saved
+    try:
+        yield PD(p, d, call("GET", p.url + "/info")[1]["control"], "shm")
+    finally:
+        d.stop()
+        p.stop()
+
+
+def start(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
+    u = urlparse(pd.d.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"request_id": rid, "prompt_ids": prompt, "prefill": pd.control,
+            "params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
+    return conn
+
+
+def disconnect(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(2)
+    conn.close()
+
+
+def p_state(pd: PD) -> dict:
+    return call("GET", pd.p.url + "/debug/state", timeout=10)[1]["engine"]["role"]
+
+
+def wait_for(pred, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+    return value
+
+
+def check_recovered(pd: PD) -> None:
+    pd.wait_quiet(timeout_s=30)
+    for url in (pd.p.url, pd.d.url):
+        state = call("GET", url + "/debug/state", timeout=10)[1]
+        assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
+    assert len(tokens(pd.generate(f"next-{time.monotonic_ns()}", [3, 4, 5], max_tokens=2))) == 2
+
+
+def test_abort_mid_write_on_prefill_side(faulty):
+    prompt = list(range(7, 7 + 3 * CHUNK + 5))  # four chunks: P stalls before each write
+    conn = start(faulty, "midwrite", prompt)
+    rooms = wait_for(lambda: p_state(faulty)["rooms"])
+    assert rooms[0]["state"] == "prefilling"
+    disconnect(conn)
+    wait_for(lambda: p_state(faulty)["stats"]["aborted"] >= 1)
+    check_recovered(faulty)
+
+
+def test_abort_after_prefill_done_before_decoding(faulty):
+    before = p_state(faulty)["stats"]["done"]
+    conn = start(faulty, "donegap", list(range(20, 30)))  # one chunk: one stalled write
+    wait_for(lambda: p_state(faulty)["stats"]["done"] > before)  # D now stalls in start_decode
+    disconnect(conn)
+    check_recovered(faulty)
+
+
+def test_abort_while_decoding(faulty):
+    conn = start(faulty, "decoding", [9, 8, 7])
+    time.sleep(2 * STALL_S + 0.5)  # past the write stall and the start-decode stall
+    state = call("GET", faulty.d.url + "/debug/state", timeout=10)[1]["engine"]
+    assert [r["state"] for r in state["requests"]] == ["running"]
+    disconnect(conn)
+    check_recovered(faulty)
