@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.runtime.faults import FAULTS
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +77,7 @@ class Supervisor:
         while not self._stop.is_set() and rec.alive:
             rec.last_heartbeat = time.monotonic()
             try:
+                FAULTS.hit(f"thread.{rec.name}")
                 tick()
             except Exception as e:  # noqa: BLE001 - the supervisor's whole job
                 self._record_crash(rec, e)

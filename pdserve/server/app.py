@@ -176,7 +176,8 @@ class Server:
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
         await site.start()
         port = runner.addresses[0][1]
-        print(f"READY http://{self.cfg.host}:{port}", flush=True)
+        if self.fatal is None:  # never announce a process that is already dying
+            print(f"READY http://{self.cfg.host}:{port}", flush=True)
         log.info("serving %s on http://%s:%d", self.cfg.engine.model.name, self.cfg.host, port)
         await self._stop_event.wait()
         log.info("shutting down%s", f" (fatal: {self.fatal})" if self.fatal else "")

@@ -1,0 +1,98 @@
+"""The supervisor: crashes are counted and survived; a thread that cannot be kept alive
+turns health red and the process exits non-zero; a stalled thread turns health red."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pdserve.runtime.faults import Faults, FaultInjected, parse
+from pdserve.runtime.supervisor import Supervisor
+from tests.procs import ServerProcess, http
+
+
+def test_crash_is_survived_then_budget_exhausted_is_fatal():
+    fatal: list[str] = []
+    sup = Supervisor(restart_budget=3, budget_window_s=60, on_fatal=fatal.append)
+    calls = {"n": 0}
+
+    def tick() -> None:
+        calls["n"] += 1
+        if calls["n"] in (2, 4):
+            raise RuntimeError("one bad message")
+        time.sleep(0.005)
+
+    sup.spawn("ok", tick)
+    time.sleep(0.2)
+    assert sup.problems() == [] and calls["n"] > 4
+    sup.spawn("bad", lambda: (_ for _ in ()).throw(ValueError("always")))
+    deadline = time.monotonic() + 5
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fatal and "bad" in fatal[0]
+    assert any("thread bad dead" in p for p in sup.problems())
+    assert [r["crashes"] for r in sup.snapshot() if r["name"] == "ok"] == [2]
+    assert sup.stop(2.0) == []
+
+
+def test_stale_heartbeat_is_a_problem():
+    sup = Supervisor()
+    gate = threading.Event()
+    sup.spawn("slow", lambda: gate.wait(1.0), heartbeat_timeout_s=0.2)
+    time.sleep(0.5)
+    assert any("heartbeat stale" in p for p in sup.problems())
+    gate.set()
+    sup.stop(2.0)
+
+
+def test_fault_spec_parsing():
+    f = parse("p.write=delay:1.5,control.recv.Abort=drop@0.25,thread.engine=raise")
+    assert f["p.write"].action == "delay" and f["p.write"].arg == 1.5
+    assert f["control.recv.Abort"].probability == 0.25
+    with pytest.raises(ValueError):
+        parse("nonsense")
+    with pytest.raises(FaultInjected):
+        Faults("x=raise").hit("x")
+    assert Faults("x=drop").hit("x") and not Faults("").hit("x")
+
+
+def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:
+    saved = os.environ.get("PDSERVE_FAULTS")
+    os.environ["PDSERVE_FAULTS"] = faults
+    try:
+        return ServerProcess(["serve", "--role", "prefill", "--model", str(tiny_dir),
+                              "--threads", "1", "--kv-budget-mb", "8"], log).__enter__()
+    finally:
+        if saved is None:
+            os.environ.pop("PDSERVE_FAULTS")
+        else:
+            os.environ["PDSERVE_FAULTS"] = saved
+
+
+def test_dead_thread_exits_the_process_non_zero(tiny_dir):
+    env = {**os.environ, "PDSERVE_FAULTS": "thread.control=raise"}
+    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--role", "prefill", "--model",
+                        str(tiny_dir), "--threads", "1", "--kv-budget-mb", "8", "--port", "0"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "thread control dead" in r.stderr
+
+
+def test_stalled_thread_turns_health_red(tiny_dir, tmp_path):
+    srv = _serve_with_faults(tiny_dir, tmp_path / "p.log", "thread.control=delay:8")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            status, body = http("GET", srv.url + "/health", timeout=5)
+            if status == 503:
+                break
+            assert time.monotonic() < deadline, "health never turned red"
+            time.sleep(0.2)
+        assert any("control" in p for p in body["problems"])
+    finally:
+        srv.stop()
