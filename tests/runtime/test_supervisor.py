@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdserve.runtime.faults import Faults, FaultInjected, parse
+from pdserve.runtime.faults import FaultInjected, Faults, parse
 from pdserve.runtime.supervisor import Supervisor
 from tests.procs import ServerProcess, http
 
