@@ -68,6 +68,7 @@ class PrefillDone(Msg, frozen=True):
 
     first_token: int
     first_logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # id, lp, top
+    kv_bytes: int = 0  # bytes P wrote into the room's pages (D checks conservation)
 
 
 class PrefillFailed(Msg, frozen=True):

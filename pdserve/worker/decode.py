@@ -147,6 +147,7 @@ class DecodeEngine(Engine):
                 self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
             case m.PrefillDone():
                 room.first_token = msg.first_token
+                self.stats.bytes_acked += msg.kv_bytes
                 if msg.first_logprob is not None:
                     tid, lp, top = msg.first_logprob
                     room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))

@@ -52,6 +52,7 @@ class PRoom:
     deadline: float
     state: PState = PState.PREFILLING
     pages_written: int = 0
+    bytes_written: int = 0
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
     reason: str = ""
@@ -203,6 +204,7 @@ class PrefillEngine(Engine):
                         room=room.room,
                         epoch=room.epoch,
                         first_token=room.first_token,
+                        kv_bytes=room.bytes_written,
                         first_logprob=(lp.token_id, lp.logprob, list(lp.top))
                         if lp is not None
                         else None,
@@ -247,9 +249,11 @@ class PrefillEngine(Engine):
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
                 FAULTS.hit("p.write")
                 sl = slice(room.pages_written, target)
-                self.stats.bytes_written += peer.writer.write(
+                moved = peer.writer.write(
                     room.room, room.epoch, self.pool, req.pages[sl], room.dst_pages[sl]
                 )
+                self.stats.bytes_written += moved
+                room.bytes_written += moved
                 room.pages_written = target
             except (WriteError, OSError, ValueError, RuntimeError) as e:  # incl. FaultInjected
                 log.warning("KV write for room %d failed: %s", room.room, e)

@@ -26,7 +26,8 @@ class RoleStats:
     done: int = 0
     failed: int = 0
     aborted: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # P: bytes written into peers' pages; D (tcp): bytes received
+    bytes_acked: int = 0  # D: bytes P reported in PrefillDone
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -38,4 +39,5 @@ class RoleStats:
             "failed": self.failed,
             "aborted": self.aborted,
             "bytes_written": self.bytes_written,
+            "bytes_acked": self.bytes_acked,
         }

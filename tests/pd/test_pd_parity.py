@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.params import SamplingParams
 from tests.helpers import make_engine, run
 from tests.pd.conftest import CHUNK, tokens
+from tests.procs import http as call
 
 
 def mixed_prompts(n: int, seed: int) -> list[list[int]]:
@@ -47,3 +48,24 @@ def test_one_token_and_logprobs_and_local_fallback(pd, tiny_dir):
     local = pd.generate(f"loc-{pd.backend}", prompt, max_tokens=3, prefill=False)
     assert tokens(local) == tokens(with_lp)
     pd.wait_quiet()
+
+
+def test_kv_bytes_are_conserved(pd):
+    """What P wrote is what it reported to D in PrefillDone (and, on tcp, what D received)."""
+    prompts = mixed_prompts(8, seed=3)
+    before_p = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    before_d = call("GET", pd.d.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    for i, p in enumerate(prompts):
+        tokens(pd.generate(f"bytes-{pd.backend}-{i}", p, max_tokens=2))
+    pd.wait_quiet()
+    p_stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    d_stats = call("GET", pd.d.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    layout = call("GET", pd.p.url + "/info")[1]["layout"]
+    page_bytes = (2 * layout["num_layers"] * layout["page_size"] * layout["num_kv_heads"]
+                  * layout["head_dim"] * 4)
+    expected = sum(-(-len(p) // layout["page_size"]) for p in prompts) * page_bytes
+    written = p_stats["bytes_written"] - before_p["bytes_written"]
+    acked = d_stats["bytes_acked"] - before_d["bytes_acked"]
+    assert written == acked == expected
+    if pd.backend == "tcp":
+        assert d_stats["bytes_written"] - before_d["bytes_written"] == expected
