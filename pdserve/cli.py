@@ -15,6 +15,8 @@ from pdserve.config import (
     ServerConfig,
     resolve_device,
 )
+from pdserve.launch import add_launch_command
+from pdserve.router.cli import add_router_command
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -109,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill role: ZMQ control port (0 picks a free one)")
     sv.add_argument("--backend", default="shm", choices=["shm", "tcp"],
                     help="KV transfer data plane for prefill/decode roles")
+    sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
+    add_router_command(sub)
+    add_launch_command(sub)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +25,20 @@ class ServerProcess:
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
+        self.lines: list[str] = []  # everything it printed so far
+        self._ready = threading.Event()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
 
     def __enter__(self) -> ServerProcess:
+        self.start()
+        return self.wait_ready()
+
+    def start(self) -> None:
+        """Start the process; `wait_ready` waits for READY (split so several start at once)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *self.args, "--port", "0", "--host", "127.0.0.1"],
             stdout=subprocess.PIPE,
@@ -33,7 +46,6 @@ class ServerProcess:
             text=True,
             env=os.environ.copy(),
         )
-        ready = threading.Event()
         log = open(self.log_path, "w")  # noqa: SIM115 - closed by the pump thread
 
         def pump() -> None:
@@ -42,13 +54,17 @@ class ServerProcess:
                 for line in self.proc.stdout:
                     log.write(line)
                     log.flush()
-                    if line.startswith("READY "):
+                    self.lines.append(line)
+                    if line.startswith("READY ") and not self._ready.is_set():
                         self.url = line.split()[1]
-                        ready.set()
+                        self._ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
+
+    def wait_ready(self) -> ServerProcess:
+        assert self.proc is not None, "not started"
         deadline = time.monotonic() + self.ready_timeout_s
-        while not ready.wait(0.2):
+        while not self._ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"server did not start: {self.log_path.read_text()[-3000:]}")
@@ -71,6 +87,73 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+class LaunchedCluster(ServerProcess):
+    """`pdserve launch ... --log-dir DIR`: the launcher plus every child, stopped by pid.
+
+    The children's pids come from the launcher's DIR/cluster.json; `__exit__` SIGKILLs any
+    child the launcher left behind, so a failing test cannot leak processes either.
+    """
+
+    def __init__(self, args: list[str], log_dir: Path, ready_timeout_s: float = 120.0) -> None:
+        super().__init__(
+            [*args, "--log-dir", str(log_dir)], log_dir / "launcher.log", ready_timeout_s
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.processes: dict[str, dict[str, Any]] = {}  # name -> {pid, url, log}
+
+    def wait_ready(self) -> LaunchedCluster:
+        try:
+            super().wait_ready()
+            table = json.loads((self.log_dir / "cluster.json").read_text())
+        except (RuntimeError, OSError, ValueError):
+            self._kill_leftovers()
+            raise
+        self.processes = {p["name"]: p for p in table["processes"]}
+        return self
+
+    @property
+    def child_pids(self) -> list[int]:
+        """From cluster.json once up; before that from the launcher's 'started X (pid N)'."""
+        pids = {p["pid"] for p in self.processes.values()}
+        for line in list(self.lines):
+            m = re.search(r"started \S+ \(pid (\d+)\)", line)
+            if m:
+                pids.add(int(m.group(1)))
+        return sorted(pids)
+
+    def worker_urls(self) -> list[str]:
+        return [p["url"] for n, p in self.processes.items() if n != "router"]
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        for pid in wait_gone(self.child_pids, 10.0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait (bounded) until none of `pids` runs; returns the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def http(

@@ -2,6 +2,9 @@
 
 Prints each answer, the time to first token and the tokens/s, then stops the server by its
 pid (SIGTERM, then SIGKILL after a bound) whatever happened.
+
+PDSERVE_DEMO_MODE=launch starts `pdserve launch --prefill 1 --decode 1` (a router over one
+prefill and one decode worker) instead, and also prints each concurrent request's TTFT.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 READY_TIMEOUT_S = 300.0
+STOP_S = {"serve": 20.0, "launch": 75.0}  # a launcher stops a router, then its workers
 
 
 def post(url: str, body: dict[str, Any]) -> Any:
@@ -67,20 +71,39 @@ def start_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, found[0]
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
+def stop(proc: subprocess.Popen[str], timeout_s: float = STOP_S["serve"]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(20)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
 
 
+def timed_completion(url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """Stream one completion: (seconds to its first token, completion tokens)."""
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    for chunk in stream(
+        url + "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+    ):
+        if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
+            ttft = time.perf_counter() - t0
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+
 def main() -> int:
     model = os.environ.get("PDSERVE_MODEL", "builtin:tiny")
-    print(f"== starting pdserve serve --model {model}")
-    proc, url = start_server(["--log-level", "WARNING", "serve", "--model", model, "--port", "0"])
+    mode = os.environ.get("PDSERVE_DEMO_MODE", "serve")
+    if mode not in STOP_S:
+        raise SystemExit(f"PDSERVE_DEMO_MODE must be serve or launch, got {mode!r}")
+    cmd = ["serve"] if mode == "serve" else ["launch", "--prefill", "1", "--decode", "1"]
+    print(f"== starting pdserve {' '.join(cmd)} --model {model}")
+    proc, url = start_server(["--log-level", "WARNING", *cmd, "--model", model, "--port", "0"])
     try:
         print(f"== server ready at {url}\n")
         prompt = "def fibonacci(n):"
@@ -114,32 +137,31 @@ def main() -> int:
         print("-- 16 concurrent completions")
         t0 = time.perf_counter()
         results: list[Any] = []
-        threads = [
-            threading.Thread(
-                target=lambda i=i: results.append(
-                    post(
-                        url + "/v1/completions",
-                        {
-                            "model": model,
-                            "prompt": f"item {i}:",
-                            "max_tokens": 64,
-                            "ignore_eos": True,
-                        },
-                    )
-                )
-            )
-            for i in range(16)
-        ]
+        ttfts: dict[int, tuple[float, int]] = {}
+
+        def one(i: int) -> None:
+            body = {"model": model, "prompt": f"item {i}:", "max_tokens": 64, "ignore_eos": True}
+            if mode == "launch":
+                ttfts[i] = timed_completion(url, body)
+            else:
+                results.append(post(url + "/v1/completions", body))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
         dt = time.perf_counter() - t0
-        toks = sum(r["usage"]["completion_tokens"] for r in results)
-        print(f"   {len(results)} requests, {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tokens/s")
-        return 0 if len(results) == 16 else 1
+        if mode == "launch":
+            for i, (ttft, n) in sorted(ttfts.items()):
+                print(f"   request {i:2d}: ttft={1000 * ttft:7.1f} ms, {n} tokens")
+            done, toks = len(ttfts), sum(n for _, n in ttfts.values())
+        else:
+            done, toks = len(results), sum(r["usage"]["completion_tokens"] for r in results)
+        print(f"   {done} requests, {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tokens/s")
+        return 0 if done == 16 else 1
     finally:
-        stop(proc)
+        stop(proc, STOP_S[mode])
         print(f"== server stopped (exit code {proc.returncode})")
 
 

@@ -137,9 +137,13 @@ class WorkerApi:
             await resp.prepare(request)
             while not finished:
                 try:
-                    out = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.001))
+                    out = await asyncio.wait_for(
+                        queue.get(), max(deadline - time.monotonic(), 0.001)
+                    )
                 except TimeoutError:
-                    out = RequestOutput(rid, (), (), "error", "worker timed out waiting for its engine")
+                    out = RequestOutput(
+                        rid, (), (), "error", "worker timed out waiting for its engine"
+                    )
                 finished = out.finish_reason is not None
                 await resp.write(json.dumps(output_to_json(out)).encode() + b"\n")
             await resp.write_eof()

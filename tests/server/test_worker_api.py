@@ -9,26 +9,37 @@ from tests.procs import http
 
 
 def ndjson(url: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return [json.loads(line) for line in r if line.strip()]
 
 
 def test_generate_stream_ends_with_finish_reason(tiny_server):
-    lines = ndjson(tiny_server.url + "/generate", {
-        "request_id": "w1", "prompt_ids": [5, 6, 7],
-        "params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    lines = ndjson(
+        tiny_server.url + "/generate",
+        {
+            "request_id": "w1",
+            "prompt_ids": [5, 6, 7],
+            "params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert [ln["finish_reason"] for ln in lines][-1] == "length"
     assert sum(len(ln["token_ids"]) for ln in lines) == 4
     assert all(ln["finish_reason"] is None for ln in lines[:-1])
 
 
 def test_generate_rejects_bad_params_and_info(tiny_server):
-    status, body = http("POST", tiny_server.url + "/generate",
-                        {"request_id": "w2", "prompt_ids": [1], "params": {"top_p": 3}})
+    status, body = http(
+        "POST",
+        tiny_server.url + "/generate",
+        {"request_id": "w2", "prompt_ids": [1], "params": {"top_p": 3}},
+    )
     assert status == 400 and body["error"]["param"] == "top_p"
-    status, body = http("POST", tiny_server.url + "/generate",
-                        {"request_id": "w3", "prompt_ids": "x"})
+    status, body = http(
+        "POST", tiny_server.url + "/generate", {"request_id": "w3", "prompt_ids": "x"}
+    )
     assert status == 400 and body["error"]["param"] == "prompt_ids"
     status, info = http("GET", tiny_server.url + "/info")
     assert status == 200 and info["role"] == "colocated" and info["max_model_len"] == 1024

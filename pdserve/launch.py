@@ -1,0 +1,106 @@
+"""`pdserve launch`: start prefill/decode (or co-located) workers and a router on this machine.
+
+The command line only: it resolves the model once (the children share its directory), the
+thread count and the log directory, rebuilds the engine flags for the workers, and hands a
+LaunchConfig to the Launcher (runtime/launcher.py), which owns the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags of `serve` as given to `launch`, turned back into argv."""
+    from pdserve.cli import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for dest in vars(probe.parse_args([])):
+        value = getattr(args, dest)
+        if dest in ("model", "served_model_name") or value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    # The flags are rebuilt by naming convention; refuse to pass on anything that does not
+    # parse back to the same values.
+    back = vars(probe.parse_args(argv))
+    wrong = [
+        k
+        for k, v in back.items()
+        if k not in ("model", "served_model_name") and v != getattr(args, k)
+    ]
+    if wrong:
+        raise RuntimeError(f"launch cannot pass engine flags {wrong} on to its workers")
+    return tuple(argv)
+
+
+def add_launch_command(sub: Any) -> None:
+    """Register `launch` on the subparsers object of `pdserve`'s top-level parser."""
+    from pdserve.cli import add_engine_args  # not at the top: pdserve.cli imports us
+    from pdserve.router.policy import POLICIES
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "launch", help="start prefill/decode workers and a router on this machine"
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: co-located)")
+    p.add_argument("--decode", type=int, default=1, help="decode (or co-located) workers")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
+    p.add_argument("--backend", default="shm", choices=["shm", "tcp"], help="KV data plane")
+    p.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES))
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0: CPUs / number of workers)",
+    )
+    p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for every process to print READY",
+    )
+    p.add_argument(
+        "--on-worker-exit",
+        default="stop",
+        choices=["stop", "continue"],
+        help="a worker died: stop the cluster, or let the router route around it",
+    )
+    add_engine_args(p)
+    p.set_defaults(func=cmd_launch)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pdserve.model.builtin import resolve_model
+    from pdserve.runtime.launcher import LaunchConfig, Launcher
+
+    workers = args.prefill + args.decode
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"pdserve launch: logs in {log_dir}", flush=True)
+    cfg = LaunchConfig(
+        model_path=str(resolve_model(args.model)),
+        served_model_name=args.served_model_name or args.model,
+        prefill=args.prefill,
+        decode=args.decode,
+        threads=args.threads or max(1, (cpus or 1) // max(workers, 1)),
+        engine_flags=engine_flags(args),
+        log_dir=log_dir,
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        policy=args.policy,
+        log_level=args.log_level,
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+        on_worker_exit=args.on_worker_exit,
+    )
+    return Launcher(cfg).run()

@@ -1,0 +1,75 @@
+"""`pdserve router`: the OpenAI API in front of prefill/decode (or co-located) workers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pdserve.router.policy import POLICIES
+
+
+def add_router_command(sub: Any) -> None:
+    """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
+    r: argparse.ArgumentParser = sub.add_parser(
+        "router", help="route the OpenAI API over prefill/decode or co-located workers"
+    )
+    r.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill worker URLs (none: the --decode workers are co-located)",
+    )
+    r.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode worker URLs, or co-located worker URLs without --prefill",
+    )
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    r.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES))
+    r.add_argument(
+        "--model",
+        required=True,
+        help="builtin:NAME or a local model directory (the router needs its tokenizer)",
+    )
+    r.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients use (default: the workers' model name)",
+    )
+    r.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may live when the client gives no timeout",
+    )
+    r.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for every worker's /info at startup",
+    )
+    r.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    # Imported here so that `pdserve --help` does not pay for aiohttp and the tokenizer.
+    from pdserve.model.builtin import resolve_model
+    from pdserve.router.app import run_router
+    from pdserve.router.config import RouterConfig
+
+    cfg = RouterConfig(
+        decode_urls=tuple(u.rstrip("/") for u in args.decode),
+        prefill_urls=tuple(u.rstrip("/") for u in args.prefill),
+        model_path=str(resolve_model(args.model)),
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+    )
+    return run_router(cfg)

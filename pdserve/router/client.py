@@ -1,0 +1,157 @@
+"""The router's client for one worker's HTTP API (the contract is in pdserve/worker/api.py).
+
+Every call carries its own bounded timeout. A failure raises WorkerError, which names the
+worker and says what happened: the worker refused the connection, answered with an HTTP
+error, broke its stream, or did not answer in time. `connect=True` marks failures where the
+request never reached the worker, so it is safe to send it somewhere else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from pdserve.engine.request import RequestOutput, TokenLogprob
+
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+ERROR_BODY_LIMIT = 2000  # characters of a worker's error body worth quoting
+
+
+class WorkerError(Exception):
+    def __init__(self, url: str, what: str, connect: bool = False) -> None:
+        super().__init__(f"worker {url}: {what}")
+        self.url, self.what, self.connect = url, what, connect
+
+
+def output_from_json(request_id: str, d: Any) -> RequestOutput:
+    """The inverse of worker.api.output_to_json; ValueError on anything malformed."""
+    try:
+        finish = d["finish_reason"]
+        if finish is not None and finish not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {finish!r}")
+        error = d.get("error")
+        return RequestOutput(
+            request_id,
+            tuple(_int(t) for t in d["token_ids"]),
+            tuple(
+                TokenLogprob(_int(tid), float(lp), tuple((_int(t), float(v)) for t, v in top))
+                for tid, lp, top in d.get("logprobs") or ()
+            ),
+            finish,
+            None if error is None else str(error),
+            _int(d.get("num_prompt_tokens") or 0),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed output line {str(d)[:200]!r}: {e!r}") from e
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return v
+
+
+class WorkerClient:
+    def __init__(self, session: aiohttp.ClientSession, url: str, connect_timeout_s: float) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=total_s, sock_connect=min(self.connect_timeout_s, total_s)
+        )
+
+    async def get_json(self, path: str, timeout_s: float) -> Any:
+        """GET path; the parsed body of a 200, WorkerError for anything else."""
+        try:
+            async with self.session.get(self.url + path, timeout=self._timeout(timeout_s)) as r:
+                if r.status != 200:
+                    raise WorkerError(
+                        self.url, f"GET {path} answered HTTP {r.status}: {await _error_text(r)}"
+                    )
+                return await r.json(content_type=None)
+        except aiohttp.ClientConnectorError as e:
+            raise WorkerError(self.url, f"GET {path}: cannot connect: {e}", connect=True) from e
+        except TimeoutError as e:
+            raise WorkerError(self.url, f"GET {path}: no answer within {timeout_s:.1f}s") from e
+        except aiohttp.ClientError as e:
+            raise WorkerError(self.url, f"GET {path} failed: {e!r}") from e
+        except ValueError as e:
+            raise WorkerError(self.url, f"GET {path} answered with a body that is not JSON") from e
+
+    async def info(self, timeout_s: float) -> dict[str, Any]:
+        info = await self.get_json("/info", timeout_s)
+        if not isinstance(info, dict):
+            raise WorkerError(self.url, f"GET /info answered {str(info)[:200]!r}, not an object")
+        return info
+
+    async def health(self, timeout_s: float) -> None:
+        await self.get_json("/health", timeout_s)
+
+    async def abort(self, request_id: str, timeout_s: float) -> None:
+        body = {"request_id": request_id}
+        try:
+            async with self.session.post(
+                self.url + "/abort", json=body, timeout=self._timeout(timeout_s)
+            ) as r:
+                if r.status != 200:
+                    raise WorkerError(
+                        self.url, f"POST /abort answered HTTP {r.status}: {await _error_text(r)}"
+                    )
+        except TimeoutError as e:
+            raise WorkerError(self.url, f"POST /abort: no answer within {timeout_s:.1f}s") from e
+        except aiohttp.ClientError as e:
+            raise WorkerError(self.url, f"POST /abort failed: {e!r}") from e
+
+    async def generate(
+        self, body: dict[str, Any], timeout_s: float
+    ) -> AsyncIterator[RequestOutput]:
+        """POST /generate and yield its outputs; the last one yielded carries a finish_reason.
+
+        Anything short of that (HTTP error, broken or malformed stream, no end within
+        timeout_s) raises WorkerError. Closing the generator early closes the connection,
+        which the worker takes as an abort.
+        """
+        rid = str(body["request_id"])
+        try:
+            async with self.session.post(
+                self.url + "/generate", json=body, timeout=self._timeout(timeout_s)
+            ) as r:
+                if r.status != 200:
+                    raise WorkerError(
+                        self.url, f"POST /generate answered HTTP {r.status}: {await _error_text(r)}"
+                    )
+                async for raw in r.content:
+                    if not raw.strip():
+                        continue
+                    out = output_from_json(rid, json.loads(raw))
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+            raise WorkerError(self.url, "the /generate stream ended without a finish_reason")
+        except aiohttp.ClientConnectorError as e:
+            raise WorkerError(self.url, f"POST /generate: cannot connect: {e}", connect=True) from e
+        except TimeoutError as e:
+            raise WorkerError(
+                self.url, f"POST /generate: the stream did not finish within {timeout_s:.1f}s"
+            ) from e
+        except aiohttp.ClientError as e:
+            raise WorkerError(self.url, f"POST /generate: the connection failed: {e!r}") from e
+        except ValueError as e:  # json.JSONDecodeError, a malformed line, a line over the limit
+            raise WorkerError(self.url, f"POST /generate sent a bad stream: {e}") from e
+
+
+async def _error_text(r: aiohttp.ClientResponse) -> str:
+    """The worker's error message, from an OpenAI-style body when there is one."""
+    try:
+        text = (await r.text())[:ERROR_BODY_LIMIT]
+    except (aiohttp.ClientError, UnicodeDecodeError) as e:
+        return f"(unreadable body: {e!r})"
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text

@@ -1,0 +1,258 @@
+"""The launcher: a whole cluster on this machine — N prefill + M decode workers + a router.
+
+Startup: start every worker on port 0, wait for all their READY lines (the barrier, bounded
+by the startup timeout), then start the router over their URLs and wait for its READY.
+Print the process table and `READY <router url>` last, so whoever reads our stdout has the
+table once it sees READY; the same table goes to LOG_DIR/cluster.json.
+Run: sleep until a stop signal or a child's exit wakes us (SIGCHLD), with a bounded wait.
+Stop: the router first (no new request reaches a worker that is going away), then the
+workers: SIGTERM, a bounded wait, SIGKILL. Any failure stops what was started and exits
+non-zero, naming the child and quoting its log. Children die with us even on SIGKILL
+(see runtime/child.py). Signal handlers are process-wide: run one Launcher per process,
+from the main thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from pdserve.runtime.child import Child, ChildFailed
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # the startup barrier's look at the logs; far below any startup time
+WAKE_S = 1.0  # the run loop's bound on a missed wake-up
+WORKER_HOST = "127.0.0.1"  # only the router talks to the workers, from this machine
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model_path: str  # resolved once here; every child gets the same directory
+    served_model_name: str
+    prefill: int
+    decode: int
+    threads: int  # torch threads per worker, resolved from the CPU count when not given
+    engine_flags: tuple[str, ...]  # the `serve` engine flags to pass on, --model excluded
+    log_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "shm"
+    policy: str = "least-outstanding"
+    log_level: str = "INFO"
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0  # per phase (router, workers) before SIGKILL
+    on_worker_exit: str = "stop"  # stop | continue (the router routes around a dead worker)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError(
+                f"need --prefill >= 0 and --decode >= 1, got {self.prefill}, {self.decode}"
+            )
+        if self.threads < 1 or self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError(f"threads and timeouts must be positive: {self}")
+        if self.on_worker_exit not in ("stop", "continue"):
+            raise ValueError(f"on_worker_exit must be stop or continue, got {self.on_worker_exit}")
+
+
+def _flags(opts: dict[str, str]) -> list[str]:
+    return [x for kv in opts.items() for x in kv]
+
+
+def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every worker; co-located workers when there is no prefill pool."""
+    base = [sys.executable, "-m", "pdserve", "--log-level", cfg.log_level, "serve"]
+    common = _flags(
+        {
+            "--host": WORKER_HOST,
+            "--port": "0",
+            "--backend": cfg.backend,
+            "--threads": str(cfg.threads),
+            "--model": cfg.model_path,
+            "--served-model-name": cfg.served_model_name,
+        }
+    )
+    roles = [("prefill", i) for i in range(cfg.prefill)]
+    roles += [("decode" if cfg.prefill else "colocated", i) for i in range(cfg.decode)]
+    out = []
+    for role, i in roles:
+        extra = ["--control-port", "0"] if role == "prefill" else []
+        argv = [*base, "--role", role, *common, *cfg.engine_flags, *extra]
+        out.append((f"{role}-{i}", argv))
+    return out
+
+
+def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "pdserve", "--log-level", cfg.log_level, "router"]
+    argv += ["--decode", *decode_urls]
+    if prefill_urls:
+        argv += ["--prefill", *prefill_urls]
+    return argv + _flags(
+        {
+            "--host": cfg.host,
+            "--port": str(cfg.port),
+            "--policy": cfg.policy,
+            "--model": cfg.model_path,
+            "--served-model-name": cfg.served_model_name,
+            "--request-timeout": str(cfg.request_timeout_s),
+            "--startup-timeout": str(cfg.startup_timeout_s),
+        }
+    )
+
+
+class Launcher:
+    def __init__(self, cfg: LaunchConfig, out: TextIO = sys.stdout) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+        self._signal: int | None = None
+        self._wake = threading.Event()  # set by SIGINT/SIGTERM/SIGCHLD handlers
+
+    @property
+    def children(self) -> list[Child]:
+        return ([self.router] if self.router else []) + self.workers
+
+    def run(self) -> int:
+        """Start, serve until told to stop or a child dies, stop everything; the exit code."""
+        previous = {
+            s: signal.signal(s, self._on_signal)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
+        }
+        try:
+            try:
+                self._start()
+            except ChildFailed as e:
+                log.error("pdserve launch: startup failed: %s", e)
+                if e.child is not None:
+                    log.error("last lines of %s:\n%s", e.child.log_path, e.child.log_tail())
+                return 1
+            code = self._supervise()
+        finally:
+            stuck = self._stop_all()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 1 if stuck else code
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum != signal.SIGCHLD and self._signal is None:
+            self._signal = signum
+        self._wake.set()
+
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        for name, argv in worker_argvs(self.cfg):
+            self.workers.append(self._spawn(name, argv))
+        self._barrier(self.workers, deadline)
+        urls = {c.name: str(c.url) for c in self.workers}
+        self.router = self._spawn(
+            "router",
+            router_argv(
+                self.cfg,
+                [u for n, u in urls.items() if n.startswith("prefill")],
+                [u for n, u in urls.items() if not n.startswith("prefill")],
+            ),
+        )
+        self._barrier([self.router], deadline)
+        self._announce(self.router)
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.cfg.log_dir / f"{name}.log")
+        child.start()  # from the main thread: PDEATHSIG is tied to the forking thread
+        log.info("started %s (pid %d)", name, child.pid)
+        return child
+
+    def _barrier(self, children: list[Child], deadline: float) -> None:
+        while not all([c.check_ready() for c in children]):  # list: check every child
+            if self._signal is not None:
+                raise ChildFailed(f"interrupted by signal {self._signal} during startup")
+            if time.monotonic() > deadline:
+                late = [c for c in children if c.url is None]
+                raise ChildFailed(
+                    f"{', '.join(f'{c.name} (pid {c.pid})' for c in late)} printed no READY "
+                    f"line within --startup-timeout {self.cfg.startup_timeout_s:.0f}s",
+                    late[0],
+                )
+            time.sleep(POLL_S)
+
+    def _announce(self, router: Child) -> None:
+        rows = [(c.name, c.pid, c.url, str(c.log_path)) for c in [*self.workers, router]]
+        table = self.cfg.log_dir / "cluster.json"
+        table.write_text(
+            json.dumps(
+                {
+                    "url": router.url,
+                    "launcher_pid": os.getpid(),
+                    "processes": [
+                        dict(zip(("name", "pid", "url", "log"), r, strict=True)) for r in rows
+                    ],
+                },
+                indent=1,
+            )
+        )
+        print(f"pdserve launch: cluster up ({table})", file=self.out)
+        print(f"  {'NAME':<12} {'PID':>8}  {'URL':<26} LOG", file=self.out)
+        for name, pid, url, path in rows:
+            print(f"  {name:<12} {pid:>8}  {url:<26} {path}", file=self.out)
+        print(f"READY {router.url}", file=self.out, flush=True)
+
+    def _supervise(self) -> int:
+        reported: set[str] = set()
+        while True:
+            self._wake.clear()  # before looking, so a wake-up during the look is not lost
+            if self._signal is not None:
+                log.info("signal %d: stopping the cluster", self._signal)
+                return 0
+            for c in self.children:
+                code = c.poll()
+                if code is None or c.name in reported:
+                    continue
+                reported.add(c.name)
+                log.error(
+                    "!!! %s (pid %d) exited unexpectedly with code %d; last lines of %s:\n%s",
+                    c.name,
+                    c.pid,
+                    code,
+                    c.log_path,
+                    c.log_tail(),
+                )
+                if c is self.router or self.cfg.on_worker_exit == "stop":
+                    log.error("!!! stopping the cluster because %s died", c.name)
+                    return 1
+            if all(c.poll() is not None for c in self.workers):
+                log.error("!!! every worker has exited; stopping the cluster")
+                return 1
+            self._wake.wait(WAKE_S)
+
+    def _stop_all(self) -> bool:
+        """Router first, then every worker; True if some child needed SIGKILL."""
+        stuck = False
+        for group in ([self.router] if self.router else [], self.workers):
+            for c in group:
+                c.signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.stop_timeout_s
+            for c in group:
+                if c.wait(deadline - time.monotonic()) is None:
+                    log.error(
+                        "%s (pid %d) did not stop within %.0fs; SIGKILL",
+                        c.name,
+                        c.pid,
+                        self.cfg.stop_timeout_s,
+                    )
+                    c.kill()
+                    stuck = True
+        if self.children:
+            log.info(
+                "cluster stopped: %s",
+                ", ".join(f"{c.name} exited {c.poll()}" for c in self.children),
+            )
+        return stuck

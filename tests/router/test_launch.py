@@ -1,0 +1,181 @@
+"""`pdserve launch`: argv plans (pure), the startup barrier, and no orphan on any stop."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.launch import engine_flags
+from pdserve.runtime.launcher import LaunchConfig, router_argv, worker_argvs
+from tests.procs import LaunchedCluster, wait_gone
+
+
+def config(**kw: object) -> LaunchConfig:
+    base: dict[str, object] = dict(
+        model_path="/m",
+        served_model_name="tiny",
+        prefill=1,
+        decode=2,
+        threads=3,
+        engine_flags=("--page-size", "32"),
+        log_dir=Path("/tmp/x"),
+        backend="tcp",
+    )
+    return LaunchConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_worker_and_router_argv_follow_the_topology():
+    plan = dict(worker_argvs(config()))
+    assert list(plan) == ["prefill-0", "decode-0", "decode-1"]
+    p = plan["prefill-0"]
+    assert p[1:6] == ["-m", "pdserve", "--log-level", "INFO", "serve"]
+    for flag, value in [
+        ("--role", "prefill"),
+        ("--port", "0"),
+        ("--control-port", "0"),
+        ("--backend", "tcp"),
+        ("--threads", "3"),
+        ("--model", "/m"),
+        ("--served-model-name", "tiny"),
+        ("--page-size", "32"),
+        ("--host", "127.0.0.1"),
+    ]:
+        assert p[p.index(flag) + 1] == value, flag
+    assert plan["decode-1"][plan["decode-1"].index("--role") + 1] == "decode"
+    assert "--control-port" not in plan["decode-0"]
+    colo = dict(worker_argvs(config(prefill=0)))
+    assert list(colo) == ["colocated-0", "colocated-1"]
+    r = router_argv(config(port=0, policy="round-robin"), ["http://p"], ["http://d0", "http://d1"])
+    assert r[r.index("--decode") + 1 : r.index("--decode") + 3] == ["http://d0", "http://d1"]
+    assert r[r.index("--prefill") + 1] == "http://p" and r[r.index("--policy") + 1] == "round-robin"
+    assert "--prefill" not in router_argv(config(prefill=0), [], ["http://d0"])
+    with pytest.raises(ValueError, match="--decode >= 1"):
+        config(decode=0)
+
+
+def test_engine_flags_are_passed_on_as_given():
+    args = build_parser().parse_args(
+        [
+            "launch",
+            "--model",
+            "builtin:tiny",
+            "--max-model-len",
+            "1024",
+            "--kv-budget-mb",
+            "16",
+            "--dtype",
+            "float32",
+        ]
+    )
+    flags = engine_flags(args)
+    assert "--model" not in flags and "--served-model-name" not in flags
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert pairs["--max-model-len"] == "1024" and pairs["--kv-budget-mb"] == "16.0"
+    assert pairs["--dtype"] == "float32" and pairs["--page-size"] == "16"
+    serve = build_parser().parse_args(["serve", *flags])
+    assert (serve.max_model_len, serve.kv_budget_mb, serve.dtype) == (1024, 16.0, "float32")
+
+
+def started_pids(output: str) -> list[int]:
+    return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", output)]
+
+
+def test_startup_failure_names_the_worker_and_stops_everything(tmp_path):
+    empty = tmp_path / "no-model"  # a directory without config.json: `serve` exits with 2
+    empty.mkdir()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "launch",
+            "--prefill",
+            "0",
+            "--decode",
+            "2",
+            "--model",
+            str(empty),
+            "--threads",
+            "1",
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--startup-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    pids = started_pids(out)
+    assert len(pids) == 2, out
+    assert wait_gone(pids, 10.0) == []
+    assert proc.returncode == 1, out
+    assert re.search(r"startup failed: colocated-[01] \(pid \d+\) exited with code 2", out), out
+    assert "  | pdserve serve: error:" in out and "config.json" in out  # the child's own words
+    assert not re.search(r"^READY", out, re.M) and "started router" not in out
+
+
+def flags(tiny_dir: Path) -> list[str]:
+    return [
+        "--model",
+        str(tiny_dir),
+        "--kv-budget-mb",
+        "16",
+        "--max-model-len",
+        "256",
+        "--threads",
+        "1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def clusters(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LaunchedCluster, LaunchedCluster]]:
+    """Two one-worker clusters, started side by side: one to SIGTERM, one to SIGKILL."""
+    logs = tmp_path_factory.mktemp("launch")
+    a = LaunchedCluster(["launch", "--prefill", "0", "--decode", "1", *flags(tiny_dir)], logs / "a")
+    b = LaunchedCluster(["launch", "--prefill", "0", "--decode", "1", *flags(tiny_dir)], logs / "b")
+    try:
+        a.start()
+        b.start()
+        yield a.wait_ready(), b.wait_ready()
+    finally:
+        a.__exit__()
+        b.__exit__()
+
+
+def test_sigterm_stops_every_child(clusters):
+    c = clusters[0]
+    pids = c.child_pids
+    assert len(pids) == 2 and set(c.processes) == {"colocated-0", "router"}
+    assert c.proc is not None
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(30) == 0
+    assert wait_gone(pids, 5.0) == []
+    log = c.log()
+    assert "stopping the cluster" in log and "router exited 0, colocated-0 exited 0" in log
+
+
+def test_sigkill_of_the_launcher_takes_its_children_down(clusters):
+    c = clusters[1]
+    pids = c.child_pids
+    assert len(pids) == 2 and c.proc is not None
+    c.proc.kill()  # no handler runs: only PR_SET_PDEATHSIG can stop the children now
+    c.proc.wait(10)
+    assert wait_gone(pids, 10.0) == []
