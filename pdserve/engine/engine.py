@@ -303,6 +303,7 @@ class Engine:
                 "request_id": r.request_id,
                 "state": r.status.value,
                 "time_in_state_s": round(now - r.state_since, 3),
+                "deadline_in_s": None if r.deadline is None else round(r.deadline - now, 3),
                 "age_s": round(now - r.arrival, 3),
                 "prompt_tokens": len(r.prompt_ids),
                 "output_tokens": len(r.output_ids),

@@ -382,6 +382,7 @@ class DecodeEngine(Engine):
                     "request_id": r.request.request_id,
                     "pages": len(r.request.pages),
                     "time_in_state_s": round(now - r.since, 3),
+                    "deadline_in_s": round(r.deadline - now, 3),
                 }
                 for r in self.rooms.values()
             ],

@@ -304,6 +304,7 @@ class PrefillEngine(Engine):
                     "epoch": r.epoch,
                     "state": r.state.value,
                     "time_in_state_s": round(now - r.since, 3),
+                    "deadline_in_s": round(r.deadline - now, 3),
                     "pages_written": r.pages_written,
                 }
                 for r in self.rooms.values()
