@@ -1,10 +1,10 @@
-"""`make run`: start a co-located server on the built-in model, talk to it, stop it.
+"""`make run`: start a PD cluster on the built-in model, talk to it, stop it.
 
-Prints each answer, the time to first token and the tokens/s, then stops the server by its
-pid (SIGTERM, then SIGKILL after a bound) whatever happened.
-
-PDSERVE_DEMO_MODE=launch starts `pdserve launch --prefill 1 --decode 1` (a router over one
-prefill and one decode worker) instead, and also prints each concurrent request's TTFT.
+By default (PDSERVE_DEMO_MODE=launch) it starts `pdserve launch --prefill 1 --decode 1` (a
+router over one prefill and one decode worker), sends streaming and non-streaming requests,
+prints the answers, each concurrent request's TTFT, the tokens/s and the KV bytes moved from
+prefill to decode. PDSERVE_DEMO_MODE=serve does the same against one co-located server.
+Everything started is stopped by its pid (SIGTERM, then SIGKILL after a bound).
 """
 
 from __future__ import annotations
@@ -96,9 +96,26 @@ def timed_completion(url: str, body: dict[str, Any]) -> tuple[float, int]:
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
+def print_transfer(url: str) -> None:
+    """KV bytes the prefill workers wrote into decode workers' pages, from /debug/cluster."""
+    with urllib.request.urlopen(url + "/debug/cluster", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    for wurl, w in sorted(workers.items()):
+        stats = ((w.get("state") or {}).get("engine") or {}).get("role", {}).get("stats")
+        if stats is None:
+            continue
+        if w["role"] == "prefill":
+            print(
+                f"   prefill {wurl}: {stats['done']} prefills, "
+                f"{stats['bytes_written'] / 2**20:.2f} MiB of KV written to decode workers"
+            )
+        else:
+            print(f"   decode  {wurl}: {stats['bytes_acked'] / 2**20:.2f} MiB of KV acknowledged")
+
+
 def main() -> int:
     model = os.environ.get("PDSERVE_MODEL", "builtin:tiny")
-    mode = os.environ.get("PDSERVE_DEMO_MODE", "serve")
+    mode = os.environ.get("PDSERVE_DEMO_MODE", "launch")
     if mode not in STOP_S:
         raise SystemExit(f"PDSERVE_DEMO_MODE must be serve or launch, got {mode!r}")
     cmd = ["serve"] if mode == "serve" else ["launch", "--prefill", "1", "--decode", "1"]
@@ -159,6 +176,8 @@ def main() -> int:
         else:
             done, toks = len(results), sum(r["usage"]["completion_tokens"] for r in results)
         print(f"   {done} requests, {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tokens/s")
+        if mode == "launch":
+            print_transfer(url)
         return 0 if done == 16 else 1
     finally:
         stop(proc, STOP_S[mode])
