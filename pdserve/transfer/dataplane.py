@@ -57,7 +57,11 @@ class TcpWriter:
     def write(
         self, room: int, epoch: int, src: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]
     ) -> int:
-        frames = tuple(src.data[:, :, p].contiguous().cpu().numpy().tobytes() for p in src_pages)
+        # Raw bytes via a uint8 view: numpy has no bfloat16.
+        frames = tuple(
+            src.data[:, :, p].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            for p in src_pages
+        )
         self.control.send(
             self.peer,
             KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=list(dst_pages)),
