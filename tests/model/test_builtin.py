@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.model import builtin
+from pdserve.model import builtin, builtin_weights
 from pdserve.model.builtin import BUILTIN_NAMES, make_model, resolve_model
 
 SMALL = ("tiny", "qwen2-tiny", "qwen3-tiny")
@@ -106,14 +106,14 @@ def test_qwen3_tiny_head_dim_differs_from_hidden_over_heads(built: Path) -> None
 
 
 def test_random_values_have_the_requested_scale() -> None:
-    init = builtin._Init((1000, 1000), std=0.5, mean=1.0)
-    x = builtin._random_tensor("scale-check", init, torch.float32)
+    init = builtin_weights._Init((1000, 1000), std=0.5, mean=1.0)
+    x = builtin_weights._random_tensor("scale-check", init, torch.float32)
     assert abs(x.mean().item() - 1.0) < 0.005
     assert abs(x.std().item() - 0.5) < 0.005
     assert x.abs().sub(1.0).abs().max().item() < 0.5 * 3.5  # Irwin-Hall(4) is bounded
-    again = builtin._random_tensor("scale-check", init, torch.float32)
+    again = builtin_weights._random_tensor("scale-check", init, torch.float32)
     assert torch.equal(x, again)
-    assert not torch.equal(x, builtin._random_tensor("other-name", init, torch.float32))
+    assert not torch.equal(x, builtin_weights._random_tensor("other-name", init, torch.float32))
 
 
 @pytest.mark.parametrize("name", SMALL)

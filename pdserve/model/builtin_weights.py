@@ -1,0 +1,148 @@
+"""Deterministic random weights for the built-in models, written as safetensors.
+
+Each tensor is drawn from numpy's PCG64 seeded by SHA-256 of "model/tensor name" (never
+torch.randn, whose vectorised code differs by CPU), so the bytes are the same on every machine
+and Python version. The scales make greedy decoding clearly peaked (see test_builtin).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from pdserve.model.builtin import BuiltinSpec
+
+
+def write_json(path: Path, obj: dict[str, object]) -> None:
+    """Stable bytes: sorted keys, fixed indent, UTF-8."""
+    path.write_text(
+        json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
+# Chosen by measuring greedy decoding of the tiny models with HF transformers: top-1 vs top-2
+# logit gaps stay above ~0.01 while outputs still vary with the prompt (test_builtin checks).
+_LOGIT_STD = 18.0
+# With tied embeddings the logit of the last input token gets |embedding|^2 for free, so the
+# residual branches must outweigh the embedding or greedy decoding just repeats that token.
+_TIED_RESIDUAL_GAIN = 6.0
+
+
+@dataclass(frozen=True)
+class _Init:
+    shape: tuple[int, ...]
+    std: float
+    mean: float = 0.0
+
+
+def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
+    h, q, kv, ff = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.intermediate_size,
+    )
+    p = f"model.layers.{i}."
+    # 1/sqrt(fan_in) keeps a projection's output at unit scale; see _TIED_RESIDUAL_GAIN for
+    # the two that write into the residual stream.
+    gain = _TIED_RESIDUAL_GAIN if spec.tie_word_embeddings else 1.0
+    inits = {
+        p + "self_attn.q_proj.weight": _Init((q, h), h**-0.5),
+        p + "self_attn.k_proj.weight": _Init((kv, h), h**-0.5),
+        p + "self_attn.v_proj.weight": _Init((kv, h), h**-0.5),
+        p + "self_attn.o_proj.weight": _Init((h, q), gain * q**-0.5),
+        p + "mlp.gate_proj.weight": _Init((ff, h), h**-0.5),
+        p + "mlp.up_proj.weight": _Init((ff, h), h**-0.5),
+        p + "mlp.down_proj.weight": _Init((h, ff), gain * ff**-0.5),
+        p + "input_layernorm.weight": _Init((h,), 0.05, 1.0),
+        p + "post_attention_layernorm.weight": _Init((h,), 0.05, 1.0),
+    }  # fmt: skip
+    if spec.qkv_bias:
+        for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+            inits[p + f"self_attn.{proj}_proj.bias"] = _Init((rows,), 0.2)
+    if spec.qk_norm:
+        for proj in ("q", "k"):
+            inits[p + f"self_attn.{proj}_norm.weight"] = _Init((spec.head_dim,), 0.05, 1.0)
+    return inits
+
+
+def _shard_inits(spec: BuiltinSpec) -> list[dict[str, _Init]]:
+    """Tensor inits grouped by shard: embeddings with the first layers, the head with the last."""
+    # Logit std ~ 18 whatever the width: peaked next-token distributions, so greedy decoding
+    # rarely meets a near-tie that float rounding could flip between implementations.
+    head_std = _LOGIT_STD / math.sqrt(spec.hidden_size)
+    per_shard = spec.num_layers // spec.num_shards
+    shards: list[dict[str, _Init]] = [{} for _ in range(spec.num_shards)]
+    shards[0]["model.embed_tokens.weight"] = _Init((spec.vocab_size, spec.hidden_size), head_std)
+    for i in range(spec.num_layers):
+        shards[i // per_shard].update(_layer_inits(spec, i))
+    shards[-1]["model.norm.weight"] = _Init((spec.hidden_size,), 0.05, 1.0)
+    if not spec.tie_word_embeddings:
+        shards[-1]["lm_head.weight"] = _Init((spec.vocab_size, spec.hidden_size), head_std)
+    return shards
+
+
+def write_weights(spec: BuiltinSpec, out_dir: Path) -> None:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    shards = _shard_inits(spec)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for k, inits in enumerate(shards, start=1):
+        filename = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {
+            n: _random_tensor(f"{spec.name}/{n}", init, dtype) for n, init in sorted(inits.items())
+        }
+        save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, filename))
+        del tensors  # one shard in memory at a time
+    if len(shards) > 1:
+        write_json(
+            out_dir / "model.safetensors.index.json",
+            {"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+        )
+
+
+_CHUNK = 1 << 22  # values per numpy step: bounds the temporaries to a few 16 MiB arrays
+_BYTE_MASK = np.uint32(0x00FF00FF)
+# Sum of four uniform bytes: mean 4 * 127.5, variance 4 * (256**2 - 1) / 12.
+_SUM4_MEAN = np.float32(510.0)
+_SUM4_STD = math.sqrt(4 * (256**2 - 1) / 12)
+
+
+def _random_tensor(key: str, init: _Init, dtype: torch.dtype) -> torch.Tensor:
+    """Approximately N(mean, std^2) values (Irwin-Hall of four bytes, within +-3.45 std),
+    bit-identical on every platform (see module doc)."""
+    seed = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little")
+    bits = np.random.PCG64(seed)
+    n = math.prod(init.shape)
+    scale = np.float32(init.std / _SUM4_STD)
+    mean = np.float32(init.mean)
+    out = np.empty(n, dtype=np.float32)
+    for start in range(0, n, _CHUNK):
+        count = min(_CHUNK, n - start)
+        # "<u4" fixes which half of each 64-bit draw comes first, whatever the host byte order.
+        words = bits.random_raw((count + 1) // 2).astype("<u8", copy=False).view("<u4")[:count]
+        # SWAR: add the bytes pairwise inside the word, then the two 16-bit halves.
+        pairs = words & _BYTE_MASK
+        pairs += (words >> np.uint32(8)) & _BYTE_MASK
+        sums = (pairs & np.uint32(0xFFFF)) + (pairs >> np.uint32(16))
+        values = out[start : start + count]
+        values[:] = sums  # exact: sums <= 1020
+        values -= _SUM4_MEAN
+        values *= scale
+        values += mean
+    return torch.from_numpy(out).reshape(init.shape).to(dtype)
