@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -74,6 +72,8 @@ class ServerConfig:
 
 
 def resolve_device(name: str) -> str:
+    import torch  # here, not at module level: `pdserve doctor` and `bench` never need torch
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -35,14 +35,30 @@ def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
     )
 
 
-def map_shared(path: Path, layout: KVLayout, num_pages: int, create: bool) -> torch.Tensor:
-    """A pool tensor backed by a file in /dev/shm (created zeroed, or attached by a peer)."""
+def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, int]:
+    """A zeroed pool in shared memory that no name on disk outlives.
+
+    The file is unlinked as soon as it is mapped; peers open it through
+    /proc/<our pid>/fd/<fd>, so the memory goes away with the last process that maps it,
+    even when this one is SIGKILLed. Returns the tensor and the open fd.
+    """
     nbytes = num_pages * layout.bytes_per_page_all_layers
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
+        os.ftruncate(fd, nbytes)
+        buf = mmap.mmap(fd, nbytes)
+    finally:
+        path.unlink()
+    return torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages)), fd
+
+
+def map_shared(path: Path, layout: KVLayout, num_pages: int) -> torch.Tensor:
+    """Attach a peer's shared pool by the path it advertised."""
+    nbytes = num_pages * layout.bytes_per_page_all_layers
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, layout implies {nbytes}")
         buf = mmap.mmap(fd, nbytes)
     finally:
@@ -62,12 +78,13 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
-        self.shm_path: Path | None = None
+        self.shm_path: Path | None = None  # where a peer opens the shared pool
+        self._shm_fd: int | None = None
         if shared:
             if device.type != "cpu":
                 raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
-            self.shm_path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self.data = map_shared(self.shm_path, layout, num_pages, create=True)
+            self.data, self._shm_fd = create_shared(layout, num_pages)
+            self.shm_path = Path(f"/proc/{os.getpid()}/fd/{self._shm_fd}")
         else:
             self.data = torch.zeros(
                 pool_shape(layout, num_pages), dtype=layout.torch_dtype, device=device
@@ -75,9 +92,10 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
 
     def close(self) -> None:
-        """Unlink the shared segment (peers that mapped it keep their mapping)."""
-        if self.shm_path is not None:
-            self.shm_path.unlink(missing_ok=True)
+        """Stop offering the shared pool to new peers (mappings stay valid until dropped)."""
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
             self.shm_path = None
 
     @property

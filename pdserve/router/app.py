@@ -29,6 +29,7 @@ from pdserve.router.health import CANARY_PARAMS, HealthMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
+from pdserve.runtime.ready import announce_ready
 from pdserve.server.openai_api import OpenAIApi
 
 log = logging.getLogger(__name__)
@@ -170,10 +171,10 @@ class Router:
                 self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_S
             )
             await runner.setup()
-            site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+            site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=1024)
             await site.start()
             port = runner.addresses[0][1]
-            print(f"READY http://{self.cfg.host}:{port}", flush=True)
+            announce_ready(f"http://{self.cfg.host}:{port}")
             log.info(
                 "routing %s over %d decode and %d prefill workers (%s) on http://%s:%d",
                 self.api.model_name,

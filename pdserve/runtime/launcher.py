@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pdserve.runtime.child import Child, ChildFailed
+from pdserve.runtime.ready import announce_ready
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class Launcher:
         print(f"  {'NAME':<12} {'PID':>8}  {'URL':<26} LOG", file=self.out)
         for name, pid, url, path in rows:
             print(f"  {name:<12} {pid:>8}  {url:<26} {path}", file=self.out)
-        print(f"READY {router.url}", file=self.out, flush=True)
+        announce_ready(str(router.url), self.out)
 
     def _supervise(self) -> int:
         reported: set[str] = set()

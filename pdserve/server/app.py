@@ -23,6 +23,7 @@ from pdserve.config import ServerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg
+from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.server.openai_api import OpenAIApi
 from pdserve.transfer.control import Control, Inbound
@@ -173,11 +174,11 @@ class Server:
             self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=1024)
         await site.start()
         port = runner.addresses[0][1]
         if self.fatal is None:  # never announce a process that is already dying
-            print(f"READY http://{self.cfg.host}:{port}", flush=True)
+            announce_ready(f"http://{self.cfg.host}:{port}")
         log.info("serving %s on http://%s:%d", self.cfg.engine.model.name, self.cfg.host, port)
         await self._stop_event.wait()
         log.info("shutting down%s", f" (fatal: {self.fatal})" if self.fatal else "")

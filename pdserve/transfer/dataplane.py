@@ -38,7 +38,7 @@ class PeerWriter(Protocol):
 class ShmWriter:
     def __init__(self, shm_path: str, layout: KVLayout, num_pages: int) -> None:
         self.num_pages = num_pages
-        self.dst = map_shared(Path(shm_path), layout, num_pages, create=False)
+        self.dst = map_shared(Path(shm_path), layout, num_pages)
 
     def write(
         self, room: int, epoch: int, src: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]

@@ -69,6 +69,7 @@ class DRoom:
     first_logprob: TokenLogprob | None = None
     reason: str = ""
     write_deadline: float = 0.0  # unix time after which P may not write (sent to P)
+    bytes_received: int = 0  # tcp: KV bytes that arrived for this room
 
 
 class DecodeEngine(Engine):
@@ -146,6 +147,13 @@ class DecodeEngine(Engine):
             case m.PrefillReject(reason=reason):
                 self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
             case m.PrefillDone():
+                if self.backend == "tcp" and room.bytes_received != msg.kv_bytes:
+                    # Pages travel through us on tcp: never decode on KV we did not receive.
+                    return self._apply(
+                        room,
+                        DEvent.FAILED,
+                        (f"incomplete KV: received {room.bytes_received} of {msg.kv_bytes} bytes"),
+                    )
                 room.first_token = msg.first_token
                 self.stats.bytes_acked += msg.kv_bytes
                 if msg.first_logprob is not None:
@@ -166,7 +174,9 @@ class DecodeEngine(Engine):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
         try:
-            self.stats.bytes_written += receive_chunk(self.pool, msg.dst_pages, frames)
+            moved = receive_chunk(self.pool, msg.dst_pages, frames)
+            self.stats.bytes_written += moved
+            room.bytes_received += moved
         except ValueError as e:
             self._apply(room, DEvent.FAILED, f"bad KV chunk: {e}")
 
@@ -282,6 +292,7 @@ class DecodeEngine(Engine):
             case Cmd.START_DECODE:
                 assert room.first_token is not None  # set with the DONE event
                 FAULTS.hit("d.start_decode")
+                self.stats.done += 1
                 req.num_computed = len(req.prompt_ids)
                 self.scheduler.adopt(req)
                 self.on_token(

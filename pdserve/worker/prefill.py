@@ -74,6 +74,9 @@ class PrefillEngine(Engine):
     def handle_other(self, cmd: object) -> None:
         if isinstance(cmd, SendFailed):
             self.stats.send_failed += 1
+            lost = self.rooms.get((cmd.peer, cmd.msg.room))
+            if isinstance(cmd.msg, m.KVChunk) and lost is not None and lost.epoch == cmd.msg.epoch:
+                self._apply(lost, PEvent.WRITE_FAILED, f"KV chunk not sent: {cmd.why}")
             return
         if not isinstance(cmd, Inbound):
             raise TypeError(f"prefill inbox: unexpected {type(cmd).__name__}")

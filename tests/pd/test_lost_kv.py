@@ -1,0 +1,62 @@
+"""tcp backend: a decode worker never decodes on KV it did not receive.
+
+Every KVChunk is dropped on arrival (a fault point), so each PrefillDone reports more bytes
+than arrived: the request must fail with an error naming the shortfall — never stream tokens
+computed on incomplete KV — and the pages must come back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+from tests.pd.conftest import CHUNK, PD
+from tests.procs import ServerProcess
+from tests.procs import http as call
+
+
+def test_dropped_kv_chunks_fail_the_request(tiny_dir, tmp_path):
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--threads",
+        "1",
+        "--kv-budget-mb",
+        "8",
+        "--max-model-len",
+        "1024",
+        "--max-batched-tokens",
+        str(CHUNK),
+        "--backend",
+        "tcp",
+    ]
+    saved = os.environ.pop("PDSERVE_FAULTS", None)
+    with ServerProcess(["serve", "--role", "prefill", *common], tmp_path / "p.log") as p:
+        os.environ["PDSERVE_FAULTS"] = "control.recv.KVChunk=drop"
+        try:
+            d = ServerProcess(["serve", "--role", "decode", *common], tmp_path / "d.log")
+            d.__enter__()
+        finally:
+            os.environ.pop("PDSERVE_FAULTS", None)
+            if saved is not None:
+                os.environ["PDSERVE_FAULTS"] = saved
+        try:
+            pd = PD(p, d, call("GET", p.url + "/info")[1]["control"], "tcp")
+            body = {
+                "request_id": "lost",
+                "prompt_ids": list(range(5, 80)),
+                "prefill": pd.control,
+                "params": {"max_tokens": 4, "temperature": 0},
+            }
+            req = urllib.request.Request(
+                d.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=30) as r:
+                lines = [json.loads(ln) for ln in r if ln.strip()]
+            assert [ln["token_ids"] for ln in lines] == [[]]
+            assert lines[-1]["finish_reason"] == "error"
+            assert "incomplete KV" in lines[-1]["error"]
+            pd.wait_quiet()
+        finally:
+            d.stop()
