@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from pdserve.bench.cli import add_bench_command
 from pdserve.config import (
     CacheConfig,
     EngineConfig,
@@ -17,6 +18,8 @@ from pdserve.config import (
 )
 from pdserve.launch import add_launch_command
 from pdserve.router.cli import add_router_command
+from pdserve.tools.chaos import add_chaos_command
+from pdserve.tools.doctor import add_doctor_command
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -88,8 +91,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = ServerConfig(engine=engine_config(args), host=args.host, port=args.port, role=args.role,
-                       control_port=args.control_port, backend=args.backend)
+    cfg = ServerConfig(
+        engine=engine_config(args),
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        control_port=args.control_port,
+        backend=args.backend,
+    )
     return run_server(cfg)
 
 
@@ -107,15 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     sv.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
-    sv.add_argument("--control-port", type=int, default=0,
-                    help="prefill role: ZMQ control port (0 picks a free one)")
-    sv.add_argument("--backend", default="shm", choices=["shm", "tcp"],
-                    help="KV transfer data plane for prefill/decode roles")
+    sv.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="prefill role: ZMQ control port (0 picks a free one)",
+    )
+    sv.add_argument(
+        "--backend",
+        default="shm",
+        choices=["shm", "tcp"],
+        help="KV transfer data plane for prefill/decode roles",
+    )
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)
     add_launch_command(sub)
+    add_bench_command(sub)
+    add_chaos_command(sub)
+    add_doctor_command(sub)
     return p
 
 

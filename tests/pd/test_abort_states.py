@@ -27,8 +27,20 @@ STALL_S = 1.5
 @pytest.fixture(scope="module")
 def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
     logs = tmp_path_factory.mktemp("pd-faults")
-    common = ["--model", str(tiny_dir), "--threads", "1", "--kv-budget-mb", "16",
-              "--max-model-len", "1024", "--max-batched-tokens", str(CHUNK), "--backend", "shm"]
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--threads",
+        "1",
+        "--kv-budget-mb",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--max-batched-tokens",
+        str(CHUNK),
+        "--backend",
+        "shm",
+    ]
     saved = os.environ.get("PDSERVE_FAULTS")
     try:
         os.environ["PDSERVE_FAULTS"] = f"p.write=delay:{STALL_S}"
@@ -54,8 +66,12 @@ def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
 def start(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
     u = urlparse(pd.d.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"request_id": rid, "prompt_ids": prompt, "prefill": pd.control,
-            "params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "request_id": rid,
+        "prompt_ids": prompt,
+        "prefill": pd.control,
+        "params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True},
+    }
     conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
     threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
     return conn

@@ -61,8 +61,14 @@ def test_kv_bytes_are_conserved(pd):
     p_stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
     d_stats = call("GET", pd.d.url + "/debug/state")[1]["engine"]["role"]["stats"]
     layout = call("GET", pd.p.url + "/info")[1]["layout"]
-    page_bytes = (2 * layout["num_layers"] * layout["page_size"] * layout["num_kv_heads"]
-                  * layout["head_dim"] * 4)
+    page_bytes = (
+        2
+        * layout["num_layers"]
+        * layout["page_size"]
+        * layout["num_kv_heads"]
+        * layout["head_dim"]
+        * 4
+    )
     expected = sum(-(-len(p) // layout["page_size"]) for p in prompts) * page_bytes
     written = p_stats["bytes_written"] - before_p["bytes_written"]
     acked = d_stats["bytes_acked"] - before_d["bytes_acked"]

@@ -65,8 +65,20 @@ def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:
     saved = os.environ.get("PDSERVE_FAULTS")
     os.environ["PDSERVE_FAULTS"] = faults
     try:
-        return ServerProcess(["serve", "--role", "prefill", "--model", str(tiny_dir),
-                              "--threads", "1", "--kv-budget-mb", "8"], log).__enter__()
+        return ServerProcess(
+            [
+                "serve",
+                "--role",
+                "prefill",
+                "--model",
+                str(tiny_dir),
+                "--threads",
+                "1",
+                "--kv-budget-mb",
+                "8",
+            ],
+            log,
+        ).__enter__()
     finally:
         if saved is None:
             os.environ.pop("PDSERVE_FAULTS")
@@ -76,9 +88,28 @@ def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:
 
 def test_dead_thread_exits_the_process_non_zero(tiny_dir):
     env = {**os.environ, "PDSERVE_FAULTS": "thread.control=raise"}
-    r = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--role", "prefill", "--model",
-                        str(tiny_dir), "--threads", "1", "--kv-budget-mb", "8", "--port", "0"],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "serve",
+            "--role",
+            "prefill",
+            "--model",
+            str(tiny_dir),
+            "--threads",
+            "1",
+            "--kv-budget-mb",
+            "8",
+            "--port",
+            "0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "thread control dead" in r.stderr
 

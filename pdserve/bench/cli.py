@@ -1,0 +1,170 @@
+"""`pdserve bench`: flags -> BenchConfig -> one run -> table on stdout, JSON and plot files.
+
+The exit status is 0 whenever the run ended and its report was written, even if requests
+failed: failures are results (counted by kind in the report), not a crash of the tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.config import (
+    DATASETS,
+    ENDPOINTS,
+    ArrivalConfig,
+    BenchConfig,
+    ClientConfig,
+    DatasetConfig,
+    Slo,
+)
+
+
+def add_bench_command(sub: Any) -> None:
+    """Register `bench` on the subparsers object of `pdserve`'s top-level parser."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible server (streaming; TTFT, ITL, goodput)"
+    )
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
+    p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", default="random", choices=DATASETS)
+    d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    d.add_argument("--output-len", type=int, default=128, help="random, shared-prefix")
+    d.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    d.add_argument(
+        "--prompt-format",
+        default="auto",
+        choices=["auto", "ids", "text"],
+        help="auto: token ids for completions, text for chat and ShareGPT",
+    )
+    d.add_argument(
+        "--tokenizer",
+        default=None,
+        help="builtin:NAME or a model dir: exact text lengths, ids from its vocab",
+    )
+    d.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="fixed output length (default: the recorded answer's)",
+    )
+    d.add_argument("--sp-prompts-per-group", type=int, default=8)
+    d.add_argument("--sp-system-len", type=int, default=1024, help="shared prefix tokens")
+    d.add_argument("--sp-question-len", type=int, default=64)
+    a = p.add_argument_group("arrivals")
+    a.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s, Poisson-like (default inf: all at once)",
+    )
+    a.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier",
+    )
+    a.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded requests sent first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--slo",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="goodput objectives: ttft:MS tpot:MS e2el:MS",
+    )
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (outputs may end before --output-len)",
+    )
+    p.add_argument("--out", default=None, help="write summary + per-request records (JSON)")
+    p.add_argument("--plot", default=None, help="write latency CDFs and throughput (PNG)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_bench)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    fmt = args.prompt_format
+    if fmt == "auto":
+        text = args.endpoint == "chat" or (args.dataset == "sharegpt" and not args.tokenizer)
+        fmt = "text" if text else "ids"
+    return BenchConfig(
+        client=ClientConfig(
+            url=args.url,
+            endpoint=args.endpoint,
+            model=args.model,
+            ignore_eos=not args.no_ignore_eos,
+            request_timeout_s=args.request_timeout,
+        ),
+        dataset=DatasetConfig(
+            name=args.dataset,
+            num_prompts=args.num_prompts,
+            seed=args.seed,
+            prompt_format=fmt,
+            tokenizer=args.tokenizer,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            path=args.dataset_path,
+            sharegpt_output_len=args.sharegpt_output_len,
+            sp_prompts_per_group=args.sp_prompts_per_group,
+            sp_system_len=args.sp_system_len,
+            sp_question_len=args.sp_question_len,
+        ),
+        arrival=ArrivalConfig(args.request_rate, args.burstiness, args.max_concurrency),
+        slo=Slo.parse(args.slo),
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    # Every request in flight holds a socket; the usual soft limit of 1024 would turn a
+    # large all-at-once run into connection errors that are the client's, not the server's.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pdserve.bench.dataset import load_tokenizer, make_requests
+    from pdserve.bench.report import format_summary, write_json
+    from pdserve.bench.runner import Workload, run_workloads
+
+    cfg = config_from_args(args)
+    tokenizer = load_tokenizer(cfg.dataset.tokenizer) if cfg.dataset.tokenizer else None
+    requests = make_requests(cfg.dataset, tokenizer)
+    _raise_fd_limit(len(requests) + cfg.warmup + 256)
+    workload = Workload("main", requests, cfg.arrival, seed=cfg.dataset.seed)
+    result = asyncio.run(run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress))
+    # Files first: a reader that closes our stdout early (| head) must not cost the records.
+    if args.out:
+        config = {"argv": sys.argv[1:], **dataclasses.asdict(cfg)}
+        write_json(Path(args.out), config, result)
+        print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot:
+        from pdserve.bench.plot import plot_run
+
+        plot_run(result.records, Path(args.plot), title=f"pdserve bench {cfg.client.url}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    print(format_summary(result.summary), flush=True)
+    return 0

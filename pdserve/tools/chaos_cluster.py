@@ -1,0 +1,205 @@
+"""The cluster a chaos run works on: one it launches itself, or one it is pointed at.
+
+* LaunchedCluster runs `pdserve launch` as our child (its stdout to a log file, so it can
+  never block on a pipe), waits for READY with a bound, reads LOG_DIR/cluster.json for the
+  pids, and on `close()` stops the launcher by pid (SIGTERM, a bound, SIGKILL) and then
+  SIGKILLs, by pid, any child of it still running: a chaos run leaves no process behind.
+* AttachedCluster is a router URL. It only speaks HTTP; the pids it needs to kill come from
+  the router's /debug/cluster, and it refuses to kill one that is not a pdserve process on
+  this machine.
+Both answer `workers()` from /debug/cluster, so scenarios never care which one they have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.runtime.child import _die_with_parent
+from pdserve.tools import httpcall
+
+DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
+STOP_S = 45.0  # the launcher stops its router, then its workers, 30 s each at worst
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or read; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    prefill: int
+    decode: int
+    backend: str = "shm"
+    model: str = "builtin:tiny"
+    threads: int = 1
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for every process (faults)
+    # (worker name as launch names it, e.g. "prefill-0", variable, value): one worker only.
+    # `pdserve launch` cannot do that, so such a cluster is composed (tools/composed.py).
+    worker_env: tuple[tuple[str, str, str], ...] = ()
+    startup_timeout_s: float = 180.0
+
+    def describe(self) -> str:
+        faults = dict(self.env).get("PDSERVE_FAULTS")
+        extra = f", faults {faults}" if faults else ""
+        extra += "".join(f", {n}: {k}={v}" for n, k, v in self.worker_env)
+        return f"{self.prefill}P+{self.decode}D {self.backend} {self.model}{extra}"
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    url: str
+    role: str  # prefill | decode (the router's view: decode includes co-located)
+    pid: int | None
+    identity: str | None  # the control-plane identity (peers name each other by it)
+    control: str | None  # a prefill worker's control address
+    healthy: bool = True  # the router's last liveness check passed
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def is_pdserve(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"pdserve" in f.read()
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait (bounded) until none of `pids` runs; the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+class Cluster:
+    url: str = ""
+    launched = False  # we started it, and stop it
+    names: dict[str, str] = {}  # launch's worker names (prefill-0, ...) -> URL, when known
+
+    def document(self) -> dict[str, Any]:
+        """The router's /debug/cluster; ClusterError if the router does not answer."""
+        r = httpcall.get(self.url + "/debug/cluster", DEBUG_TIMEOUT_S)
+        if not r.ok or not isinstance(r.body, dict):
+            raise ClusterError(f"GET {self.url}/debug/cluster: {r.error or r.status}")
+        return r.body
+
+    def workers(self) -> list[WorkerRef]:
+        out = []
+        for w in self.document()["router"]["workers"]:
+            info = w.get("info") or {}
+            out.append(
+                WorkerRef(
+                    w["url"],
+                    w["role"],
+                    w.get("pid"),
+                    info.get("identity"),
+                    info.get("control"),
+                    bool(w.get("healthy")),
+                )
+            )
+        return out
+
+    def kill(self, w: WorkerRef) -> float:
+        """SIGKILL a worker by its pid; the monotonic time of the kill."""
+        if w.pid is None or not pid_alive(w.pid) or not is_pdserve(w.pid):
+            raise ClusterError(f"worker {w.url}: pid {w.pid} is not a pdserve process here")
+        t = time.monotonic()
+        os.kill(w.pid, signal.SIGKILL)
+        if wait_gone([w.pid], 10.0):
+            raise ClusterError(f"worker {w.url} (pid {w.pid}) survived SIGKILL for 10 s")
+        return t
+
+    def close(self) -> None:
+        """Stop what we started; nothing for a cluster we were only pointed at."""
+
+
+class AttachedCluster(Cluster):
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.document()  # fail now, not in the middle of a scenario
+
+
+class LaunchedCluster(Cluster):
+    launched = True
+
+    def __init__(self, spec: ClusterSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / "launcher.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pids: list[int] = []  # the launcher's children, from cluster.json
+
+    def start(self) -> LaunchedCluster:
+        s = self.spec
+        argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "launch"]
+        argv += ["--model", s.model, "--prefill", str(s.prefill), "--decode", str(s.decode)]
+        argv += ["--backend", s.backend, "--threads", str(s.threads), "--port", "0"]
+        argv += ["--on-worker-exit", "continue", "--log-dir", str(self.log_dir)]
+        argv += ["--startup-timeout", str(s.startup_timeout_s)]
+        env = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent(),  # a SIGKILLed chaos run leaves no cluster
+            )
+        try:
+            self._wait_ready(time.monotonic() + s.startup_timeout_s + 10.0)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        while True:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("READY "):
+                    self.url = line.split()[1].rstrip("/")
+                    table = json.loads((self.log_dir / "cluster.json").read_text())
+                    self.pids = [p["pid"] for p in table["processes"]]
+                    self.names = {p["name"]: p["url"] for p in table["processes"]}
+                    return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+                why = "exited" if self.proc.poll() is not None else "printed no READY in time"
+                raise ClusterError(f"pdserve launch {why}; last lines:\n{tail}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        # The launcher's children die with it (PDEATHSIG); make sure, by pid.
+        for pid in wait_gone(self.pids, 10.0):
+            if is_pdserve(pid):
+                os.kill(pid, signal.SIGKILL)
+        wait_gone(self.pids, 10.0)

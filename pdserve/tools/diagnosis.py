@@ -1,0 +1,247 @@
+"""Doctor's reading of a cluster: a pure function from /debug/cluster to findings in words.
+
+Input is the router's /debug/cluster document (the registry, and every worker's
+/debug/state or the error fetching it); output is a Diagnosis: a line per worker and a list
+of findings, each with a severity. The exit code of `pdserve doctor` is the worst severity:
+
+* 0 healthy: every worker answers, every thread is fresh, nothing overdue, no leaked page.
+* 1 degraded: the cluster serves, but something is wrong: a worker unreachable or out of
+  rotation, a pair failing deep health, a stale or dead thread with no work behind it,
+  pages in use that no request or room holds.
+* 2 wedged: something cannot make progress: a request or room past its deadline (the
+  engine should have ended it), a stale or dead thread (or an engine that does not answer)
+  on a worker with live work, a room waiting on a peer whose threads are stale, or no
+  usable pair at all, so that the cluster cannot serve a single request.
+An unreachable worker is 1 while another pair still serves, and 2 when none does.
+No I/O and no clock here: `now_unix` comes in, so fixtures test it exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEADLINE_GRACE_S = 1.0  # deadlines are applied once per engine step; allow one slow step
+STUCK_S = 1.0  # waiting on a stalled peer this long: stuck, not just passing
+UNREACHABLE = "unreachable"
+# Decode room states that wait for the prefill worker's next message (a fenced room waits
+# on its own clock only; a prefill worker's rooms wait on nobody).
+WAITS_ON_PEER = frozenset({"pending", "prefilling", "aborting"})
+
+
+class Severity(enum.IntEnum):
+    NOTE = 0
+    DEGRADED = 1
+    WEDGED = 2
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: Severity
+    where: str  # "decode worker http://... (pid N)", "router", "cluster"
+    what: str  # plain words: what is wrong, since when, why it matters
+
+
+@dataclass
+class Diagnosis:
+    header: str = ""
+    workers: list[str] = field(default_factory=list)  # one status line per worker
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def code(self) -> int:
+        return max((int(f.severity) for f in self.findings), default=0)
+
+    def add(self, severity: Severity, where: str, what: str) -> None:
+        self.findings.append(Finding(severity, where, what))
+
+    def verdict(self) -> str:
+        worst = [f for f in self.findings if f.severity == self.code and f.severity > 0]
+        if not worst:
+            return "VERDICT: healthy: every worker answers, nothing is stuck, no page leaked"
+        word = "wedged" if self.code == Severity.WEDGED else "degraded"
+        more = f" (and {len(worst) - 1} more)" if len(worst) > 1 else ""
+        return f"VERDICT: {word}: {worst[0].where}: {worst[0].what}{more}"
+
+    def lines(self) -> list[str]:
+        mark = {Severity.NOTE: "-", Severity.DEGRADED: "!", Severity.WEDGED: "!!"}
+        out = [self.header, *self.workers]
+        out += [f"{mark[f.severity]:>2} {f.where}: {f.what}" for f in self.findings]
+        return [*out, self.verdict()]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "verdict": self.verdict(),
+            "workers": self.workers,
+            "findings": [
+                {"severity": f.severity.name.lower(), "where": f.where, "what": f.what}
+                for f in self.findings
+            ],
+        }
+
+
+def clock(now_unix: float, ago_s: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(now_unix - ago_s))
+
+
+def diagnose(doc: dict[str, Any], now_unix: float) -> Diagnosis:
+    d = Diagnosis()
+    router = doc.get("router") or {}
+    rows = router.get("workers") or []
+    d.header = (
+        f"router pid {router.get('pid')}, up {router.get('uptime_s', 0):.0f}s, "
+        f"{router.get('live_requests', 0)} live requests, {len(rows)} workers"
+    )
+    for p in router.get("problems") or []:
+        d.add(Severity.DEGRADED, "router", p)
+    # Peers name each other by control address (D -> P) and identity (P -> D).
+    names: dict[str, str] = {}
+    for w in rows:
+        info = w.get("info") or {}
+        for key in (info.get("control"), info.get("identity")):
+            if key:
+                names[key] = w["url"]
+    troubled: dict[str, str] = {}  # url -> why it cannot make progress (stale, unreachable)
+    states: dict[str, dict[str, Any]] = {}
+    for w in rows:
+        entry = (doc.get("workers") or {}).get(w["url"]) or {}
+        where = f"{w['role']} worker {w['url']} (pid {w.get('pid')})"
+        if "state" not in entry:
+            troubled[w["url"]] = UNREACHABLE
+            d.workers.append(f"{where}: UNREACHABLE ({entry.get('error', 'no state')})")
+            d.add(Severity.DEGRADED, where, f"unreachable: {entry.get('error', 'no state')}")
+            continue
+        states[w["url"]] = entry["state"]
+        stale = _threads(d, where, entry["state"], now_unix)
+        if stale:
+            troubled[w["url"]] = f"thread {', '.join(stale)} stale or dead"
+    for w in rows:
+        if w["url"] in states:
+            where = f"{w['role']} worker {w['url']} (pid {w.get('pid')})"
+            _work(d, where, w, states[w["url"]], troubled, names)
+    _rotation(d, router)
+    return d
+
+
+def _threads(d: Diagnosis, where: str, state: dict[str, Any], now: float) -> list[str]:
+    """Report dead and stale threads; their names."""
+    bad = []
+    for t in state.get("threads") or []:
+        age, limit = t["heartbeat_age_s"], t["heartbeat_timeout_s"]
+        err = f"; last error: {t['last_error']}" if t.get("last_error") else ""
+        crashes = f", {t['crashes']} crashes" if t.get("crashes") else ""
+        if not t["alive"]:
+            bad.append(t["name"])
+            d.add(
+                Severity.DEGRADED,
+                where,
+                f"thread {t['name']} is dead since {clock(now, age)} ({t['dead_reason']}"
+                f"{crashes}{err})",
+            )
+        elif age > limit:
+            bad.append(t["name"])
+            d.add(
+                Severity.DEGRADED,
+                where,
+                f"thread {t['name']} is stale: no heartbeat for {age:.1f}s (since "
+                f"{clock(now, age)}; limit {limit:.0f}s{crashes}{err})",
+            )
+        elif t.get("crashes"):
+            d.add(Severity.NOTE, where, f"thread {t['name']} crashed {t['crashes']} times{err}")
+    return bad
+
+
+def _work(
+    d: Diagnosis,
+    where: str,
+    w: dict[str, Any],
+    state: dict[str, Any],
+    troubled: dict[str, str],
+    names: dict[str, str],
+) -> None:
+    eng = state.get("engine") or {}
+    health = "healthy" if not state.get("problems") else "UNHEALTHY"
+    rotation = "in rotation" if w.get("in_rotation") else "OUT OF ROTATION"
+    if "error" in eng or "pool" not in eng:
+        d.workers.append(f"{where}: {health}, {rotation}; engine not answering")
+        d.add(Severity.WEDGED, where, f"the engine thread does not answer: {eng.get('error')}")
+        return
+    role = eng.get("role") or {}
+    requests, rooms = eng.get("requests") or [], role.get("rooms") or []
+    admitting = int(role.get("admitting") or 0)
+    pool = eng["pool"]
+    d.workers.append(
+        f"{where}: {health}, {rotation}; {len(requests)} requests, {len(rooms)} rooms, "
+        f"{admitting} waiting for pages, {pool['pages_used']}/{pool['pages_total']} pages used"
+    )
+    own = troubled.get(w["url"])
+    live = len(requests) + len(rooms) + admitting
+    if own is not None and live:
+        d.add(Severity.WEDGED, where, f"{own}, with {live} live requests/rooms behind it")
+    # Everything live on a worker that cannot make progress is stuck, however new.
+    own = None if own is None else f"{own} on this worker"
+    for r in requests:
+        _item(d, where, f"request {r['request_id']}", r, own)
+    for r in rooms:
+        peer = names.get(r.get("peer", ""), r.get("peer", "?"))
+        label = f"room {r['room']} (request {r.get('request_id', '?')}, peer {peer})"
+        waits = w["role"] == "decode" and r["state"] in WAITS_ON_PEER
+        if own is not None or not (waits and peer in troubled):
+            _item(d, where, label, r, own)
+            continue
+        # A dead peer is the designed case (the room fences by its deadline); a half-alive
+        # one that stopped answering is the wedge LESSONS #6 is about.
+        severity = Severity.DEGRADED if troubled[peer] == UNREACHABLE else Severity.WEDGED
+        _item(d, where, label, r, f"its peer {peer}: {troubled[peer]}", severity, STUCK_S)
+    held = sum(int(r.get("pages") or 0) for r in requests) + sum(
+        int(r.get("pages") or 0) for r in rooms
+    )
+    leaked = int(pool["pages_used"]) - held - int(pool.get("pages_cached") or 0)
+    if leaked > 0:
+        d.add(
+            Severity.DEGRADED,
+            where,
+            f"{leaked} pages in use that no live request or room holds (leaked)",
+        )
+    for p in role.get("peers") or []:
+        if p.get("refused"):
+            peer = names.get(p.get("address", ""), p.get("address"))
+            d.add(Severity.NOTE, where, f"peer {peer}: {p['refused']}")
+
+
+def _item(
+    d: Diagnosis,
+    where: str,
+    label: str,
+    r: dict[str, Any],
+    blocked: str | None,
+    severity: Severity = Severity.WEDGED,
+    after_s: float = 0.0,
+) -> None:
+    """A live request or room: overdue, or stuck (for `after_s` at least) behind a thread
+    that cannot run."""
+    left = r.get("deadline_in_s")
+    in_state = float(r.get("time_in_state_s") or 0.0)
+    what = f"{label} in state {r['state']} for {in_state:.1f}s"
+    if left is not None and left < -DEADLINE_GRACE_S:
+        d.add(Severity.WEDGED, where, f"{what}: {-left:.1f}s past its deadline")
+    elif blocked is not None and in_state >= after_s:
+        due = f"; deadline in {left:.1f}s" if left is not None else ""
+        d.add(severity, where, f"{what}, stuck: {blocked}{due}")
+
+
+def _rotation(d: Diagnosis, router: dict[str, Any]) -> None:
+    for w in router.get("workers") or []:
+        if not w.get("in_rotation"):
+            why = w.get("last_error") or "no usable pair"
+            d.add(Severity.DEGRADED, f"{w['role']} worker {w['url']}", f"out of rotation: {why}")
+    pairs = router.get("pairs") or []
+    for p in pairs:
+        if p.get("ok") is False:
+            name = f"pair (prefill {p['prefill']}, decode {p['decode']})"
+            d.add(Severity.DEGRADED, name, f"deep health fails: {p.get('error')}")
+    if pairs and not any(p.get("usable") for p in pairs):
+        d.add(Severity.WEDGED, "cluster", "no (prefill, decode) pair is usable: it cannot serve")

@@ -1,0 +1,56 @@
+"""Blocking JSON over HTTP for the operator tools (chaos, doctor): one call, one timeout.
+
+The tools are sequential scripts, so a plain urllib call is the right size; the harness
+never needs more than one call in flight. A call never raises for HTTP or network trouble:
+it returns a Reply that says what happened, because for these tools a refused connection
+or a 503 is an observation to record, not an exception to unwind.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, NamedTuple
+
+
+class Reply(NamedTuple):
+    status: int | None  # None: no HTTP answer at all (refused, timed out, reset)
+    body: Any  # the parsed JSON, or the text when it is not JSON
+    error: str | None  # why there was no answer, or None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def call(method: str, url: str, body: Any = None, timeout_s: float = 10.0) -> Reply:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except TimeoutError:
+        return Reply(None, None, f"{method} {url}: no answer within {timeout_s:.1f}s")
+    except urllib.error.URLError as e:
+        why = "no answer" if isinstance(e.reason, TimeoutError) else str(e.reason)
+        return Reply(None, None, f"{method} {url}: {why}")
+    except (ConnectionError, OSError) as e:  # reset mid-answer, broken pipe
+        return Reply(None, None, f"{method} {url}: {e!r}")
+    text = raw.decode(errors="replace")
+    try:
+        return Reply(status, json.loads(text), None)
+    except json.JSONDecodeError:
+        return Reply(status, text, None)
+
+
+def get(url: str, timeout_s: float = 10.0) -> Reply:
+    return call("GET", url, None, timeout_s)
+
+
+def post(url: str, body: Any, timeout_s: float = 10.0) -> Reply:
+    return call("POST", url, body, timeout_s)
