@@ -264,6 +264,9 @@ class Engine:
             self.metrics.itl.observe(now - req.last_token_at)
         req.last_token_at = now
         event = self._stop_event(req, tok)
+        if event is not None:  # the last token carries the finish reason, as in vLLM
+            self._finish(req, event, last=(tok, lp))
+            return
         req.sink(
             RequestOutput(
                 req.request_id,
@@ -272,8 +275,6 @@ class Engine:
                 num_prompt_tokens=len(req.prompt_ids),
             )
         )
-        if event is not None:
-            self._finish(req, event)
 
     def _stop_event(self, req: Request, tok: int) -> Event | None:
         p = req.params
@@ -285,12 +286,28 @@ class Engine:
             return Event.LENGTH
         return None
 
-    def _finish(self, req: Request, event: Event) -> None:
+    def _finish(
+        self, req: Request, event: Event, last: tuple[int, TokenLogprob | None] | None = None
+    ) -> None:
+        """End `req` and tell its sink once; `last` is a final token to deliver with the end."""
         self.scheduler.finish(req, event)
         reason = FINISH_REASON[req.status]
         self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        self._emit_end(req, reason, req.error)
+        if last is None:
+            self._emit_end(req, reason, req.error)
+            return
+        tok, lp = last
+        req.sink(
+            RequestOutput(
+                req.request_id,
+                (tok,),
+                (lp,) if lp is not None else (),
+                reason,
+                req.error,
+                len(req.prompt_ids),
+            )
+        )
 
     def _emit_end(self, req: Request, reason: str, error: str | None) -> None:
         req.sink(RequestOutput(req.request_id, (), (), reason, error, len(req.prompt_ids)))

@@ -1,6 +1,6 @@
 """Parity through `pdserve launch`: 64 concurrent requests of mixed lengths (some longer than
-a prefill chunk) through the router give the co-located engine's greedy text, for 1P+1D on
-shm and 2P+2D on tcp; afterwards every worker is quiet."""
+a prefill chunk) through the router give the co-located engine's greedy text, for 1P+1D and
+2P+2D on both backends; afterwards every worker is quiet."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ from tests.procs import LaunchedCluster, http
 CHUNK = 48
 
 
-@pytest.fixture(scope="module", params=[(1, 1, "shm"), (2, 2, "tcp")], ids=["1p1d-shm", "2p2d-tcp"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, 1, "shm"), (1, 1, "tcp"), (2, 2, "shm"), (2, 2, "tcp")],
+    ids=["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp"],
+)
 def cluster(request, tiny_dir: Path, tmp_path_factory) -> Iterator[LaunchedCluster]:
     n_p, n_d, backend = request.param
     args = [
