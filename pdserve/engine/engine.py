@@ -132,9 +132,20 @@ class Engine:
         sink: OutputSink,
         timeout_s: float | None = None,
     ) -> None:
+        self.inbox.put(Submit(self.make_request(request_id, prompt_ids, params, sink, timeout_s)))
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        timeout_s: float | None,
+    ) -> Request:
+        """A validated request whose deadline is capped by the engine's request timeout."""
         self.validate(prompt_ids, params)
         timeout = min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
-        req = Request(
+        return Request(
             request_id,
             list(prompt_ids),
             params,
@@ -142,7 +153,6 @@ class Engine:
             self.eos_token_ids,
             deadline=time.monotonic() + timeout,
         )
-        self.inbox.put(Submit(req))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(Abort(request_id))

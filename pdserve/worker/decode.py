@@ -98,16 +98,7 @@ class DecodeEngine(Engine):
     ) -> None:
         if prefill is None:  # no prefill worker chosen: prefill locally
             return super().submit(request_id, prompt_ids, params, sink, timeout_s)
-        self.validate(prompt_ids, params)
-        timeout = min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
-        req = Request(
-            request_id,
-            list(prompt_ids),
-            params,
-            sink,
-            self.eos_token_ids,
-            deadline=time.monotonic() + timeout,
-        )
+        req = self.make_request(request_id, prompt_ids, params, sink, timeout_s)
         self.inbox.put(RemoteSubmit(req, prefill))
 
     # -- inbox -------------------------------------------------------------------------------------
