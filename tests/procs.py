@@ -19,8 +19,16 @@ from typing import Any
 class ServerProcess:
     """`python -m pdserve ARGS --port 0`; waits for its READY line (bounded)."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        ready_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`env`: variables added to this process's environment only (e.g. PDSERVE_FAULTS)."""
         self.args = args
+        self.env = env or {}
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[str] | None = None
@@ -44,7 +52,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=os.environ.copy(),
+            env={**os.environ, **self.env},
         )
         log = open(self.log_path, "w")  # noqa: SIM115 - closed by the pump thread
 
@@ -87,6 +95,25 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+def worker_args(
+    model: Path, backend: str = "shm", chunk: int | None = None, kv_mb: int = 16
+) -> list[str]:
+    """The flags tests give a worker: one thread, a small pool, the given data plane."""
+    args = [
+        "--model",
+        str(model),
+        "--threads",
+        "1",
+        "--kv-budget-mb",
+        str(kv_mb),
+        "--max-model-len",
+        "1024",
+        "--backend",
+        backend,
+    ]
+    return args + (["--max-batched-tokens", str(chunk)] if chunk else [])
 
 
 class LaunchedCluster(ServerProcess):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.procs import ServerProcess, http
+from tests.procs import ServerProcess, http, worker_args
 
 CHUNK = 48  # P's prefill chunk: prompts longer than this are prefilled in several steps
 
@@ -68,20 +68,7 @@ def tokens(lines: list[dict]) -> list[int]:
 def pd(request, tiny_dir, tmp_path_factory) -> Iterator[PD]:
     backend = request.param
     logs = tmp_path_factory.mktemp(f"pd-{backend}")
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--threads",
-        "1",
-        "--kv-budget-mb",
-        "16",
-        "--max-model-len",
-        "1024",
-        "--max-batched-tokens",
-        str(CHUNK),
-        "--backend",
-        backend,
-    ]
+    common = worker_args(tiny_dir, backend, CHUNK)
     with (
         ServerProcess(["serve", "--role", "prefill", *common], logs / "p.log") as p,
         ServerProcess(["serve", "--role", "decode", *common], logs / "d.log") as d,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.pd.conftest import CHUNK, PD, tokens
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, worker_args
 from tests.procs import http as call
 
 STALL_S = 1.5
@@ -27,35 +26,21 @@ STALL_S = 1.5
 @pytest.fixture(scope="module")
 def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
     logs = tmp_path_factory.mktemp("pd-faults")
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--threads",
-        "1",
-        "--kv-budget-mb",
-        "16",
-        "--max-model-len",
-        "1024",
-        "--max-batched-tokens",
-        str(CHUNK),
-        "--backend",
-        "shm",
-    ]
-    saved = os.environ.get("PDSERVE_FAULTS")
+    common = worker_args(tiny_dir, "shm", CHUNK)
+    p = ServerProcess(
+        ["serve", "--role", "prefill", *common],
+        logs / "p.log",
+        env={"PDSERVE_FAULTS": f"p.write=delay:{STALL_S}"},
+    ).__enter__()
     try:
-        os.environ["PDSERVE_FAULTS"] = f"p.write=delay:{STALL_S}"
-        p = ServerProcess(["serve", "--role", "prefill", *common], logs / "p.log").__enter__()
-        os.environ["PDSERVE_FAULTS"] = f"d.start_decode=delay:{STALL_S}"
-        try:
-            d = ServerProcess(["serve", "--role", "decode", *common], logs / "d.log").__enter__()
-        except BaseException:
-            p.stop()
-            raise
-    finally:
-        if saved is None:
-            os.environ.pop("PDSERVE_FAULTS", None)
-        else:
-            os.environ["PDSERVE_FAULTS"] = saved
+        d = ServerProcess(
+            ["serve", "--role", "decode", *common],
+            logs / "d.log",
+            env={"PDSERVE_FAULTS": f"d.start_decode=delay:{STALL_S}"},
+        ).__enter__()
+    except BaseException:
+        p.stop()
+        raise
     try:
         yield PD(p, d, call("GET", p.url + "/info")[1]["control"], "shm")
     finally:

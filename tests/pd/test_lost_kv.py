@@ -8,39 +8,22 @@ computed on incomplete KV — and the pages must come back.
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 from tests.pd.conftest import CHUNK, PD
-from tests.procs import ServerProcess
+from tests.procs import ServerProcess, worker_args
 from tests.procs import http as call
 
 
 def test_dropped_kv_chunks_fail_the_request(tiny_dir, tmp_path):
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--threads",
-        "1",
-        "--kv-budget-mb",
-        "8",
-        "--max-model-len",
-        "1024",
-        "--max-batched-tokens",
-        str(CHUNK),
-        "--backend",
-        "tcp",
-    ]
-    saved = os.environ.pop("PDSERVE_FAULTS", None)
+    common = worker_args(tiny_dir, "tcp", CHUNK, kv_mb=8)
     with ServerProcess(["serve", "--role", "prefill", *common], tmp_path / "p.log") as p:
-        os.environ["PDSERVE_FAULTS"] = "control.recv.KVChunk=drop"
-        try:
-            d = ServerProcess(["serve", "--role", "decode", *common], tmp_path / "d.log")
-            d.__enter__()
-        finally:
-            os.environ.pop("PDSERVE_FAULTS", None)
-            if saved is not None:
-                os.environ["PDSERVE_FAULTS"] = saved
+        d = ServerProcess(
+            ["serve", "--role", "decode", *common],
+            tmp_path / "d.log",
+            env={"PDSERVE_FAULTS": "control.recv.KVChunk=drop"},
+        )
+        d.__enter__()
         try:
             pd = PD(p, d, call("GET", p.url + "/info")[1]["control"], "tcp")
             body = {

@@ -62,28 +62,18 @@ def test_fault_spec_parsing():
 
 
 def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:
-    saved = os.environ.get("PDSERVE_FAULTS")
-    os.environ["PDSERVE_FAULTS"] = faults
-    try:
-        return ServerProcess(
-            [
-                "serve",
-                "--role",
-                "prefill",
-                "--model",
-                str(tiny_dir),
-                "--threads",
-                "1",
-                "--kv-budget-mb",
-                "8",
-            ],
-            log,
-        ).__enter__()
-    finally:
-        if saved is None:
-            os.environ.pop("PDSERVE_FAULTS")
-        else:
-            os.environ["PDSERVE_FAULTS"] = saved
+    args = [
+        "serve",
+        "--role",
+        "prefill",
+        "--model",
+        str(tiny_dir),
+        "--threads",
+        "1",
+        "--kv-budget-mb",
+        "8",
+    ]
+    return ServerProcess(args, log, env={"PDSERVE_FAULTS": faults}).__enter__()
 
 
 def test_dead_thread_exits_the_process_non_zero(tiny_dir):

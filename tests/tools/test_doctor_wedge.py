@@ -9,7 +9,6 @@ the decode worker gets a room; doctor must exit 2 and name the control thread an
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,37 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ServerProcess, http
+from tests.procs import ServerProcess, http, worker_args
 
 STALL = "thread.control=delay:60"  # far past the test; the worker is stopped before it ticks
 
 
-def start_with_faults(proc: ServerProcess, faults: str) -> None:
-    saved = os.environ.get("PDSERVE_FAULTS")
-    os.environ["PDSERVE_FAULTS"] = faults  # ServerProcess copies the environment at start
-    try:
-        proc.start()
-    finally:
-        if saved is None:
-            os.environ.pop("PDSERVE_FAULTS", None)
-        else:
-            os.environ["PDSERVE_FAULTS"] = saved
-
-
 @pytest.fixture
 def stalled_decode(tiny_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--threads",
-        "1",
-        "--kv-budget-mb",
-        "16",
-        "--max-model-len",
-        "1024",
-        "--backend",
-        "shm",
-    ]
+    common = worker_args(tiny_dir, "shm")
     procs: list[ServerProcess] = []
     with ExitStack() as stack:
         stack.callback(stop_all, procs)
@@ -60,11 +36,13 @@ def stalled_decode(tiny_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
         # ERROR: the fault's warning, logged from the control thread as the worker prints
         # READY, can land inside the READY line (see the note in docs/reliability.md).
         d = ServerProcess(
-            ["--log-level", "ERROR", "serve", "--role", "decode", *common], tmp_path / "d.log"
+            ["--log-level", "ERROR", "serve", "--role", "decode", *common],
+            tmp_path / "d.log",
+            env={"PDSERVE_FAULTS": STALL},
         )
         procs += [p, d]
         p.start()
-        start_with_faults(d, STALL)
+        d.start()
         p.wait_ready()
         d.wait_ready()
         router = ServerProcess(
