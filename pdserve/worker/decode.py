@@ -28,7 +28,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import receive_chunk
 from pdserve.worker.api import params_to_json
-from pdserve.worker.roles import RoleStats, SendFailed
+from pdserve.worker.roles import RoleStats, SendFailed, enter
 
 log = logging.getLogger(__name__)
 
@@ -251,12 +251,8 @@ class DecodeEngine(Engine):
     # -- the room machine --------------------------------------------------------------------------
     def _apply(self, room: DRoom, event: DEvent, reason: str = "") -> None:
         out = step_d(room.state, event)
-        if out.stale:
-            self.stats.stale[event.value] += 1
+        if not enter(room, out, event.value, reason, self.stats):
             return
-        room.state = out.state  # type: ignore[assignment]
-        room.since = time.monotonic()
-        room.reason = room.reason or reason
         if room.state is DState.ABORTING:
             room.deadline = time.monotonic() + ABORT_ACK_TIMEOUT_S
         elif room.state is DState.FENCED:

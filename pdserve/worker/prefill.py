@@ -27,7 +27,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter, WriteError
 from pdserve.worker.api import params_from_json
-from pdserve.worker.roles import RoleStats, SendFailed
+from pdserve.worker.roles import RoleStats, SendFailed, enter
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,8 @@ class PrefillEngine(Engine):
     # -- the room machine ---------------------------------------------------------------------
     def _apply(self, room: PRoom, event: PEvent, reason: str = "") -> None:
         out = step_p(room.state, event)
-        if out.stale:
-            self.stats.stale[event.value] += 1
+        if not enter(room, out, event.value, reason, self.stats):
             return
-        room.state = out.state  # type: ignore[assignment]
-        room.since = time.monotonic()
-        room.reason = room.reason or reason
         for c in out.commands:
             self._run_command(room, c)
         # Writes complete inside write(): nothing is ever in flight once a step returns.

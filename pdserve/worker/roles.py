@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pdserve.protocol.messages import Msg
+from pdserve.protocol.rooms import Outcome
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,20 @@ class RoleStats:
             "bytes_written": self.bytes_written,
             "bytes_acked": self.bytes_acked,
         }
+
+
+class Room(Protocol):
+    state: Any
+    since: float
+    reason: str
+
+
+def enter(room: Room, out: Outcome, event: str, reason: str, stats: RoleStats) -> bool:
+    """Record a table outcome on a room; a stale event is counted and changes nothing."""
+    if out.stale:
+        stats.stale[event] += 1
+        return False
+    room.state = out.state
+    room.since = time.monotonic()
+    room.reason = room.reason or reason
+    return True
