@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test setup clean lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel on these machines; an open range would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# NIXL pinned to the version the nixl backend is tested with (CI exercises it).
+	$(BIN)/pip install -q nixl-cu12==1.5.1
+	$(BIN)/pip install -q -e '.[test,nixl]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pdserve.bench.cli import add_bench_command
 from pdserve.config import (
+    BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelSpec,
@@ -87,6 +88,12 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.app import run_server
 
+    if args.backend == "nixl" and args.role == "decode":
+        from pdserve.transfer.nixl import INSTALL_HINT, nixl_available
+
+        if not nixl_available():
+            print(f"pdserve serve: --backend nixl needs NIXL: {INSTALL_HINT}", file=sys.stderr)
+            return 2
     if args.threads:
         import torch
 
@@ -98,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         role=args.role,
         control_port=args.control_port,
         backend=args.backend,
+        debug_faults=args.debug_faults,
     )
     return run_server(cfg)
 
@@ -125,10 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--backend",
         default="shm",
-        choices=["shm", "tcp"],
-        help="KV transfer data plane for prefill/decode roles",
+        choices=BACKENDS,
+        help="KV transfer data plane for prefill/decode roles (nixl: pip install 'pdserve[nixl]')",
     )
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    sv.add_argument(
+        "--debug-faults",
+        action="store_true",
+        help="let POST /debug/faults set fault points at run time (tests and chaos only)",
+    )
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)

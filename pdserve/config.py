@@ -53,6 +53,9 @@ class EngineConfig:
     idle_wait_s: float = 0.05  # how long the idle engine loop blocks on its inbox
 
 
+BACKENDS = ("shm", "tcp", "nixl")  # KV data planes between prefill and decode workers
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
@@ -60,13 +63,14 @@ class ServerConfig:
     port: int = 8000
     role: str = "colocated"  # colocated | prefill | decode
     control_port: int = 0  # prefill: ZMQ control socket (0 = pick a free port)
-    backend: str = "shm"  # shm | tcp: the KV data plane between prefill and decode
+    backend: str = "shm"  # shm | tcp | nixl: the KV data plane between prefill and decode
+    debug_faults: bool = False  # POST /debug/faults may set fault points at run time
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {self.role!r}")
-        if self.backend not in ("shm", "tcp"):
-            raise ValueError(f"backend must be shm or tcp, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be shm, tcp or nixl, got {self.backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
 

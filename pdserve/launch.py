@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pdserve.config import BACKENDS
+
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The engine flags of `serve` as given to `launch`, turned back into argv."""
@@ -52,8 +54,13 @@ def add_launch_command(sub: Any) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode (or co-located) workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
-    p.add_argument("--backend", default="shm", choices=["shm", "tcp"], help="KV data plane")
+    p.add_argument("--backend", default="shm", choices=BACKENDS, help="KV data plane")
     p.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES))
+    p.add_argument(
+        "--debug-faults",
+        action="store_true",
+        help="every worker: let POST /debug/faults set fault points at run time",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -97,6 +104,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         backend=args.backend,
+        debug_faults=args.debug_faults,
         policy=args.policy,
         log_level=args.log_level,
         request_timeout_s=args.request_timeout,

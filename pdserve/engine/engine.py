@@ -39,6 +39,11 @@ from pdserve.model.loader import load_model
 
 log = logging.getLogger(__name__)
 
+# With no batch to run but transfers in flight or rooms waiting on a peer, the loop wakes this
+# often to poll them (an inbox command wakes it at once). Spinning instead would take a core
+# from the peer or the transfer's progress thread on a small machine.
+ROLE_POLL_S = 0.0005
+
 
 @dataclass(frozen=True)
 class Submit:
@@ -167,14 +172,21 @@ class Engine:
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
         self.last_tick = time.monotonic()
-        self._drain_inbox(block=not (self.scheduler.has_work() or self.has_role_work()))
+        if self.scheduler.has_work():
+            wait = 0.0
+        elif self.has_role_work():  # transfers to poll, rooms to time: short waits, no spinning
+            wait = ROLE_POLL_S
+        else:
+            wait = self.cfg.idle_wait_s
+        self._drain_inbox(wait)
         self._apply_deadlines()
         if self.scheduler.has_work():
             self.step()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, wait_s: float) -> None:
+        """Handle every queued command, first waiting up to `wait_s` for one (any wakes us)."""
         try:
-            cmd = self.inbox.get(timeout=self.cfg.idle_wait_s) if block else self.inbox.get_nowait()
+            cmd = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -4,12 +4,15 @@ Sans-I/O and engine-thread-only. One step spends a token budget: running request
 (decodes cost one token, unfinished prefills continue in chunks), then new requests from the
 waiting queue. When a running request needs a page and none is free, the most recently
 admitted request is preempted by recompute: its pages are freed and it waits again at the
-front of the queue, keeping the tokens it generated.
+front of the queue, keeping the tokens it generated. A *pinned* request (its pages are being
+read by a KV transfer still in flight) is never preempted; if only pinned requests could give
+way, the request that needs a page waits a step instead.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -48,6 +51,7 @@ class Scheduler:
         self.page_size = page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.pinned: Callable[[Request], bool] = lambda _req: False
 
     # -- verbs -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -88,7 +92,9 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_uncomputed, budget)
             if not self._reserve(req, n, plan):
-                continue  # req itself was preempted; running[i] is now the next one
+                if i < len(self.running) and self.running[i] is req:
+                    i += 1  # no page for it this step: only pinned requests could give way
+                continue  # else req itself was preempted; running[i] is now the next one
             plan.chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
             i += 1
@@ -109,10 +115,12 @@ class Scheduler:
         return plan
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
-        """Give `req` pages for `n` more tokens, preempting from the tail; False if req lost."""
+        """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""
         need = self._pages_for(req.num_computed + n) - len(req.pages)
         while not self.allocator.can_allocate(need):
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if not self.pinned(r)), None)
+            if victim is None:
+                return False
             self._preempt(victim, plan)
             if victim is req:
                 return False

@@ -16,7 +16,8 @@ import torch
 class KVLayout:
     """Shape of a paged pool: `num_pages` pages of `page_size` tokens for every layer and buffer.
 
-    Each (layer, buffer) is a tensor [num_pages, page_size, num_kv_heads, head_dim].
+    Each (layer, buffer) is a view [num_pages, page_size, num_kv_heads, head_dim]; one page
+    of all of them is [num_layers, buffers, page_size, num_kv_heads, head_dim], contiguous.
     """
 
     dtype: str  # torch dtype name, e.g. "float32"

@@ -1,8 +1,11 @@
 """The paged KV pool: the tensors, their layout descriptor, and the page allocator.
 
-The pool is one contiguous tensor [num_layers, num_buffers, num_pages, page_size, kv_heads,
-head_dim] so that a transfer backend can register or map it as one region; per-layer views
-are handed to the model. The layout descriptor is derived from that tensor.
+The pool is one contiguous tensor [num_pages, num_layers, num_buffers, page_size, kv_heads,
+head_dim] so that a transfer backend can register or map it as one region, and so that one
+page of every layer is one contiguous run of bytes: a transfer moves a page as a single
+descriptor (NIXL, tcp frames) instead of one per layer and buffer. Per-layer views
+[num_pages, page_size, kv_heads, head_dim] (strided across pages) are handed to the model.
+The layout descriptor is derived from that tensor.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
 
 def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
     return (
+        num_pages,
         layout.num_layers,
         len(layout.buffers),
-        num_pages,
         layout.page_size,
         layout.num_kv_heads,
         layout.head_dim,
@@ -108,7 +111,11 @@ class KVPool:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) views of layer i, each [num_pages, page_size, kv_heads, head_dim]."""
-        return self.data[i, 0], self.data[i, 1]
+        return self.data[:, i, 0], self.data[:, i, 1]
+
+    def page(self, p: int) -> torch.Tensor:
+        """Every layer's and buffer's slice of page p: one contiguous run of bytes."""
+        return self.data[p]
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.page_size)

@@ -42,19 +42,22 @@ def paged_attention(
     ctx: AttentionContext,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
-    hkv, d = k.shape[1], k.shape[2]
-    k_flat = k_cache.view(-1, hkv, d)
-    v_flat = v_cache.view(-1, hkv, d)
-    k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
-    v_flat[ctx.slot_mapping] = v.to(v_flat.dtype)
+    hkv = k.shape[1]
+    # A layer's cache is strided across pages (the pool keeps a page of all layers together),
+    # so a flat slot s is addressed as (s // page_size, s % page_size).
+    ps = k_cache.shape[1]
+    new = (ctx.slot_mapping // ps, ctx.slot_mapping % ps)
+    k_cache[new] = k.to(k_cache.dtype)
+    v_cache[new] = v.to(v_cache.dtype)
     gqa = q.shape[1] != hkv
 
     out = torch.empty_like(q)
     b = ctx.num_decode
     if b:
         assert ctx.decode_slots is not None and ctx.decode_mask is not None
-        kd = k_flat[ctx.decode_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vd = v_flat[ctx.decode_slots].transpose(1, 2)
+        seen = (ctx.decode_slots // ps, ctx.decode_slots % ps)
+        kd = k_cache[seen].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vd = v_cache[seen].transpose(1, 2)
         qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(
             qd,
@@ -75,8 +78,9 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
-            kp = k_flat[p.kv_slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv_len, D]
-            vp = v_flat[p.kv_slots].transpose(0, 1).to(q.dtype)
+            seen = (p.kv_slots // ps, p.kv_slots % ps)
+            kp = k_cache[seen].transpose(0, 1).to(q.dtype)  # [Hkv, kv_len, D]
+            vp = v_cache[seen].transpose(0, 1).to(q.dtype)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )

@@ -22,6 +22,15 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, frozen=True):
     sender: str = ""
 
 
+class NixlPool(msgspec.Struct, frozen=True):
+    """D's NIXL agent metadata and where its registered KV pool starts (backend nixl)."""
+
+    agent_md: bytes
+    base: int
+    device_id: int = 0
+    mem: str = "DRAM"  # DRAM | VRAM
+
+
 class Register(Msg, frozen=True):
     """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm_name` its pool (shm)."""
 
@@ -29,6 +38,7 @@ class Register(Msg, frozen=True):
     backend: str
     shm_name: str | None = None
     num_pages: int = 0
+    nixl: NixlPool | None = None
 
 
 class RegisterAck(Msg, frozen=True):
@@ -57,7 +67,7 @@ class PrefillReject(Msg, frozen=True):
 class KVChunk(Msg, frozen=True):
     """P -> D (tcp backend): pages' bytes follow as extra frames, one per page, in order.
 
-    Each page frame holds every (layer, buffer) slice of that page, layer-major.
+    Each page frame is the page's contiguous run: every (layer, buffer) slice, layer-major.
     """
 
     dst_pages: list[int]
@@ -73,6 +83,9 @@ class PrefillDone(Msg, frozen=True):
 
 class PrefillFailed(Msg, frozen=True):
     reason: str
+    # P released writes it could not confirm (deadline, peer error): some bytes may still
+    # land, so D must fence the pages rather than free them.
+    writes_cancelled: bool = False
 
 
 class Abort(Msg, frozen=True):
@@ -83,6 +96,7 @@ class AbortAck(Msg, frozen=True):
     """P has stopped writing into the room's pages and no write is in flight."""
 
     known: bool = True
+    writes_cancelled: bool = False  # as in PrefillFailed
 
 
 class Ping(Msg, frozen=True):

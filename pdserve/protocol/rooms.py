@@ -50,6 +50,8 @@ class DEvent(enum.Enum):
     DEADLINE = "deadline"
     PEER_DEAD = "peer_dead"
     FENCE_EXPIRED = "fence_expired"
+    # P stopped, but released writes it could not confirm: bytes may still land.
+    WRITES_CANCELLED = "writes_cancelled"
 
 
 class PState(enum.Enum):
@@ -85,12 +87,14 @@ D_TABLE: dict[tuple[DState, DEvent], tuple[DState, tuple[Cmd, ...]]] = {
     (DState.PENDING, DEvent.LOCAL_ABORT): (DState.ABORTING, (C.SEND_ABORT,)),
     (DState.PENDING, DEvent.DEADLINE): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PENDING, DEvent.PEER_DEAD): (DState.FENCED, (C.FAIL_REQUEST,)),
+    (DState.PENDING, DEvent.WRITES_CANCELLED): (DState.FENCED, (C.FAIL_REQUEST,)),
     (DState.PREFILLING, DEvent.DONE): (DState.DONE, (C.START_DECODE,)),
     (DState.PREFILLING, DEvent.REJECT): (DState.FAILED, _FREE_FAIL),
     (DState.PREFILLING, DEvent.FAILED): (DState.FAILED, _FREE_FAIL),
     (DState.PREFILLING, DEvent.LOCAL_ABORT): (DState.ABORTING, (C.SEND_ABORT,)),
     (DState.PREFILLING, DEvent.DEADLINE): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PREFILLING, DEvent.PEER_DEAD): (DState.FENCED, (C.FAIL_REQUEST,)),
+    (DState.PREFILLING, DEvent.WRITES_CANCELLED): (DState.FENCED, (C.FAIL_REQUEST,)),
     # Any word from P that it no longer writes releases the pages.
     (DState.ABORTING, DEvent.ABORT_ACK): (DState.RELEASED, (C.FREE_PAGES,)),
     (DState.ABORTING, DEvent.DONE): (DState.RELEASED, (C.FREE_PAGES,)),
@@ -98,6 +102,7 @@ D_TABLE: dict[tuple[DState, DEvent], tuple[DState, tuple[Cmd, ...]]] = {
     (DState.ABORTING, DEvent.REJECT): (DState.RELEASED, (C.FREE_PAGES,)),
     (DState.ABORTING, DEvent.DEADLINE): (DState.FENCED, ()),
     (DState.ABORTING, DEvent.PEER_DEAD): (DState.FENCED, ()),
+    (DState.ABORTING, DEvent.WRITES_CANCELLED): (DState.FENCED, ()),
     (DState.FENCED, DEvent.FENCE_EXPIRED): (DState.RELEASED, (C.FREE_PAGES,)),
     (DState.FENCED, DEvent.ABORT_ACK): (DState.RELEASED, (C.FREE_PAGES,)),
     (DState.FENCED, DEvent.DONE): (DState.RELEASED, (C.FREE_PAGES,)),

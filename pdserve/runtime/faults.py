@@ -1,12 +1,31 @@
 """Named fault points: deterministic, seeded failure injection, off and costless by default.
 
-Enabled by PDSERVE_FAULTS at process start, e.g.
+Two ways to set them. At process start, from the environment:
     PDSERVE_FAULTS="p.write=delay:2.0,control.recv.AbortAck=drop@0.5" PDSERVE_FAULT_SEED=7
-A spec is `point=action[:arg][@probability]`; actions are `delay:SECONDS` (stall the thread
-at that point), `raise` (raise FaultInjected there) and `drop` (the caller skips the message).
-Points in the code: `p.write` (before a prefill worker writes KV pages), `d.start_decode`
-(after PrefillDone, before the request joins the decode batch), `control.recv.<Type>` and
-`control.send.<Type>` (a control message of that type, in or out).
+At run time, on a server started with `--debug-faults`: POST /debug/faults with
+{"spec": "...", "seed": 7} replaces every point (an empty spec clears them); GET shows them.
+
+A spec is `point=action[:arg][@probability]`. Actions done at the point itself, anywhere:
+    delay:SECONDS  stall the thread there
+    raise          raise FaultInjected
+    kill[:1|0]     raise ThreadKilled; at `thread.<name>` the supervisor restarts the thread
+                   (kill, kill:1: a crash like any other) or declares it dead for good (kill:0)
+    exit           os._exit(70): the process dies at once, no cleanup
+Actions on a control message, only at `control.recv.<Type>` / `control.send.<Type>`, returned
+by `hit()` as a Verdict for the control plane to carry out (transfer/control.py):
+    drop           the message is lost
+    duplicate      it is delivered / sent twice
+    reorder        it is held back until the next message in the same direction has passed
+                   (at most HOLD_S in transfer/control.py)
+    unknown        an unknown-type frame goes in its place
+    malformed      garbage bytes go in its place
+Points in the code: `thread.<name>` (before each tick of a supervised thread), `p.write`
+(before a prefill worker writes KV pages), `d.start_decode` (after PrefillDone, before the
+request joins the decode batch), `control.recv.<Type>` and `control.send.<Type>`.
+
+Each point draws from its own generator seeded by (seed, point), so whether the n-th hit of
+a point fires depends only on the seed, whatever other threads hit meanwhile. `hit()` with no
+point set is one attribute check; a configuration is swapped whole, under a lock.
 """
 
 from __future__ import annotations
@@ -14,63 +33,181 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 log = logging.getLogger(__name__)
+
+EXIT_CODE = 70  # the `exit` action's status (EX_SOFTWARE)
+MESSAGE_POINTS = ("control.recv.", "control.send.")
 
 
 class FaultInjected(RuntimeError):
     """Raised at a fault point whose action is `raise`."""
 
 
+class ThreadKilled(FaultInjected):
+    """Raised at a fault point whose action is `kill`; the supervisor reads `restart`."""
+
+    def __init__(self, point: str, restart: bool) -> None:
+        then = "restarted" if restart else "not restarted"
+        super().__init__(f"thread killed at fault point {point} ({then})")
+        self.point = point
+        self.restart = restart
+
+
+class Action(Enum):
+    DELAY = "delay"
+    RAISE = "raise"
+    KILL = "kill"
+    EXIT = "exit"
+    DROP = "drop"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"
+    UNKNOWN = "unknown"
+    MALFORMED = "malformed"
+
+
+class Verdict(Enum):
+    """What the caller of `hit()` does with the message at that point."""
+
+    PASS = "pass"
+    DROP = "drop"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"
+    UNKNOWN = "unknown"
+    MALFORMED = "malformed"
+
+
+_VERDICTS = {Action(v.value): v for v in Verdict if v is not Verdict.PASS}
+
+
 @dataclass(frozen=True)
 class Fault:
-    action: str  # delay | raise | drop
-    arg: float = 0.0
+    action: Action
+    arg: float | None = None  # delay: seconds; kill: 1 (restart) or 0 (dead for good)
     probability: float = 1.0
+
+    def __str__(self) -> str:
+        arg = "" if self.arg is None else f":{self.arg:g}"
+        return f"{self.action.value}{arg}@{self.probability:g}"
 
 
 def parse(spec: str) -> dict[str, Fault]:
+    """`point=action[:arg][@probability],...` -> {point: Fault}; ValueError saying what is wrong."""
     faults: dict[str, Fault] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        point, sep, rest = item.partition("=")
-        if not sep:
-            raise ValueError(f"fault spec {item!r}: expected point=action")
-        rest, _, prob = rest.partition("@")
-        action, _, arg = rest.partition(":")
-        if action not in ("delay", "raise", "drop"):
-            raise ValueError(f"fault spec {item!r}: action must be delay, raise or drop")
-        faults[point] = Fault(action, float(arg or 0.0), float(prob or 1.0))
+        try:
+            point, fault = _parse_one(item)
+        except ValueError as e:
+            raise ValueError(f"fault spec {item!r}: {e}") from None
+        faults[point] = fault
     return faults
+
+
+def _parse_one(item: str) -> tuple[str, Fault]:
+    point, sep, rest = item.partition("=")
+    if not sep or not point:
+        raise ValueError("expected point=action[:arg][@probability]")
+    rest, at, prob_text = rest.partition("@")
+    name, colon, arg_text = rest.partition(":")
+    try:
+        action = Action(name)
+    except ValueError:
+        raise ValueError(f"action must be one of {', '.join(a.value for a in Action)}") from None
+    arg = _number(arg_text, "arg") if colon else None
+    probability = _number(prob_text, "probability") if at else 1.0
+    if not 0.0 < probability <= 1.0:
+        raise ValueError(f"probability must be in (0, 1], got {probability:g}")
+    if action is Action.DELAY and (arg is None or arg < 0):
+        raise ValueError("delay needs SECONDS >= 0 (delay:SECONDS)")
+    if action is Action.KILL and arg not in (None, 0.0, 1.0):
+        raise ValueError("kill takes 1 (restart the thread) or 0 (dead for good)")
+    if action not in (Action.DELAY, Action.KILL) and arg is not None:
+        raise ValueError(f"{action.value} takes no argument")
+    if action in _VERDICTS and not point.startswith(MESSAGE_POINTS):
+        raise ValueError(f"{action.value} acts on a message: only at control.recv/send points")
+    return point, Fault(action, arg, probability)
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One configuration: never changed once built, replaced whole by `configure`."""
+
+    points: dict[str, Fault]
+    seed: int
+    rngs: dict[str, random.Random]
+    fired: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def build(cls, spec: str, seed: int) -> _Plan:
+        points = parse(spec)
+        return cls(points, seed, {p: random.Random(f"{seed}:{p}") for p in points})
 
 
 class Faults:
     def __init__(self, spec: str = "", seed: int = 0) -> None:
-        self.points = parse(spec)
-        self.rng = random.Random(seed)
-        self.fired: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._plan = _Plan.build(spec, seed)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.points)
+        return bool(self._plan.points)
 
-    def hit(self, point: str) -> bool:
-        """Apply the fault at `point`: stalls or raises here; True means 'drop this message'."""
-        if not self.points:
-            return False
-        fault = self.points.get(point)
-        if fault is None or self.rng.random() >= fault.probability:
-            return False
-        self.fired[point] += 1
+    def configure(self, spec: str, seed: int) -> None:
+        """Replace every point (an empty spec clears them); ValueError leaves them as they were."""
+        plan = _Plan.build(spec, seed)
+        with self._lock:
+            self._plan = plan
+        log.warning("fault points set: %s (seed %d)", spec or "none", seed)
+
+    def snapshot(self) -> dict[str, object]:
+        plan = self._plan
+        with self._lock:
+            fired = dict(plan.fired)
+        return {
+            "points": {p: str(f) for p, f in plan.points.items()},
+            "seed": plan.seed,
+            "fired": fired,
+        }
+
+    def hit(self, point: str) -> Verdict:
+        """Apply the fault at `point`: delay, raise, kill and exit happen here; the rest is
+        returned for the caller to do to its message (PASS: carry on as if nothing happened)."""
+        plan = self._plan
+        if not plan.points:
+            return Verdict.PASS
+        fault = plan.points.get(point)
+        if fault is None:
+            return Verdict.PASS
+        with self._lock:
+            if plan.rngs[point].random() >= fault.probability:
+                return Verdict.PASS
+            plan.fired[point] += 1
         log.warning("fault point %s fired: %s", point, fault)
-        if fault.action == "delay":
-            time.sleep(fault.arg)
-            return False
-        if fault.action == "raise":
-            raise FaultInjected(f"fault injected at {point}")
-        return True
+        match fault.action:
+            case Action.DELAY:
+                time.sleep(fault.arg or 0.0)
+                return Verdict.PASS
+            case Action.RAISE:
+                raise FaultInjected(f"fault injected at {point}")
+            case Action.KILL:
+                raise ThreadKilled(point, restart=fault.arg != 0.0)
+            case Action.EXIT:
+                log.critical("fault point %s: exiting with code %d, no cleanup", point, EXIT_CODE)
+                os._exit(EXIT_CODE)
+            case _:
+                return _VERDICTS[fault.action]
 
 
 FAULTS = Faults(

@@ -47,6 +47,7 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "shm"
+    debug_faults: bool = False  # workers take POST /debug/faults
     policy: str = "least-outstanding"
     log_level: str = "INFO"
     request_timeout_s: float = 600.0
@@ -87,6 +88,7 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
     out = []
     for role, i in roles:
         extra = ["--control-port", "0"] if role == "prefill" else []
+        extra += ["--debug-faults"] if cfg.debug_faults else []
         argv = [*base, "--role", role, *common, *cfg.engine_flags, *extra]
         out.append((f"{role}-{i}", argv))
     return out

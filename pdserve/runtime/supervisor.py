@@ -4,7 +4,8 @@ A supervised thread is a loop of `tick()` calls. Around every tick the superviso
 heartbeat; an exception escaping a tick is logged, counted, and the loop goes on, until the
 thread has crashed more than `restart_budget` times within `budget_window_s`. Then the thread
 is declared dead, `healthy()` turns false, and `on_fatal` is called so the process exits
-loudly instead of living on half-alive. `threading.excepthook` catches anything else.
+loudly instead of living on half-alive. A `kill:0` fault (runtime/faults.py) takes the same
+road at once. `threading.excepthook` catches anything else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.runtime.faults import FAULTS
+from pdserve.runtime.faults import FAULTS, ThreadKilled
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ class Supervisor:
             try:
                 FAULTS.hit(f"thread.{rec.name}")
                 tick()
+            except ThreadKilled as e:  # a fault point's `kill`: a crash, maybe a final one
+                self._record_crash(rec, e)
+                if not e.restart:
+                    self.declare_dead(rec.name, str(e))
             except Exception as e:  # noqa: BLE001 - the supervisor's whole job
                 self._record_crash(rec, e)
         rec.last_heartbeat = time.monotonic()

@@ -8,6 +8,7 @@ thread that dies for good triggers the same shutdown with a non-zero exit code.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -23,9 +24,11 @@ from pdserve.config import ServerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg
+from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
-from pdserve.server.openai_api import OpenAIApi
+from pdserve.server.openai_api import OpenAIApi, error_response
+from pdserve.server.openai_protocol import ApiError
 from pdserve.transfer.control import Control, Inbound
 from pdserve.worker.api import WorkerApi
 from pdserve.worker.decode import DecodeEngine
@@ -145,6 +148,35 @@ class Server:
             violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
         return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
 
+    async def debug_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(FAULTS.snapshot())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """{"spec": "point=action...", "seed": 0} replaces every fault point; "" clears them."""
+        if not self.cfg.debug_faults:
+            return error_response(
+                ApiError(
+                    403,
+                    "fault points cannot be set on this server: start it with --debug-faults",
+                    code="debug_faults_off",
+                )
+            )
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return error_response(ApiError(400, f"body is not JSON: {e}", code="bad_json"))
+        spec = body.get("spec") if isinstance(body, dict) else None
+        seed = body.get("seed", 0) if isinstance(body, dict) else None
+        if not isinstance(spec, str) or not isinstance(seed, int) or isinstance(seed, bool):
+            return error_response(
+                ApiError(400, 'expected {"spec": str, "seed": int}', code="bad_fault_request")
+            )
+        try:
+            FAULTS.configure(spec, seed)
+        except ValueError as e:
+            return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
+        return web.json_response(FAULTS.snapshot())
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
         if self.cfg.role == "colocated":
@@ -159,6 +191,8 @@ class Server:
                 web.get("/metrics", self.metrics),
                 web.get("/debug/state", self.debug_state),
                 web.get("/debug/invariants", self.debug_invariants),
+                web.get("/debug/faults", self.debug_faults),
+                web.post("/debug/faults", self.set_faults),
             ]
         )
         return app

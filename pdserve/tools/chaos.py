@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pdserve.config import BACKENDS
 from pdserve.tools.chaos_cluster import (
     AttachedCluster,
     Cluster,
@@ -38,16 +39,20 @@ from pdserve.tools.chaos_cluster import (
     LaunchedCluster,
 )
 from pdserve.tools.composed import ComposedCluster
+from pdserve.tools.disconnects import ClientDisconnect
 from pdserve.tools.faulted import MessageFaults, ThreadCrash
 from pdserve.tools.kills import WorkerKill
 from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, Scenario, scenario_rng
+from pdserve.tools.stops import PrefillStop
 from pdserve.tools.storm import AbortStorm
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         AbortStorm(),
+        ClientDisconnect(),
         WorkerKill("prefill"),
+        PrefillStop(),
         WorkerKill("decode"),
         ThreadCrash(),
         MessageFaults(),
@@ -88,7 +93,7 @@ def add_chaos_command(sub: Any) -> None:
     )
     p.add_argument("--prefill", type=int, default=d.prefill)
     p.add_argument("--decode", type=int, default=d.decode)
-    p.add_argument("--backend", default=d.backend, choices=["shm", "tcp"])
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
     p.add_argument("--model", default=d.model)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per chat turn")

@@ -119,12 +119,18 @@ class Cluster:
             )
         return out
 
-    def kill(self, w: WorkerRef) -> float:
-        """SIGKILL a worker by its pid; the monotonic time of the kill."""
+    def send_signal(self, w: WorkerRef, sig: signal.Signals) -> float:
+        """Send `sig` to a worker by its pid (checked to be ours); the monotonic time sent."""
         if w.pid is None or not pid_alive(w.pid) or not is_pdserve(w.pid):
             raise ClusterError(f"worker {w.url}: pid {w.pid} is not a pdserve process here")
         t = time.monotonic()
-        os.kill(w.pid, signal.SIGKILL)
+        os.kill(w.pid, sig)
+        return t
+
+    def kill(self, w: WorkerRef) -> float:
+        """SIGKILL a worker by its pid; the monotonic time of the kill."""
+        t = self.send_signal(w, signal.SIGKILL)
+        assert w.pid is not None  # send_signal() checked it
         if wait_gone([w.pid], 10.0):
             raise ClusterError(f"worker {w.url} (pid {w.pid}) survived SIGKILL for 10 s")
         return t

@@ -5,25 +5,36 @@ Only the I/O thread touches sockets. Other threads `send()` into a bounded queue
 thread sends without blocking (a peer that does not drain fails that message, reported
 through `on_send_failed`, instead of freezing a thread: LESSONS #5). Every inbound frame goes
 through the one decoder; what it cannot read is counted and dropped (LESSONS #1).
+
+Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
+here, on the I/O thread: a message may be dropped, doubled, swapped with the next one in the
+same direction (held at most HOLD_S, flushed by `tick`), or replaced by an unknown-type or
+malformed frame, which goes through the same decoder (recv) or onto the wire (send).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
-from pdserve.runtime.faults import FAULTS
+from pdserve.runtime.faults import FAULTS, Verdict
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 2  # the I/O loop's poll interval; bounds the latency of queued sends
 OUTBOX_LIMIT = 10_000
+HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
+# What `unknown` and `malformed` faults put in a message's place.
+UNKNOWN_FRAME = msgspec.msgpack.encode({"type": "FaultInjectedUnknown", "room": 0})
+MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,9 @@ class Inbound:
     peer: str  # P: the D's identity; D: the P's address
     msg: Message
     frames: tuple[bytes, ...] = ()  # extra frames (KV page bytes on the tcp backend)
+
+
+Outgoing = tuple[str, Msg, tuple[bytes, ...]]  # peer, message, extra frames
 
 
 @dataclass
@@ -65,7 +79,10 @@ class Control:
         self.poller = zmq.Poller()
         self.router: zmq.Socket[bytes] | None = None
         self.dealers: dict[str, zmq.Socket[bytes]] = {}
-        self.outbox: queue.Queue[tuple[str, Msg, tuple[bytes, ...]]] = queue.Queue(OUTBOX_LIMIT)
+        self.outbox: queue.Queue[Outgoing] = queue.Queue(OUTBOX_LIMIT)
+        # Messages a `reorder` fault holds back, oldest first, with when they were held.
+        self.held_in: deque[tuple[float, Inbound]] = deque()
+        self.held_out: deque[tuple[float, Outgoing]] = deque()
         self.stats = ControlStats()
         self.address = ""
 
@@ -107,7 +124,8 @@ class Control:
         return s
 
     def tick(self) -> None:
-        """Poll once, deliver what arrived, then flush the outbox without blocking."""
+        """Poll once, deliver what arrived, flush the outbox without blocking, then release
+        messages a `reorder` fault has held for HOLD_S."""
         for sock, _ in self.poller.poll(POLL_MS):
             while True:
                 try:
@@ -121,42 +139,91 @@ class Control:
                 self._deliver(peer, parts)
         while True:
             try:
-                peer, msg, frames = self.outbox.get_nowait()
+                out = self.outbox.get_nowait()
             except queue.Empty:
-                return
-            self._send_now(peer, msg, frames)
+                break
+            self._send_now(out)
+        too_old = time.monotonic() - HOLD_S
+        while self.held_in and self.held_in[0][0] < too_old:
+            self.on_message(self.held_in.popleft()[1])
+        while self.held_out and self.held_out[0][0] < too_old:
+            self._transmit(self.held_out.popleft()[1])
 
-    def _deliver(self, peer: str, parts: list[bytes]) -> None:
+    def _decode(self, peer: str, parts: list[bytes]) -> Inbound | None:
+        """The one way in: None for a frame that cannot be read (counted, logged, dropped)."""
         if not parts:
             self.stats.dropped["empty"] += 1
-            return
+            return None
         msg = decode(parts[0])
         if isinstance(msg, DecodeError):
             self.stats.dropped[msg.kind] += 1
             log.warning("dropped a control frame from %s: %s (%s)", peer, msg.kind, msg.detail)
-            return
+            return None
         self.stats.received[type(msg).__name__] += 1
-        if FAULTS.hit(f"control.recv.{type(msg).__name__}"):
-            return
-        self.on_message(Inbound(peer, msg, tuple(parts[1:])))
+        return Inbound(peer, msg, tuple(parts[1:]))
 
-    def _send_now(self, peer: str, msg: Msg, frames: tuple[bytes, ...]) -> None:
-        if FAULTS.hit(f"control.send.{type(msg).__name__}"):
+    def _deliver(self, peer: str, parts: list[bytes]) -> None:
+        inbound = self._decode(peer, parts)
+        if inbound is None:
             return
-        payload = [encode(msg), *frames]
+        match FAULTS.hit(f"control.recv.{type(inbound.msg).__name__}"):
+            case Verdict.PASS:
+                self.on_message(inbound)
+            case Verdict.DROP:
+                pass
+            case Verdict.DUPLICATE:
+                self.on_message(inbound)
+                self.on_message(inbound)
+            case Verdict.REORDER:
+                self.held_in.append((time.monotonic(), inbound))
+                return
+            case Verdict.UNKNOWN:
+                self._decode(peer, [UNKNOWN_FRAME])
+            case Verdict.MALFORMED:
+                self._decode(peer, [MALFORMED_FRAME])
+        while self.held_in:
+            self.on_message(self.held_in.popleft()[1])
+
+    def _send_now(self, out: Outgoing) -> None:
+        peer, msg, _ = out
+        match FAULTS.hit(f"control.send.{type(msg).__name__}"):
+            case Verdict.PASS:
+                self._transmit(out)
+            case Verdict.DROP:
+                pass
+            case Verdict.DUPLICATE:
+                self._transmit(out)
+                self._transmit(out)
+            case Verdict.REORDER:
+                self.held_out.append((time.monotonic(), out))
+                return
+            case Verdict.UNKNOWN:
+                self._send_junk(peer, UNKNOWN_FRAME)
+            case Verdict.MALFORMED:
+                self._send_junk(peer, MALFORMED_FRAME)
+        while self.held_out:
+            self._transmit(self.held_out.popleft()[1])
+
+    def _transmit(self, out: Outgoing) -> None:
+        peer, msg, frames = out
         try:
-            if self.router is not None and not peer.startswith("tcp://"):
-                self.router.send_multipart([peer.encode(), *payload], zmq.NOBLOCK)
-            else:
-                self._dealer(peer).send_multipart(payload, zmq.NOBLOCK)
+            self.send_raw(peer, [encode(msg), *frames])
         except zmq.ZMQError as e:  # Again (peer not draining) or EHOSTUNREACH (gone)
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, f"send failed: {e}")
             return
         self.stats.sent[type(msg).__name__] += 1
 
+    def _send_junk(self, peer: str, frame: bytes) -> None:
+        """A fault's frame in place of a message; the message is lost either way."""
+        try:
+            self.send_raw(peer, [frame])
+        except zmq.ZMQError as e:
+            self.stats.send_failed += 1
+            log.warning("could not send a fault-injected frame to %s: %s", peer, e)
+
     def send_raw(self, peer: str, parts: list[bytes]) -> None:
-        """Test and fault-injection hook: put arbitrary frames on the wire (I/O thread only)."""
+        """Put frames on the wire as they are (I/O thread only); raises zmq.ZMQError."""
         if self.router is not None and not peer.startswith("tcp://"):
             self.router.send_multipart([peer.encode(), *parts], zmq.NOBLOCK)
         else:

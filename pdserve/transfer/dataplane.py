@@ -1,17 +1,21 @@
 """Data-plane backends: how a prefill worker's pages reach a decode worker's pool.
 
-Both backends complete a write before `write()` returns, so a room never has a write in
-flight between engine steps:
+A writer's `write()` posts the pages and returns a `Pending` transfer that the prefill
+engine polls; the room holds its source pages until every transfer of it completed or was
+cancelled. `shm` and `tcp` complete inside `write()` (their Pending is already done); `nixl`
+(transfer/nixl.py) completes in the background while the engine computes the next chunk.
 * `shm` — the decode pool lives in /dev/shm; P maps it and copies pages straight in.
 * `tcp` — P copies the pages out into frames that follow a KVChunk message on the control
   socket; D's engine copies them into the pool if the room still holds those pages.
-Page bytes are laid out per page as [layers, buffers, page_size, kv_heads, head_dim], the
+* `nixl` — P WRITEs into D's NIXL-registered pool; notifications tell D what landed.
+A page is one contiguous run [layers, buffers, page_size, kv_heads, head_dim] in the pool, the
 same for both sides because the layouts were compared at registration.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -22,17 +26,52 @@ from pdserve.kvcache.pool import KVPool, map_shared
 from pdserve.protocol.messages import KVChunk
 from pdserve.transfer.control import Control
 
-BACKENDS = ("shm", "tcp")
+BACKENDS = ("shm", "tcp", "nixl")
 
 
 class WriteError(RuntimeError):
     """A KV write failed (the peer's memory is gone, the send queue refused it)."""
 
 
+class Pending(Protocol):
+    """One posted write of a room's pages."""
+
+    nbytes: int
+
+    def poll(self) -> bool:
+        """True once complete; raises WriteError if it failed or its deadline passed."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop waiting for it and release it (its bytes may or may not have landed)."""
+        ...
+
+
+@dataclass
+class Completed:
+    """A write that finished inside `write()`."""
+
+    nbytes: int
+
+    def poll(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
 class PeerWriter(Protocol):
     def write(
-        self, room: int, epoch: int, src: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]
-    ) -> int: ...  # returns bytes moved
+        self,
+        room: int,
+        epoch: int,
+        src: KVPool,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        deadline: float,  # monotonic: the write must be complete or cancelled by then
+    ) -> Pending: ...
+
+    def close(self) -> None: ...
 
 
 class ShmWriter:
@@ -41,13 +80,27 @@ class ShmWriter:
         self.dst = map_shared(Path(shm_path), layout, num_pages)
 
     def write(
-        self, room: int, epoch: int, src: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]
-    ) -> int:
-        s = torch.tensor(list(src_pages), dtype=torch.long)
-        d = torch.tensor(list(dst_pages), dtype=torch.long)
-        pages = src.data.index_select(2, s.to(src.data.device)).cpu()
-        self.dst.index_copy_(2, d, pages)
-        return pages.numel() * pages.element_size()
+        self,
+        room: int,
+        epoch: int,
+        src: KVPool,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        deadline: float,
+    ) -> Completed:
+        if src.data.is_cuda:  # one gather and one device-to-host copy, then page by page
+            s = torch.tensor(list(src_pages), dtype=torch.long, device=src.data.device)
+            pages = list(src.data.index_select(0, s).cpu())
+        else:
+            pages = [src.page(p) for p in src_pages]
+        # A page is one contiguous run on both sides: a plain copy per page is the fastest
+        # path (faster than index_copy_ into the mapping).
+        for page, d in zip(pages, dst_pages, strict=True):
+            self.dst[d].copy_(page)
+        return Completed(len(pages) * src.layout.bytes_per_page_all_layers)
+
+    def close(self) -> None:
+        pass  # the mapping goes with the tensor
 
 
 class TcpWriter:
@@ -55,11 +108,17 @@ class TcpWriter:
         self.control, self.peer, self.sender = control, peer, sender
 
     def write(
-        self, room: int, epoch: int, src: KVPool, src_pages: Sequence[int], dst_pages: Sequence[int]
-    ) -> int:
+        self,
+        room: int,
+        epoch: int,
+        src: KVPool,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        deadline: float,
+    ) -> Completed:
         # Raw bytes via a uint8 view: numpy has no bfloat16.
         frames = tuple(
-            src.data[:, :, p].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            src.page(p).view(torch.uint8).cpu().numpy().tobytes()
             for p in src_pages
         )
         self.control.send(
@@ -67,7 +126,10 @@ class TcpWriter:
             KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=list(dst_pages)),
             frames,
         )
-        return sum(len(f) for f in frames)
+        return Completed(sum(len(f) for f in frames))
+
+    def close(self) -> None:
+        pass
 
 
 def receive_chunk(pool: KVPool, dst_pages: Sequence[int], frames: Sequence[bytes]) -> int:
@@ -87,7 +149,7 @@ def receive_chunk(pool: KVPool, dst_pages: Sequence[int], frames: Sequence[bytes
         layout.head_dim,
     )
     for page, frame in zip(dst_pages, frames, strict=True):
-        pool.data[:, :, page].copy_(
+        pool.page(page).copy_(
             torch.frombuffer(bytearray(frame), dtype=layout.torch_dtype).view(shape)
         )
     return per_page * len(frames)

@@ -27,8 +27,10 @@ from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import receive_chunk
+from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.api import params_to_json
 from pdserve.worker.roles import RoleStats, SendFailed, enter
+from pdserve.worker.snapshots import decode_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ class DRoom:
     first_logprob: TokenLogprob | None = None
     reason: str = ""
     write_deadline: float = 0.0  # unix time after which P may not write (sent to P)
-    bytes_received: int = 0  # tcp: KV bytes that arrived for this room
+    bytes_received: int = 0  # tcp, nixl: KV bytes that arrived for this room
+    done: m.PrefillDone | None = None  # nixl: PrefillDone that came before all its bytes
 
 
 class DecodeEngine(Engine):
@@ -79,6 +82,7 @@ class DecodeEngine(Engine):
     def attach(self, control: Control, backend: str) -> None:
         self.control = control
         self.backend = backend
+        self.nixl = NixlAgent(control.identity, self.pool) if backend == "nixl" else None
         self.peers: dict[str, PrefillPeer] = {}
         self.rooms: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
@@ -138,27 +142,51 @@ class DecodeEngine(Engine):
             case m.PrefillReject(reason=reason):
                 self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
             case m.PrefillDone():
-                if self.backend == "tcp" and room.bytes_received != msg.kv_bytes:
-                    # Pages travel through us on tcp: never decode on KV we did not receive.
-                    return self._apply(
-                        room,
-                        DEvent.FAILED,
-                        (f"incomplete KV: received {room.bytes_received} of {msg.kv_bytes} bytes"),
-                    )
-                room.first_token = msg.first_token
-                self.stats.bytes_acked += msg.kv_bytes
-                if msg.first_logprob is not None:
-                    tid, lp, top = msg.first_logprob
-                    room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
-                self._apply(room, DEvent.DONE)
+                room.done = msg
+                self._try_done(room)
             case m.PrefillFailed(reason=reason):
-                self._apply(room, DEvent.FAILED, f"prefill failed: {reason}")
+                event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.FAILED
+                self._apply(room, event, f"prefill failed: {reason}")
             case m.AbortAck():
-                self._apply(room, DEvent.ABORT_ACK)
+                event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.ABORT_ACK
+                self._apply(room, event, "prefill worker cancelled writes it could not confirm")
             case m.KVChunk():
                 self._kv_chunk(room, msg, cmd.frames)
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
+
+    def _try_done(self, room: DRoom) -> None:
+        """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
+        msg = room.done
+        assert msg is not None  # only called after PrefillDone was recorded
+        waits_for_kv = room.state in (DState.PENDING, DState.PREFILLING)
+        if waits_for_kv and self.backend in ("tcp", "nixl") and room.bytes_received != msg.kv_bytes:
+            if self.backend == "nixl" and room.bytes_received < msg.kv_bytes:
+                return  # notifications travel apart from PrefillDone: wait (room deadline)
+            # Never decode on KV we did not receive.
+            return self._apply(
+                room,
+                DEvent.FAILED,
+                f"incomplete KV: received {room.bytes_received} of {msg.kv_bytes} bytes",
+            )
+        room.first_token = msg.first_token
+        self.stats.bytes_acked += msg.kv_bytes
+        if msg.first_logprob is not None:
+            tid, lp, top = msg.first_logprob
+            room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
+        self._apply(room, DEvent.DONE)
+
+    def _nixl_landed(self) -> None:
+        assert self.nixl is not None
+        for rid, epoch, nbytes in self.nixl.landed():
+            room = self.rooms.get(rid)
+            if room is None or room.epoch != epoch or room.state in D_TERMINAL:
+                self.stats.stale["nixl_notif"] += 1
+                continue
+            room.bytes_received += nbytes
+            self.stats.bytes_written += nbytes
+            if room.done is not None:
+                self._try_done(room)
 
     def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...]) -> None:
         if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.request.pages):
@@ -223,6 +251,7 @@ class DecodeEngine(Engine):
                             backend=self.backend,
                             shm_name=str(self.pool.shm_path) if self.pool.shm_path else None,
                             num_pages=self.pool.num_pages,
+                            nixl=self.nixl.descriptor() if self.nixl is not None else None,
                         ),
                     )
                 peer.queued.append(room.room)
@@ -326,6 +355,8 @@ class DecodeEngine(Engine):
         return bool(self.rooms or self.admitting)
 
     def apply_role_deadlines(self) -> None:
+        if self.nixl is not None:
+            self._nixl_landed()
         now = time.monotonic()
         for sub in list(self.admitting):
             if sub.request.deadline is not None and now > sub.request.deadline:
@@ -360,31 +391,4 @@ class DecodeEngine(Engine):
         self._admit()
 
     def role_snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            "peers": [
-                {
-                    "address": p.address,
-                    "registered": p.registered,
-                    "refused": p.refused,
-                    "silent_s": round(now - p.last_pong, 3),
-                }
-                for p in self.peers.values()
-            ],
-            "rooms": [
-                {
-                    "room": r.room,
-                    "epoch": r.epoch,
-                    "peer": r.peer,
-                    "state": r.state.value,
-                    "request_id": r.request.request_id,
-                    "pages": len(r.request.pages),
-                    "time_in_state_s": round(now - r.since, 3),
-                    "deadline_in_s": round(r.deadline - now, 3),
-                }
-                for r in self.rooms.values()
-            ],
-            "admitting": len(self.admitting),
-            "stats": self.stats.snapshot(),
-            "control": self.control.stats.snapshot(),
-        }
+        return decode_snapshot(self)

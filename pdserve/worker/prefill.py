@@ -2,7 +2,10 @@
 
 The engine thread owns every room (one decode worker's request) and drives it through the P
 table of `protocol/rooms.py`. A room's pages are written as soon as the chunk that fills
-them is computed; PrefillDone follows only after the last write. Anything a peer sends is
+them is computed; PrefillDone follows only after the last write completed. While a write is
+in flight (nixl completes in the background) the room holds its source pages: the scheduler
+never preempts it, and an abort drops it from the batch but frees the pages only once no
+write reads them (LESSONS #7). Anything a peer sends is
 answered or counted and dropped: ABORT for an unknown or finished room gets an AbortAck with
 known=False, never an assert (LESSONS #1, #3).
 """
@@ -25,12 +28,15 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
-from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter, WriteError
+from pdserve.transfer.dataplane import PeerWriter, Pending, ShmWriter, TcpWriter, WriteError
+from pdserve.transfer.nixl import NixlAgent, NixlWriter
 from pdserve.worker.api import params_from_json
 from pdserve.worker.roles import RoleStats, SendFailed, enter
+from pdserve.worker.snapshots import prefill_snapshot
 
 log = logging.getLogger(__name__)
 
+WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
 PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
 
 
@@ -58,6 +64,13 @@ class PRoom:
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     write_deadline: float = 0.0  # unix time; no write into dst_pages after it
+    inflight: list[Pending] = field(default_factory=list)  # writes not yet complete
+    held_pages: list[int] = field(default_factory=list)  # source pages kept for inflight
+    writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
+
+    @property
+    def write_deadline_mono(self) -> float:
+        return time.monotonic() + (self.write_deadline - time.time())
 
 
 class PrefillEngine(Engine):
@@ -69,6 +82,12 @@ class PrefillEngine(Engine):
         self.rooms: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
+        self.nixl: NixlAgent | None = None  # created on the first nixl registration
+        self.scheduler.pinned = self._pinned
+
+    def _pinned(self, req: Request) -> bool:
+        room = self.by_request.get(req.request_id)
+        return room is not None and bool(room.inflight)
 
     # -- inbox ------------------------------------------------------------------------------
     def handle_other(self, cmd: object) -> None:
@@ -117,9 +136,18 @@ class PrefillEngine(Engine):
                 writer = ShmWriter(msg.shm_name, theirs, msg.num_pages)
             elif msg.backend == "tcp":
                 writer = TcpWriter(self.control, peer, self.control.identity)
+            elif msg.backend == "nixl":
+                if msg.nixl is None:
+                    raise ValueError("backend nixl needs the decode pool's NIXL descriptor")
+                if self.nixl is None:
+                    self.nixl = NixlAgent(self.control.identity, self.pool)
+                old = self.peers.pop(peer, None)
+                if old is not None:  # the same D again (it declared us dead): pair anew
+                    old.writer.close()
+                writer = NixlWriter(self.nixl, msg.nixl, theirs, msg.num_pages)
             else:
                 raise ValueError(f"unknown backend {msg.backend!r}")
-        except (ValueError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why
             log.warning("refused registration of %s: %s", peer, e)
             self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours.to_dict()))
             return
@@ -180,8 +208,7 @@ class PrefillEngine(Engine):
             return
         for c in out.commands:
             self._run_command(room, c)
-        # Writes complete inside write(): nothing is ever in flight once a step returns.
-        if room.state in (PState.WRITING, PState.ABORTING, PState.FAILING):
+        if room.state in WAITING_FOR_WRITES and not room.inflight:
             self._apply(room, PEvent.WRITES_DONE)
         if room.state in P_TERMINAL:
             self.rooms.pop((room.peer, room.room), None)
@@ -190,9 +217,17 @@ class PrefillEngine(Engine):
     def _run_command(self, room: PRoom, c: Cmd) -> None:
         req = room.request
         match c:
-            case Cmd.STOP_COMPUTE | Cmd.FREE_PAGES:
+            case Cmd.STOP_COMPUTE:
                 if self.scheduler.get(req.request_id) is not None:
-                    self.scheduler.finish(req, Event.ABORT if c is Cmd.STOP_COMPUTE else Event.STOP)
+                    if room.inflight:  # writes still read these pages: keep them
+                        room.held_pages, req.pages = req.pages, []
+                    self.scheduler.finish(req, Event.ABORT)
+            case Cmd.FREE_PAGES:
+                if self.scheduler.get(req.request_id) is not None:
+                    self.scheduler.finish(req, Event.STOP)
+                if room.held_pages:
+                    self.pool.allocator.free(room.held_pages, req.request_id)
+                    room.held_pages = []
             case Cmd.SEND_DONE:
                 assert room.first_token is not None  # COMPUTED set it; not input-dependent
                 lp = room.first_logprob
@@ -214,14 +249,28 @@ class PrefillEngine(Engine):
                 self._reply(
                     room.peer,
                     m.PrefillFailed(
-                        room=room.room, epoch=room.epoch, reason=room.reason or "prefill failed"
+                        room=room.room,
+                        epoch=room.epoch,
+                        reason=room.reason or "prefill failed",
+                        writes_cancelled=room.writes_cancelled,
                     ),
                 )
             case Cmd.SEND_ABORT_ACK:
                 self.stats.aborted += 1
-                self._reply(room.peer, m.AbortAck(room=room.room, epoch=room.epoch, known=True))
+                self._reply(
+                    room.peer,
+                    m.AbortAck(
+                        room=room.room,
+                        epoch=room.epoch,
+                        known=True,
+                        writes_cancelled=room.writes_cancelled,
+                    ),
+                )
             case Cmd.CANCEL_WRITES:
-                pass  # synchronous backends have nothing in flight to cancel
+                for xfer in room.inflight:
+                    xfer.cancel()
+                    room.writes_cancelled = True
+                room.inflight.clear()
             case _:
                 raise ValueError(f"prefill role cannot run {c}")
 
@@ -248,11 +297,16 @@ class PrefillEngine(Engine):
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
                 FAULTS.hit("p.write")
                 sl = slice(room.pages_written, target)
-                moved = peer.writer.write(
-                    room.room, room.epoch, self.pool, req.pages[sl], room.dst_pages[sl]
+                xfer = peer.writer.write(
+                    room.room,
+                    room.epoch,
+                    self.pool,
+                    req.pages[sl],
+                    room.dst_pages[sl],
+                    room.write_deadline_mono,
                 )
-                self.stats.bytes_written += moved
-                room.bytes_written += moved
+                room.inflight.append(xfer)
+                room.bytes_written += xfer.nbytes
                 room.pages_written = target
             except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
                 log.warning("KV write for room %d failed: %s", room.room, e)
@@ -265,6 +319,9 @@ class PrefillEngine(Engine):
             return
         room.first_token, room.first_logprob = tok, lp
         self.metrics.generated_tokens.inc()
+        # The prompt is computed: leave the batch, keep the pages until the writes complete.
+        room.held_pages, req.pages = req.pages, []
+        self.scheduler.finish(req, Event.STOP)
         self._apply(room, PEvent.COMPUTED)
 
     def abort_role(self, request_id: str) -> bool:
@@ -273,7 +330,31 @@ class PrefillEngine(Engine):
             self._apply(room, PEvent.ABORT)
         return room is not None
 
+    def has_role_work(self) -> bool:
+        return any(r.inflight for r in self.rooms.values())
+
+    def poll_writes(self) -> None:
+        """Collect completed writes; a failed or overdue one fails its room."""
+        if self.nixl is not None:
+            self.nixl.retry_releases()
+        for room in [r for r in self.rooms.values() if r.inflight]:
+            error = None
+            for xfer in list(room.inflight):
+                try:
+                    if not xfer.poll():
+                        continue
+                    self.stats.bytes_written += xfer.nbytes
+                except WriteError as e:
+                    room.writes_cancelled, error = True, str(e)
+                room.inflight.remove(xfer)
+            if error is not None:
+                log.warning("KV write for room %d failed: %s", room.room, error)
+                self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
+            if not room.inflight and room.state in WAITING_FOR_WRITES:
+                self._apply(room, PEvent.WRITES_DONE)
+
     def apply_role_deadlines(self) -> None:
+        self.poll_writes()
         now = time.monotonic()
         for room in list(self.rooms.values()):
             if now > room.deadline:
@@ -288,26 +369,7 @@ class PrefillEngine(Engine):
                 del self.peers[peer.identity]
                 for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
                     self._apply(room, PEvent.PEER_DEAD, "decode worker gone")
+                peer.writer.close()
 
     def role_snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            "peers": [
-                {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)}
-                for p in self.peers.values()
-            ],
-            "rooms": [
-                {
-                    "peer": r.peer,
-                    "room": r.room,
-                    "epoch": r.epoch,
-                    "state": r.state.value,
-                    "time_in_state_s": round(now - r.since, 3),
-                    "deadline_in_s": round(r.deadline - now, 3),
-                    "pages_written": r.pages_written,
-                }
-                for r in self.rooms.values()
-            ],
-            "stats": self.stats.snapshot(),
-            "control": self.control.stats.snapshot(),
-        }
+        return prefill_snapshot(self)

@@ -57,6 +57,36 @@ def test_preemption_by_recompute_frees_pages_and_requeues_first():
     assert alloc.num_used == 3
 
 
+def full_pool_of_two():
+    alloc = PageAllocator(4)
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4), alloc, 4)
+    a, b = req("a", 7), req("b", 7)
+    s.add(a)
+    s.add(b)
+    finish_step(s.schedule())
+    finish_step(s.schedule())  # both hold 2 pages, both need a third next
+    return s, alloc, a, b
+
+
+def test_a_pinned_request_is_never_the_victim():
+    s, alloc, a, b = full_pool_of_two()
+    s.pinned = lambda r: r is b  # b's pages are being read by a KV transfer
+    plan = s.schedule()
+    assert plan.preempted == [a] and [c.request for c in plan.chunks] == [b]
+    assert len(b.pages) == 3 and a.pages == [] and s.waiting[0] is a
+
+
+def test_when_every_candidate_is_pinned_requests_wait_instead():
+    s, alloc, a, b = full_pool_of_two()
+    s.pinned = lambda r: True
+    plan = s.schedule()
+    assert plan.chunks == [] and plan.preempted == []
+    assert len(a.pages) == len(b.pages) == 2 and s.running == [a, b]
+    s.pinned = lambda r: False  # the transfer completed: normal preemption resumes
+    plan = s.schedule()
+    assert plan.preempted == [b] and [c.request for c in plan.chunks] == [a]
+
+
 def test_finish_releases_pages_once():
     alloc = PageAllocator(8)
     s = Scheduler(SchedulerConfig(), alloc, 4)

@@ -64,7 +64,7 @@ def tokens(lines: list[dict]) -> list[int]:
     return [t for ln in lines for t in ln["token_ids"]]
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "tcp", "nixl"])
 def pd(request, tiny_dir, tmp_path_factory) -> Iterator[PD]:
     backend = request.param
     logs = tmp_path_factory.mktemp(f"pd-{backend}")

@@ -23,10 +23,11 @@ from tests.procs import http as call
 STALL_S = 1.5
 
 
-@pytest.fixture(scope="module")
-def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
-    logs = tmp_path_factory.mktemp("pd-faults")
-    common = worker_args(tiny_dir, "shm", CHUNK)
+@pytest.fixture(scope="module", params=["shm", "nixl"])
+def faulty(request, tiny_dir, tmp_path_factory) -> Iterator[PD]:
+    backend = request.param
+    logs = tmp_path_factory.mktemp(f"pd-faults-{backend}")
+    common = worker_args(tiny_dir, backend, CHUNK)
     p = ServerProcess(
         ["serve", "--role", "prefill", *common],
         logs / "p.log",
@@ -42,7 +43,7 @@ def faulty(tiny_dir, tmp_path_factory) -> Iterator[PD]:
         p.stop()
         raise
     try:
-        yield PD(p, d, call("GET", p.url + "/info")[1]["control"], "shm")
+        yield PD(p, d, call("GET", p.url + "/info")[1]["control"], backend)
     finally:
         d.stop()
         p.stop()

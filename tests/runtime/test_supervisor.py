@@ -8,10 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdserve.runtime.faults import FaultInjected, Faults, parse
+from pdserve.runtime.faults import FAULTS, Faults
 from pdserve.runtime.supervisor import Supervisor
 from tests.procs import ServerProcess, http
 
@@ -50,15 +51,58 @@ def test_stale_heartbeat_is_a_problem():
     sup.stop(2.0)
 
 
-def test_fault_spec_parsing():
-    f = parse("p.write=delay:1.5,control.recv.Abort=drop@0.25,thread.engine=raise")
-    assert f["p.write"].action == "delay" and f["p.write"].arg == 1.5
-    assert f["control.recv.Abort"].probability == 0.25
-    with pytest.raises(ValueError):
-        parse("nonsense")
-    with pytest.raises(FaultInjected):
-        Faults("x=raise").hit("x")
-    assert Faults("x=drop").hit("x") and not Faults("").hit("x")
+@pytest.fixture
+def faults() -> Iterator[Faults]:
+    """The process-wide fault points the supervisor hits, cleared after the test."""
+    yield FAULTS
+    FAULTS.configure("", 0)
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_kill_0_leaves_the_thread_dead_for_good(faults):
+    fatal: list[str] = []
+    sup = Supervisor(restart_budget=100, on_fatal=fatal.append)
+    ticks = {"n": 0}
+    faults.configure("thread.x=kill:0", 0)
+    sup.spawn("x", lambda: ticks.__setitem__("n", ticks["n"] + 1))
+    wait_until(lambda: bool(fatal))
+    faults.configure("", 0)
+    time.sleep(0.1)  # a restarted thread would tick now
+    (rec,) = sup.snapshot()
+    assert rec["alive"] is False and rec["crashes"] == 1 and ticks["n"] == 0
+    assert "thread.x" in str(rec["dead_reason"]) and "not restarted" in str(rec["dead_reason"])
+    assert fatal == [f"thread x dead: {rec['dead_reason']}"]
+    assert [p for p in sup.problems() if p.startswith("thread x dead")]
+    assert sup.stop(2.0) == []
+
+
+def test_kill_1_is_a_crash_and_the_thread_goes_on(faults):
+    fatal: list[str] = []
+    sup = Supervisor(restart_budget=100, on_fatal=fatal.append)
+    ticks = {"n": 0}
+
+    def tick() -> None:
+        ticks["n"] += 1
+        time.sleep(0.001)
+
+    faults.configure("thread.x=kill:1@0.5", 1)
+    sup.spawn("x", tick)
+    wait_until(lambda: sup.snapshot()[0]["crashes"] >= 3 and ticks["n"] >= 3)
+    faults.configure("", 0)
+    seen = ticks["n"]
+    wait_until(lambda: ticks["n"] > seen + 3)  # no hit of the old points is in flight now
+    crashes, seen = sup.snapshot()[0]["crashes"], ticks["n"]
+    wait_until(lambda: ticks["n"] > seen + 20)
+    (rec,) = sup.snapshot()
+    assert rec["alive"] and rec["crashes"] == crashes and "ThreadKilled" in str(rec["last_error"])
+    assert sup.problems() == [] and fatal == []
+    assert sup.stop(2.0) == []
 
 
 def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:

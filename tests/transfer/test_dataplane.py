@@ -38,12 +38,13 @@ def test_shm_writes_scattered_pages_exactly(dtype):
     try:
         assert dst.shm_path is not None
         writer = ShmWriter(str(dst.shm_path), dst.layout, dst.num_pages)
-        moved = writer.write(1, 1, src, SRC, DST)
-        assert moved == len(SRC) * src.layout.bytes_per_page_all_layers
+        done = writer.write(1, 1, src, SRC, DST, deadline=0.0)
+        assert done.poll(), "shm completes inside write()"
+        assert done.nbytes == len(SRC) * src.layout.bytes_per_page_all_layers
         for s, d in zip(SRC, DST, strict=True):
-            assert torch.equal(dst.data[:, :, d], src.data[:, :, s])
+            assert torch.equal(dst.data[d], src.data[s])
         untouched = [p for p in range(dst.num_pages) if p not in DST]
-        assert not dst.data[:, :, untouched].any()
+        assert not dst.data[untouched].any()
     finally:
         dst.close()
 
@@ -52,13 +53,14 @@ def test_shm_writes_scattered_pages_exactly(dtype):
 def test_tcp_frames_round_trip_exactly(dtype):
     src, dst = pools(dtype, shared=False)
     ctl = CapturingControl()
-    TcpWriter(ctl, "d0", "p0").write(5, 2, src, SRC, DST)  # type: ignore[arg-type]
+    sent = TcpWriter(ctl, "d0", "p0").write(5, 2, src, SRC, DST, 0.0)  # type: ignore[arg-type]
+    assert sent.poll() and sent.nbytes == len(SRC) * src.layout.bytes_per_page_all_layers
     ((peer, msg, frames),) = ctl.sent
     assert peer == "d0" and isinstance(msg, KVChunk) and msg.dst_pages == DST
     assert (msg.room, msg.epoch) == (5, 2)
     receive_chunk(dst, msg.dst_pages, frames)
     for s, d in zip(SRC, DST, strict=True):
-        assert torch.equal(dst.data[:, :, d], src.data[:, :, s])
+        assert torch.equal(dst.data[d], src.data[s])
 
 
 def test_tcp_receiver_refuses_wrong_sizes():

@@ -1,0 +1,265 @@
+"""The `nixl` data plane: P WRITEs pages into D's registered pool through NIXL (UCX).
+
+NIXL moves bytes; it does not bound time. A WRITE to a peer that stopped (SIGSTOP) stays
+"in progress" for ever, and only releasing the handle ends it. So pdserve adds what NIXL
+lacks (LESSONS: every wait bounded, pages are leases):
+* every transfer carries a deadline (the room's write deadline, capped); when it passes the
+  handle is released and the room fails with `writes_cancelled`, which makes D fence the
+  destination pages instead of freeing them;
+* a peer that disconnects (a typed NIXL error) fails the transfer at once;
+* agent metadata and the pool descriptor travel inside pdserve's own Register message, so the
+  pairing lives and dies with the control plane we already supervise;
+* each WRITE carries a notification "pdkv1 ROOM EPOCH BYTES"; D counts the bytes that landed
+  per room and decodes only when they equal what PrefillDone reports.
+
+Only the engine thread of a worker touches its agent (NIXL's sync mode NONE is then safe);
+UCX's own progress thread moves the bytes while the engine computes the next chunk.
+
+Descriptors: the pool is [pages, layers, buffers, page_size, heads, head_dim], so one page of
+every layer is one contiguous run (`bytes_per_page_all_layers`). Both sides prepare the list
+of their pages once; a write picks rows by index, one descriptor per page (NIXL merges pages
+that happen to be adjacent on both sides).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool
+from pdserve.protocol.messages import NixlPool
+from pdserve.transfer.dataplane import WriteError
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'pdserve[nixl]' (the nixl-cu12 wheel; it runs on CPU-only hosts too)"
+NOTIF_PREFIX = b"pdkv1"
+TRANSFER_TIMEOUT_S = 30.0  # no single WRITE may stay in flight longer than this
+
+
+class BackendUnavailable(RuntimeError):
+    """The nixl backend was asked for but NIXL is not installed."""
+
+
+def import_nixl() -> ModuleType:
+    # NIXL logs every agent and backend creation at INFO on stdout; keep its warnings only.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        import nixl_cu12 as nixl  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            import nixl._api as nixl  # type: ignore[import-not-found,no-redef]
+        except ImportError as e:
+            raise BackendUnavailable(f"--backend nixl needs NIXL: {INSTALL_HINT}") from e
+    return nixl
+
+
+def nixl_available() -> bool:
+    try:
+        import_nixl()
+    except BackendUnavailable:
+        return False
+    return True
+
+
+def page_runs(layout: KVLayout, base: int, num_pages: int, device_id: int) -> np.ndarray:
+    """Every page of a pool at `base` as one run: an Nx3 (address, length, device) array."""
+    size = layout.bytes_per_page_all_layers
+    out = np.empty((num_pages, 3), dtype=np.uint64)
+    out[:, 0] = base + np.arange(num_pages, dtype=np.uint64) * np.uint64(size)
+    out[:, 1] = size
+    out[:, 2] = device_id
+    return out
+
+
+def run_indices(pages: Sequence[int]) -> np.ndarray:
+    """Rows of `page_runs` for `pages`, in order (row i is page i on both sides)."""
+    return np.asarray(list(pages), dtype=np.int32)
+
+
+def notif(room: int, epoch: int, nbytes: int) -> bytes:
+    return b"%s %d %d %d" % (NOTIF_PREFIX, room, epoch, nbytes)
+
+
+def parse_notif(msg: bytes) -> tuple[int, int, int] | None:
+    """(room, epoch, bytes) from a notification, or None for one that is not ours."""
+    parts = msg.split()
+    if len(parts) != 4 or parts[0] != NOTIF_PREFIX:
+        return None
+    try:
+        room, epoch, nbytes = (int(p) for p in parts[1:])
+    except ValueError:
+        return None
+    return room, epoch, nbytes
+
+
+class NixlAgent:
+    """One worker's NIXL agent with its whole KV pool registered and its runs prepared."""
+
+    def __init__(self, name: str, pool: KVPool) -> None:
+        self.nixl = import_nixl()
+        self.name = name
+        self.pool = pool
+        cfg = self.nixl.nixl_agent_config(backends=["UCX"])
+        self.agent = self.nixl.nixl_agent(name, cfg)
+        self.mem = "VRAM" if pool.data.is_cuda else "DRAM"
+        self.device_id = pool.data.device.index or 0
+        self.reg = self.agent.register_memory(pool.data)
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            page_runs(pool.layout, pool.data.data_ptr(), pool.num_pages, self.device_id),
+            self.mem,
+        )
+        self.unreleased: list[Any] = []  # handles NIXL refused to release yet; retried
+        self.bad_notifs = 0
+
+    def descriptor(self) -> NixlPool:
+        return NixlPool(
+            agent_md=self.agent.get_agent_metadata(),
+            base=self.pool.data.data_ptr(),
+            device_id=self.device_id,
+            mem=self.mem,
+        )
+
+    def landed(self) -> list[tuple[int, int, int]]:
+        """D side: (room, epoch, bytes) of every WRITE that completed since the last call."""
+        out = []
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                parsed = parse_notif(msg)
+                if parsed is None:
+                    self.bad_notifs += 1
+                else:
+                    out.append(parsed)
+        return out
+
+    def release(self, handle: Any) -> bool:
+        """Release a transfer handle; False (and kept for retry) if NIXL cannot cancel it yet."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:  # noqa: BLE001 - any NIXL error: keep it and retry later
+            log.warning("NIXL could not release a transfer handle yet: %s", e)
+            self.unreleased.append(handle)
+            return False
+
+    def retry_releases(self) -> None:
+        pending, self.unreleased = self.unreleased, []
+        for h in pending:
+            self.release(h)
+
+    def close(self) -> None:
+        for handle in (self.local,):
+            try:
+                handle.release()
+            except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+                log.warning("NIXL dlist release at close: %s", e)
+        try:
+            self.agent.deregister_memory(self.reg)
+        except Exception as e:  # noqa: BLE001
+            log.warning("NIXL deregister at close: %s", e)
+
+
+@dataclass
+class NixlTransfer:
+    """One posted WRITE. `poll()` is True once it completed; it raises WriteError on failure."""
+
+    agent: NixlAgent
+    handle: Any
+    nbytes: int
+    deadline: float  # monotonic
+    done: bool = False
+
+    def poll(self) -> bool:
+        if self.done:
+            return True
+        try:
+            state = self.agent.agent.check_xfer_state(self.handle)
+        except Exception as e:  # noqa: BLE001 - typed NIXL errors (peer disconnect, ...)
+            self._finish()
+            raise WriteError(f"NIXL transfer failed: {type(e).__name__}: {e}") from e
+        if state == "DONE":
+            self._finish()
+            return True
+        if state == "ERR":
+            self._finish()
+            raise WriteError("NIXL transfer reported an error (peer gone?)")
+        if time.monotonic() > self.deadline:
+            self._finish()
+            raise WriteError("NIXL transfer did not complete before its deadline; cancelled")
+        return False
+
+    def cancel(self) -> None:
+        if not self.done:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        self.agent.release(self.handle)
+
+
+class NixlWriter:
+    """P's writer into one decode worker's pool."""
+
+    def __init__(self, agent: NixlAgent, remote: NixlPool, layout: KVLayout, num_pages: int):
+        self.agent = agent
+        self.layout = layout
+        self.num_pages = num_pages
+        self.remote_name = agent.agent.add_remote_agent(remote.agent_md)
+        try:
+            self.remote = agent.agent.prep_xfer_dlist(
+                self.remote_name,
+                page_runs(layout, remote.base, num_pages, remote.device_id),
+                remote.mem,
+            )
+        except Exception:
+            agent.agent.remove_remote_agent(self.remote_name)
+            raise
+
+    def write(
+        self,
+        room: int,
+        epoch: int,
+        src: KVPool,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        deadline: float,
+    ) -> NixlTransfer:
+        nbytes = len(src_pages) * self.layout.bytes_per_page_all_layers
+        a = self.agent
+        try:
+            handle = a.agent.make_prepped_xfer(
+                "WRITE",
+                a.local,
+                run_indices(src_pages),
+                self.remote,
+                run_indices(dst_pages),
+                notif(room, epoch, nbytes),
+            )
+        except Exception as e:  # noqa: BLE001 - typed NIXL errors become a failed write
+            raise WriteError(f"NIXL could not prepare the write: {type(e).__name__}: {e}") from e
+        xfer = NixlTransfer(a, handle, nbytes, min(deadline, time.monotonic() + TRANSFER_TIMEOUT_S))
+        try:
+            state = a.agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001
+            xfer.cancel()
+            raise WriteError(f"NIXL could not post the write: {type(e).__name__}: {e}") from e
+        if state == "ERR":
+            xfer.cancel()
+            raise WriteError("NIXL refused to post the write (peer gone?)")
+        return xfer
+
+    def close(self) -> None:
+        try:
+            self.remote.release()
+            self.agent.agent.remove_remote_agent(self.remote_name)
+        except Exception as e:  # noqa: BLE001 - the peer is being dropped anyway
+            log.warning("NIXL: dropping remote agent %s: %s", self.remote_name, e)

@@ -1,0 +1,47 @@
+"""A decode-side NIXL peer in its own process, for the nixl conformance tests.
+
+It registers a shared-memory KV pool with a NIXL agent, prints one JSON line (its pool path
+and its NIXL descriptor, hex-encoded), then answers stdin commands: `landed` prints the
+notifications that arrived as JSON, `quit` exits. The test maps the same pool to check bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool
+from pdserve.transfer.nixl import NixlAgent
+
+
+def main() -> None:
+    dtype, num_pages = sys.argv[1], int(sys.argv[2])
+    layout = KVLayout(dtype, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    pool = KVPool(layout, num_pages, torch.device("cpu"), shared=True)
+    agent = NixlAgent(f"peer-{sys.argv[3]}", pool)
+    d = agent.descriptor()
+    print(
+        "PEER " + json.dumps(
+            {
+                "shm": str(pool.shm_path),
+                "md": d.agent_md.hex(),
+                "base": d.base,
+                "device_id": d.device_id,
+                "mem": d.mem,
+            }
+        ),
+        flush=True,
+    )
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "landed":
+            print("PEER " + json.dumps(agent.landed()), flush=True)
+        elif cmd == "quit":
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""nixl backend conformance: the same contract as shm and tcp, across two real processes.
+
+P is this test process (a NixlAgent on a local pool); D is `nixl_peer.py` in a child process
+whose pool lives in shared memory, so the test can read what landed. Covers scattered page
+lists and page boundaries (per dtype), many rooms in flight, cancel mid-write, a peer that is
+gone (SIGKILL) and a peer that is stopped (SIGSTOP: NIXL waits for ever, our deadline does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool, map_shared
+from pdserve.protocol.messages import NixlPool
+from pdserve.transfer.dataplane import WriteError
+from pdserve.transfer.nixl import (
+    NixlAgent,
+    NixlTransfer,
+    NixlWriter,
+    nixl_available,
+    page_runs,
+    parse_notif,
+    run_indices,
+)
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+
+PEER = Path(__file__).with_name("nixl_peer.py")
+DST_PAGES = 12
+
+
+class Peer:
+    def __init__(self, dtype: str, tag: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), dtype, str(DST_PAGES), tag],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=Path(__file__).parents[2],
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        info = json.loads(self.readline())
+        self.layout = KVLayout(dtype, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+        self.pool = map_shared(Path(info["shm"]), self.layout, DST_PAGES)
+        self.descriptor = NixlPool(
+            bytes.fromhex(info["md"]), info["base"], info["device_id"], info["mem"]
+        )
+
+    def readline(self, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:  # skip anything NIXL or UCX print on stdout
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("nixl peer did not answer") from None
+            if line.startswith("PEER "):
+                return line[5:]
+            if not line:
+                raise RuntimeError("nixl peer exited")
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def landed(self) -> list[tuple[int, int, int]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("landed\n")
+        self.proc.stdin.flush()
+        return [tuple(x) for x in json.loads(self.readline())]
+
+    def landed_until(self, nbytes: int, timeout_s: float = 10.0) -> list[tuple[int, int, int]]:
+        got: list[tuple[int, int, int]] = []
+        deadline = time.monotonic() + timeout_s
+        while sum(n for *_, n in got) < nbytes and time.monotonic() < deadline:
+            got += self.landed()
+            time.sleep(0.01)
+        return got
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def pair(request) -> Iterator[tuple[NixlWriter, KVPool, Peer]]:
+    dtype = getattr(request, "param", "float32")
+    peer = Peer(dtype, request.node.name[-24:].replace("[", "-").replace("]", ""))
+    try:
+        src = KVPool(peer.layout, 10, torch.device("cpu"))
+        src.data.copy_(torch.randn(src.data.shape).to(src.data.dtype))
+        agent = NixlAgent(f"p-{os.getpid()}-{time.monotonic_ns()}", src)
+        writer = NixlWriter(agent, peer.descriptor, peer.layout, DST_PAGES)
+        yield writer, src, peer
+    finally:
+        peer.stop()
+
+
+def wait(x: NixlTransfer, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not x.poll():
+        assert time.monotonic() < deadline, "transfer never completed"
+        time.sleep(0.001)
+
+
+def far() -> float:
+    return time.monotonic() + 30.0
+
+
+def test_one_descriptor_per_page_covers_the_pool():
+    layout = KVLayout("float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=2)
+    pool = KVPool(layout, 5, torch.device("cpu"))
+    runs = page_runs(layout, pool.data.data_ptr(), 5, 0)
+    for p in range(5):  # each row is exactly page p's bytes, every layer and buffer
+        assert runs[p, 0] == pool.page(p).data_ptr() and pool.page(p).is_contiguous()
+        assert runs[p, 1] == pool.page(p).numel() * 4 == layout.bytes_per_page_all_layers
+    assert run_indices([3, 0]).tolist() == [3, 0]
+
+
+def test_notifications_parse_or_are_refused():
+    assert parse_notif(b"pdkv1 7 2 4096") == (7, 2, 4096)
+    for bad in (b"", b"pdkv1 7 2", b"other 1 2 3", b"pdkv1 a b c", b"pdkv1 1 2 3 4"):
+        assert parse_notif(bad) is None
+
+
+SRC, DST = [7, 0, 3, 9], [11, 2, 5, 0]  # scattered, out of order, first and last page
+
+
+@pytest.mark.parametrize("pair", ["float32", "bfloat16", "float16"], indirect=True)
+def test_scattered_pages_land_exactly_with_a_notification(pair):
+    writer, src, peer = pair
+    x = writer.write(5, 2, src, SRC, DST, far())
+    wait(x)
+    assert x.nbytes == len(SRC) * peer.layout.bytes_per_page_all_layers
+    for s, d in zip(SRC, DST, strict=True):
+        assert torch.equal(peer.pool[d], src.data[s])
+    untouched = [p for p in range(DST_PAGES) if p not in DST]
+    assert not peer.pool[untouched].any()
+    assert peer.landed_until(x.nbytes) == [(5, 2, x.nbytes)]
+
+
+def test_many_rooms_in_flight_at_once(pair):
+    writer, src, peer = pair
+    xs = [writer.write(100 + i, 1, src, [i], [i], far()) for i in range(10)]
+    for x in xs:
+        wait(x)
+    landed = peer.landed_until(sum(x.nbytes for x in xs))
+    assert sorted(landed) == [(100 + i, 1, xs[i].nbytes) for i in range(10)]
+    for i in range(10):
+        assert torch.equal(peer.pool[i], src.data[i])
+
+
+def test_cancel_mid_write_releases_and_the_writer_goes_on(pair):
+    writer, src, peer = pair
+    x = writer.write(1, 1, src, SRC, DST, far())
+    x.cancel()  # landed or not, the handle is released and nobody waits on it
+    assert x.done and x.poll()
+    y = writer.write(2, 1, src, [1], [1], far())
+    wait(y)
+    assert torch.equal(peer.pool[1], src.data[1])
+    assert not writer.agent.unreleased
+
+
+def wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 5.0
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "SIGSTOP did not take effect"
+        time.sleep(0.01)
+
+
+def test_a_stopped_peer_times_out_by_our_deadline(pair):
+    writer, src, peer = pair
+    wait(writer.write(1, 1, src, [0], [0], far()))  # connected
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    wait_stopped(peer.proc.pid)
+    big = list(range(10))
+    deadline = time.monotonic() + 1.0
+    t0 = time.monotonic()
+    with pytest.raises(WriteError):
+        try:
+            x = writer.write(2, 1, src, big, big, deadline)
+        except WriteError:
+            raise
+        while not x.poll():
+            assert time.monotonic() < deadline + 5, "our deadline did not end the transfer"
+            time.sleep(0.01)
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_a_dead_peer_fails_the_write(pair):
+    writer, src, peer = pair
+    wait(writer.write(1, 1, src, [0], [0], far()))
+    peer.proc.kill()
+    peer.proc.wait(timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(WriteError):
+        for _ in range(50):  # UCX may need a few writes to notice the peer is gone
+            x = writer.write(2, 1, src, [1], [1], time.monotonic() + 2.0)
+            while not x.poll():
+                time.sleep(0.01)
+    assert time.monotonic() - t0 < 30.0
