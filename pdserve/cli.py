@@ -107,7 +107,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         debug_faults=args.debug_faults,
     )
-    return run_server(cfg)
+    from pdserve.transfer.nixl import BackendUnavailable
+
+    try:
+        return run_server(cfg)
+    except BackendUnavailable as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # often to poll them (an inbox command wakes it at once). Spinning instead would take a core
 # from the peer or the transfer's progress thread on a small machine.
 ROLE_POLL_S = 0.0005
+OVERDUE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class Engine:
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
         self.last_tick = time.monotonic()
         self.steps = 0
+        # Requests and rooms still here past deadline + OVERDUE_GRACE_S, refreshed each tick
+        # after the deadlines were applied: non-empty means a deadline did not end something
+        # (a bug), and /health says so. Read by other threads; replaced, never mutated.
+        self.overdue: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -227,6 +232,20 @@ class Engine:
             if req.deadline is not None and now > req.deadline:
                 req.error = f"request exceeded its deadline in state {req.status.value}"
                 self._finish(req, Event.FAIL)
+        late = now - OVERDUE_GRACE_S
+        reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        self.overdue = tuple(
+            [
+                f"request {r.request_id} ({r.status.value}) {now - r.deadline:.1f}s past deadline"
+                for r in reqs
+                if r.deadline is not None and r.deadline < late
+            ]
+            + [
+                f"room {room.room} ({room.state.value}) {now - room.deadline:.1f}s past deadline"
+                for room in self.role_rooms()
+                if room.deadline < late
+            ]
+        )
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -252,6 +271,10 @@ class Engine:
 
     def apply_role_deadlines(self) -> None:
         """Role engines enforce the deadlines of their transfer rooms here."""
+
+    def role_rooms(self) -> list[Any]:
+        """Role engines: their open transfer rooms (each with .room, .state, .deadline)."""
+        return []
 
     def has_role_work(self) -> bool:
         return False

@@ -30,6 +30,7 @@ from pdserve.runtime.supervisor import Supervisor
 from pdserve.server.openai_api import OpenAIApi, error_response
 from pdserve.server.openai_protocol import ApiError
 from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.copier import Copier
 from pdserve.worker.api import WorkerApi
 from pdserve.worker.decode import DecodeEngine
 from pdserve.worker.prefill import PrefillEngine
@@ -49,6 +50,7 @@ class Server:
         self.tokenizer = Tokenizer.from_dir(Path(cfg.engine.model.path))
         eos = self.tokenizer.eos_token_ids
         self.control: Control | None = None
+        self.copier: Copier | None = None
         info: dict[str, Any] = {"pid": os.getpid()}
         self.engine: Engine
         if cfg.role == "colocated":
@@ -60,7 +62,8 @@ class Server:
                 p_engine = PrefillEngine.build(cfg.engine, eos)
                 assert isinstance(p_engine, PrefillEngine)
                 info["control"] = self.control.bind(cfg.host, cfg.control_port)
-                p_engine.attach(self.control)
+                self.copier = Copier()
+                p_engine.attach(self.control, self.copier)
                 self.engine = p_engine
             else:
                 d_engine = DecodeEngine.build(cfg.engine, eos, shared_pool=cfg.backend == "shm")
@@ -101,6 +104,10 @@ class Server:
         stale = time.monotonic() - self.engine.last_tick
         if stale > ENGINE_HEARTBEAT_S:
             out.append(f"engine loop has not ticked for {stale:.1f}s")
+        overdue = self.engine.overdue
+        if overdue:
+            more = f" (and {len(overdue) - 1} more)" if len(overdue) > 1 else ""
+            out.append(f"past its deadline and not ended: {overdue[0]}{more}")
         return out
 
     async def health(self, request: web.Request) -> web.Response:
@@ -206,6 +213,8 @@ class Server:
         self.supervisor.spawn("engine", self.engine.tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
         if self.control is not None:
             self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
+        if self.copier is not None:
+            self.supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=1024)

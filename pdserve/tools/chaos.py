@@ -99,6 +99,12 @@ def add_chaos_command(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per chat turn")
     p.add_argument("--abandon", type=float, default=d.abandon, help="chance to drop a stream")
     p.add_argument("--min-throughput-ratio", type=float, default=d.min_throughput_ratio)
+    p.add_argument(
+        "--steady-s",
+        type=float,
+        default=d.steady_s,
+        help="abort-storm: seconds of steady load when fresh and after the storm (0: off)",
+    )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--work-dir", default=None, help="logs and progress files (default: temp)")
     p.set_defaults(func=cmd_chaos)
@@ -124,6 +130,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         abandon=args.abandon,
         min_throughput_ratio=args.min_throughput_ratio,
+        steady_s=args.steady_s,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ class ChaosOptions:
     # Last round tokens/s over the first round: a storm elsewhere left a fifteenth (LESSONS #8);
     # a shared 2-core box alone swings 2x, so the bound sits between the two.
     min_throughput_ratio: float = 0.25
+    steady_s: float = 10.0  # abort-storm: a steady load this long before and after (0: off)
 
     def __post_init__(self) -> None:
         lo, hi = self.kill_after

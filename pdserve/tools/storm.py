@@ -8,9 +8,11 @@ SIGKILL it, and then, each against its bound:
   2. a fresh completion succeeds;
   3. quiescence: every worker's invariants hold and the router holds nothing.
 A round that misses 1 (at all, within the long bound), 2 or 3 is a wedge. Throughput
-(tokens/s delivered to the client) is recorded per round; the last round's over the
-first's must stay above `min_throughput_ratio`: a storm must not leave the cluster slower
-(LESSONS #8: elsewhere it fell to a fifteenth).
+(tokens/s delivered to the client) is recorded per round. With `steady_s` > 0, the same
+steady load (no kill, no abandoned streams, one seed) runs for `steady_s` on the fresh
+cluster before round 1 and again after the last round; after-storm over fresh, like the last
+round's over the first's, must stay above `min_throughput_ratio`: a storm must not leave the
+cluster slower (LESSONS #8: elsewhere it fell to a fifteenth).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AbortStorm:
 
     def run(self, ctx: Context, out: Outcome) -> None:
         opts = ctx.opts
+        fresh = self.steady(ctx, "fresh")
         for i in range(1, opts.rounds + 1):
             rec = self.round(ctx, i)
             out.rounds.append(rec)
@@ -47,12 +50,21 @@ class AbortStorm:
             if rec["violations"] and not out.diagnosis:
                 out.diagnosis = ctx.diagnose()
         out.summary = s = summarize(out.rounds, opts)
+        after = self.steady(ctx, "after-storm")
+        s["steady_fresh_tok_s"], s["steady_after_storm_tok_s"] = fresh, after
+        s["steady_ratio"] = round(after / fresh, 3) if fresh and after is not None else None
         s["headline"] = (
             f"{s['rounds']} rounds, {s['wedges']} wedges, {s['leaked_pages']} leaked pages, "
             f"kill->deep health p50 {fmt(s['kill_to_deep_health_p50_s'])} "
             f"p99 {fmt(s['kill_to_deep_health_p99_s'])} (bound {opts.deep_bound_s:g}s), "
             f"throughput {s['throughput_first_tok_s']} -> {s['throughput_last_tok_s']} tok/s "
             f"(x{s['throughput_ratio']})"
+            + (
+                f"; steady load fresh {fresh} -> after the storm {after} tok/s "
+                f"(x{s['steady_ratio']})"
+                if opts.steady_s > 0
+                else ""
+            )
         )
         ratio = s["throughput_ratio"]
         if ratio is not None and ratio < opts.min_throughput_ratio:
@@ -61,6 +73,37 @@ class AbortStorm:
                 f"{ratio:.2f} of the first's {out.summary['throughput_first_tok_s']} "
                 f"(bound {opts.min_throughput_ratio})"
             )
+        if opts.steady_s > 0 and (fresh is None or after is None):
+            out.violate("a steady load run did not complete (see the steady-*.log files)")
+        elif s["steady_ratio"] is not None and s["steady_ratio"] < opts.min_throughput_ratio:
+            out.violate(
+                f"throughput fell: the steady load ran at {after} tok/s after the storm, "
+                f"{s['steady_ratio']:.2f} of {fresh} on the fresh cluster"
+            )
+
+    def steady(self, ctx: Context, tag: str) -> float | None:
+        """tokens/s of the steady load (same seed each time); None if off or it failed."""
+        opts = ctx.opts
+        if opts.steady_s <= 0:
+            return None
+        spec = LoadSpec(
+            opts.sessions,
+            seed=opts.seed,
+            max_tokens=opts.max_tokens,
+            timeout_s=opts.request_timeout_s,
+            duration_s=opts.steady_s,
+        )
+        load = LoadProcess(ctx.cluster.url, spec, ctx.work_dir / f"steady-{tag}.json").start()
+        try:
+            if not load.wait_loaded():
+                return None
+            code = load.wait_exit(opts.steady_s + opts.request_timeout_s + 20)
+        finally:
+            load.kill()
+        progress = load.progress()
+        tok_s = progress.get("tokens_per_s") if code == 0 else None
+        ctx.say(f"steady load on the {tag} cluster: {tok_s} tok/s, {progress.get('errors')}")
+        return tok_s
 
     def round(self, ctx: Context, i: int) -> dict[str, Any]:
         opts = ctx.opts

@@ -2,8 +2,9 @@
 
 A writer's `write()` posts the pages and returns a `Pending` transfer that the prefill
 engine polls; the room holds its source pages until every transfer of it completed or was
-cancelled. `shm` and `tcp` complete inside `write()` (their Pending is already done); `nixl`
-(transfer/nixl.py) completes in the background while the engine computes the next chunk.
+cancelled. `shm` and `tcp` copy on the data-plane worker thread (transfer/copier.py) when
+one is given, else inside `write()`; `nixl` (transfer/nixl.py) completes in UCX's background
+progress. Either way the engine computes the next chunk while the last one's pages move.
 * `shm` — the decode pool lives in /dev/shm; P maps it and copies pages straight in.
 * `tcp` — P copies the pages out into frames that follow a KVChunk message on the control
   socket; D's engine copies them into the pool if the room still holds those pages.
@@ -14,10 +15,10 @@ same for both sides because the layouts were compared at registration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,6 +26,9 @@ from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, map_shared
 from pdserve.protocol.messages import KVChunk
 from pdserve.transfer.control import Control
+
+if TYPE_CHECKING:
+    from pdserve.transfer.copier import Copier
 
 BACKENDS = ("shm", "tcp", "nixl")
 
@@ -74,10 +78,21 @@ class PeerWriter(Protocol):
     def close(self) -> None: ...
 
 
+def post(copier: Copier | None, nbytes: int, copy: Callable[[], None], deadline: float) -> Pending:
+    """Run `copy` on the data-plane worker if there is one, else here and now."""
+    if copier is not None:
+        return copier.submit(nbytes, copy, deadline)
+    copy()
+    return Completed(nbytes)
+
+
 class ShmWriter:
-    def __init__(self, shm_path: str, layout: KVLayout, num_pages: int) -> None:
+    def __init__(
+        self, shm_path: str, layout: KVLayout, num_pages: int, copier: Copier | None = None
+    ) -> None:
         self.num_pages = num_pages
         self.dst = map_shared(Path(shm_path), layout, num_pages)
+        self.copier = copier
 
     def write(
         self,
@@ -87,25 +102,33 @@ class ShmWriter:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
-    ) -> Completed:
-        if src.data.is_cuda:  # one gather and one device-to-host copy, then page by page
-            s = torch.tensor(list(src_pages), dtype=torch.long, device=src.data.device)
-            pages = list(src.data.index_select(0, s).cpu())
-        else:
-            pages = [src.page(p) for p in src_pages]
-        # A page is one contiguous run on both sides: a plain copy per page is the fastest
-        # path (faster than index_copy_ into the mapping).
-        for page, d in zip(pages, dst_pages, strict=True):
-            self.dst[d].copy_(page)
-        return Completed(len(pages) * src.layout.bytes_per_page_all_layers)
+    ) -> Pending:
+        src_pages, dst_pages = list(src_pages), list(dst_pages)
+
+        def copy() -> None:
+            if src.data.is_cuda:  # one gather and one device-to-host copy, then page by page
+                s = torch.tensor(src_pages, dtype=torch.long, device=src.data.device)
+                pages = list(src.data.index_select(0, s).cpu())
+            else:
+                pages = [src.page(p) for p in src_pages]
+            # A page is one contiguous run on both sides: a plain copy per page is the
+            # fastest path (faster than index_copy_ into the mapping).
+            for page, d in zip(pages, dst_pages, strict=True):
+                self.dst[d].copy_(page)
+
+        nbytes = len(src_pages) * src.layout.bytes_per_page_all_layers
+        return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
         pass  # the mapping goes with the tensor
 
 
 class TcpWriter:
-    def __init__(self, control: Control, peer: str, sender: str) -> None:
+    def __init__(
+        self, control: Control, peer: str, sender: str, copier: Copier | None = None
+    ) -> None:
         self.control, self.peer, self.sender = control, peer, sender
+        self.copier = copier
 
     def write(
         self,
@@ -115,18 +138,21 @@ class TcpWriter:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
-    ) -> Completed:
-        # Raw bytes via a uint8 view: numpy has no bfloat16.
-        frames = tuple(
-            src.page(p).view(torch.uint8).cpu().numpy().tobytes()
-            for p in src_pages
-        )
-        self.control.send(
-            self.peer,
-            KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=list(dst_pages)),
-            frames,
-        )
-        return Completed(sum(len(f) for f in frames))
+    ) -> Pending:
+        src_pages, dst_pages = list(src_pages), list(dst_pages)
+
+        def copy() -> None:
+            # Raw bytes via a uint8 view: numpy has no bfloat16. The send only queues the
+            # frames on the control outbox, ahead of the PrefillDone that follows this write.
+            frames = tuple(src.page(p).view(torch.uint8).cpu().numpy().tobytes() for p in src_pages)
+            self.control.send(
+                self.peer,
+                KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=dst_pages),
+                frames,
+            )
+
+        nbytes = len(src_pages) * src.layout.bytes_per_page_all_layers
+        return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
         pass

@@ -112,7 +112,17 @@ class NixlAgent:
         self.agent = self.nixl.nixl_agent(name, cfg)
         self.mem = "VRAM" if pool.data.is_cuda else "DRAM"
         self.device_id = pool.data.device.index or 0
-        self.reg = self.agent.register_memory(pool.data)
+        try:
+            self.reg = self.agent.register_memory(pool.data)
+        except Exception as e:  # noqa: BLE001 - NIXL's errors are untyped here: explain
+            raise BackendUnavailable(
+                f"NIXL could not register the KV pool as {self.mem} ({type(e).__name__}: {e}); "
+                + (
+                    "this NIXL/UCX build has no CUDA support: use --backend tcp for GPU pools"
+                    if self.mem == "VRAM"
+                    else "check UCX_TLS (it must include tcp)"
+                )
+            ) from e
         self.local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
             page_runs(pool.layout, pool.data.data_ptr(), pool.num_pages, self.device_id),

@@ -351,6 +351,9 @@ class DecodeEngine(Engine):
                 return True
         return False
 
+    def role_rooms(self) -> list[Any]:
+        return list(self.rooms.values())
+
     def has_role_work(self) -> bool:
         return bool(self.rooms or self.admitting)
 

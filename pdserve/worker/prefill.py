@@ -28,6 +28,7 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import PeerWriter, Pending, ShmWriter, TcpWriter, WriteError
 from pdserve.transfer.nixl import NixlAgent, NixlWriter
 from pdserve.worker.api import params_from_json
@@ -76,8 +77,10 @@ class PRoom:
 class PrefillEngine(Engine):
     control: Control
 
-    def attach(self, control: Control) -> None:
+    def attach(self, control: Control, copier: Copier | None = None) -> None:
+        """`copier`: the data-plane worker that runs shm/tcp page copies off this thread."""
         self.control = control
+        self.copier = copier
         self.peers: dict[str, DecodePeer] = {}
         self.rooms: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
@@ -133,9 +136,9 @@ class PrefillEngine(Engine):
             if msg.backend == "shm":
                 if not msg.shm_name:
                     raise ValueError("backend shm needs the decode pool's shm_name")
-                writer = ShmWriter(msg.shm_name, theirs, msg.num_pages)
+                writer = ShmWriter(msg.shm_name, theirs, msg.num_pages, self.copier)
             elif msg.backend == "tcp":
-                writer = TcpWriter(self.control, peer, self.control.identity)
+                writer = TcpWriter(self.control, peer, self.control.identity, self.copier)
             elif msg.backend == "nixl":
                 if msg.nixl is None:
                     raise ValueError("backend nixl needs the decode pool's NIXL descriptor")
@@ -329,6 +332,9 @@ class PrefillEngine(Engine):
         if room is not None:
             self._apply(room, PEvent.ABORT)
         return room is not None
+
+    def role_rooms(self) -> list[Any]:
+        return list(self.rooms.values())
 
     def has_role_work(self) -> bool:
         return any(r.inflight for r in self.rooms.values())
