@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/python -m pdserve.tools.demo
 
 test: $(STAMP) lint
-	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q tests
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks

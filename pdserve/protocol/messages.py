@@ -62,6 +62,7 @@ class PrefillAccept(Msg, frozen=True):
 
 class PrefillReject(Msg, frozen=True):
     reason: str
+    unregistered: bool = False  # P does not know the sender (it restarted): register again
 
 
 class KVChunk(Msg, frozen=True):

@@ -5,7 +5,8 @@ Two ways to set them. At process start, from the environment:
 At run time, on a server started with `--debug-faults`: POST /debug/faults with
 {"spec": "...", "seed": 7} replaces every point (an empty spec clears them); GET shows them.
 
-A spec is `point=action[:arg][@probability]`. Actions done at the point itself, anywhere:
+A spec is `point=action[:arg][@probability][#times]` (`#times`: fire at most that often, e.g.
+`thread.engine=kill:1#1` kills the engine thread once). Actions done at the point itself:
     delay:SECONDS  stall the thread there
     raise          raise FaultInjected
     kill[:1|0]     raise ThreadKilled; at `thread.<name>` the supervisor restarts the thread
@@ -90,14 +91,16 @@ class Fault:
     action: Action
     arg: float | None = None  # delay: seconds; kill: 1 (restart) or 0 (dead for good)
     probability: float = 1.0
+    times: int | None = None  # fire at most this often; None: whenever drawn
 
     def __str__(self) -> str:
         arg = "" if self.arg is None else f":{self.arg:g}"
-        return f"{self.action.value}{arg}@{self.probability:g}"
+        times = "" if self.times is None else f"#{self.times}"
+        return f"{self.action.value}{arg}@{self.probability:g}{times}"
 
 
 def parse(spec: str) -> dict[str, Fault]:
-    """`point=action[:arg][@probability],...` -> {point: Fault}; ValueError saying what is wrong."""
+    """`point=action[:arg][@probability][#times],...` -> {point: Fault}; ValueError says why."""
     faults: dict[str, Fault] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         try:
@@ -111,7 +114,13 @@ def parse(spec: str) -> dict[str, Fault]:
 def _parse_one(item: str) -> tuple[str, Fault]:
     point, sep, rest = item.partition("=")
     if not sep or not point:
-        raise ValueError("expected point=action[:arg][@probability]")
+        raise ValueError("expected point=action[:arg][@probability][#times]")
+    rest, hash_, times_text = rest.partition("#")
+    times = None
+    if hash_:
+        if not times_text.isdigit() or int(times_text) < 1:
+            raise ValueError(f"#times must be a whole number >= 1, got {times_text!r}")
+        times = int(times_text)
     rest, at, prob_text = rest.partition("@")
     name, colon, arg_text = rest.partition(":")
     try:
@@ -130,7 +139,7 @@ def _parse_one(item: str) -> tuple[str, Fault]:
         raise ValueError(f"{action.value} takes no argument")
     if action in _VERDICTS and not point.startswith(MESSAGE_POINTS):
         raise ValueError(f"{action.value} acts on a message: only at control.recv/send points")
-    return point, Fault(action, arg, probability)
+    return point, Fault(action, arg, probability, times)
 
 
 def _number(text: str, what: str) -> float:
@@ -191,6 +200,8 @@ class Faults:
         if fault is None:
             return Verdict.PASS
         with self._lock:
+            if fault.times is not None and plan.fired[point] >= fault.times:
+                return Verdict.PASS
             if plan.rngs[point].random() >= fault.probability:
                 return Verdict.PASS
             plan.fired[point] += 1

@@ -153,6 +153,13 @@ class Server:
             violations.append(f"{role['admitting']} requests still waiting for pages")
         if pool["pages_free"] != pool["pages_total"]:
             violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
+        # KV bytes are conserved: nothing is reported (P) or decoded on (D) that was not
+        # written (P) or received (D, when the pages pass through it: tcp, nixl).
+        stats = role.get("stats") or {}
+        if self.cfg.role == "prefill" or role.get("backend") in ("tcp", "nixl"):
+            acked, written = stats.get("bytes_acked", 0), stats.get("bytes_written", 0)
+            if acked > written:
+                violations.append(f"KV bytes acknowledged {acked} > written/received {written}")
         return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
 
     async def debug_faults(self, request: web.Request) -> web.Response:

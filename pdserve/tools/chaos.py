@@ -40,11 +40,12 @@ from pdserve.tools.chaos_cluster import (
 )
 from pdserve.tools.composed import ComposedCluster
 from pdserve.tools.disconnects import ClientDisconnect
-from pdserve.tools.faulted import MessageFaults, ThreadCrash
+from pdserve.tools.faulted import DROPPABLE, MessageFaults, ThreadCrash
 from pdserve.tools.kills import WorkerKill
 from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, Scenario, scenario_rng
 from pdserve.tools.stops import PrefillStop
 from pdserve.tools.storm import AbortStorm
+from pdserve.tools.threadkill import ThreadKill
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -55,6 +56,7 @@ SCENARIOS: dict[str, Scenario] = {
         PrefillStop(),
         WorkerKill("decode"),
         ThreadCrash(),
+        ThreadKill(),
         MessageFaults(),
     )
 }
@@ -105,6 +107,11 @@ def add_chaos_command(sub: Any) -> None:
         default=d.steady_s,
         help="abort-storm: seconds of steady load when fresh and after the storm (0: off)",
     )
+    p.add_argument(
+        "--messages",
+        default=",".join(d.messages),
+        help="message-faults: the control messages to drop in turn, comma-separated",
+    )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--work-dir", default=None, help="logs and progress files (default: temp)")
     p.set_defaults(func=cmd_chaos)
@@ -117,6 +124,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario {unknown}; known: {', '.join(SCENARIOS)} or all")
+    messages = tuple(m.strip() for m in args.messages.split(",") if m.strip())
+    if set(messages) - set(DROPPABLE):
+        raise ValueError(
+            f"--messages: unknown {sorted(set(messages) - set(DROPPABLE))}; "
+            f"known: {', '.join(DROPPABLE)}"
+        )
     opts = ChaosOptions(
         rounds=args.rounds,
         seed=args.seed,
@@ -131,6 +144,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         abandon=args.abandon,
         min_throughput_ratio=args.min_throughput_ratio,
         steady_s=args.steady_s,
+        messages=messages,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,11 +46,13 @@ class ClusterSpec:
     # `pdserve launch` cannot do that, so such a cluster is composed (tools/composed.py).
     worker_env: tuple[tuple[str, str, str], ...] = ()
     startup_timeout_s: float = 180.0
+    debug_faults: bool = False  # workers take fault points at run time (POST /debug/faults)
 
     def describe(self) -> str:
         faults = dict(self.env).get("PDSERVE_FAULTS")
         extra = f", faults {faults}" if faults else ""
         extra += "".join(f", {n}: {k}={v}" for n, k, v in self.worker_env)
+        extra += ", run-time faults" if self.debug_faults else ""
         return f"{self.prefill}P+{self.decode}D {self.backend} {self.model}{extra}"
 
 
@@ -138,6 +141,10 @@ class Cluster:
     def close(self) -> None:
         """Stop what we started; nothing for a cluster we were only pointed at."""
 
+    def exit_code(self, pid: int) -> int | None:
+        """A worker's exit status if this cluster saw it exit; None when it cannot tell."""
+        return None
+
 
 class AttachedCluster(Cluster):
     def __init__(self, url: str) -> None:
@@ -156,6 +163,15 @@ class LaunchedCluster(Cluster):
         self.proc: subprocess.Popen[bytes] | None = None
         self.pids: list[int] = []  # the launcher's children, from cluster.json
 
+    def exit_code(self, pid: int) -> int | None:
+        """From the launcher's log: it reports every worker that exits while it runs."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        m = re.search(rf"\(pid {pid}\) exited unexpectedly with code (-?\d+)", text)
+        return int(m.group(1)) if m else None
+
     def start(self) -> LaunchedCluster:
         s = self.spec
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "launch"]
@@ -163,6 +179,8 @@ class LaunchedCluster(Cluster):
         argv += ["--backend", s.backend, "--threads", str(s.threads), "--port", "0"]
         argv += ["--on-worker-exit", "continue", "--log-dir", str(self.log_dir)]
         argv += ["--startup-timeout", str(s.startup_timeout_s)]
+        if s.debug_faults:
+            argv.append("--debug-faults")
         env = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

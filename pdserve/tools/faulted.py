@@ -30,7 +30,7 @@ from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
 STALL = "thread.control=delay:30"
 WATCH_S = 40.0  # one whole stall cycle (30 s) and the 5 s heartbeat bound after it
 SLACK_S = 1.0  # our polling period and one HTTP round trip
-DROPPED = ("PrefillAccept", "PrefillDone", "AbortAck", "KVChunk")
+DROPPABLE = ("PrefillAccept", "PrefillDone", "AbortAck", "KVChunk")  # what --messages may name
 DROP_P = 0.3
 LOAD_S = 6.0
 
@@ -130,7 +130,7 @@ class MessageFaults:
         return None
 
     def run(self, ctx: Context, out: Outcome) -> None:
-        for kind in DROPPED:
+        for kind in ctx.opts.messages:
             b = ctx.opts.base_spec()
             backend = "tcp" if kind == "KVChunk" else b.backend
             faults = f"control.recv.{kind}=drop@{DROP_P}"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pdserve.tools.chaos_cluster import Cluster, ClusterError, ClusterSpec, WorkerRef
+from pdserve.tools.load import LoadSpec
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,31 @@ class ChaosOptions:
     # a shared 2-core box alone swings 2x, so the bound sits between the two.
     min_throughput_ratio: float = 0.25
     steady_s: float = 10.0  # abort-storm: a steady load this long before and after (0: off)
+    # message-faults: the control messages dropped in turn, one cluster each
+    messages: tuple[str, ...] = ("PrefillAccept", "PrefillDone", "AbortAck", "KVChunk")
 
     def __post_init__(self) -> None:
         lo, hi = self.kill_after
         if not 0 < lo <= hi:
             raise ValueError(f"--kill-after needs 0 < MIN <= MAX, got {lo}:{hi}")
+        if not self.messages:
+            raise ValueError("--messages needs at least one message type")
         if self.rounds < 1 or self.sessions < 1 or self.prefill < 0 or self.decode < 1:
             raise ValueError("need --rounds >= 1, --sessions >= 1, --prefill >= 0, --decode >= 1")
 
     def base_spec(self) -> ClusterSpec:
         return ClusterSpec(self.prefill, self.decode, self.backend, self.model, self.threads)
+
+    def load(self, seed: int, duration_s: float | None = None, abandon: float = 0.0) -> LoadSpec:
+        """The chaos client's load for these options: `--sessions` chats of `--max-tokens`."""
+        return LoadSpec(
+            self.sessions,
+            seed=seed,
+            max_tokens=self.max_tokens,
+            timeout_s=self.request_timeout_s,
+            abandon=abandon,
+            duration_s=duration_s,
+        )
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 from pdserve.tools import httpcall, probes
 from pdserve.tools.chaos_cluster import ClusterSpec, WorkerRef
 from pdserve.tools.kills import DEEP_BOUND_S, FRESH, WorkerKill, only_victim_fails
-from pdserve.tools.load import LoadProcess, LoadSpec
+from pdserve.tools.load import LoadProcess
 from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
 
 AFTER_STOP_S = 8.0  # load keeps running this long after the stop: past D's 5 s P timeout
@@ -49,13 +49,7 @@ class PrefillStop:
         victim = ctx.rng.choice([w for w in workers if w.role == "prefill"])
         decoders = [w for w in workers if w.role == "decode"]
         delay = round(ctx.rng.uniform(*opts.kill_after), 3)
-        spec = LoadSpec(
-            opts.sessions,
-            seed=ctx.rng.randrange(2**31),
-            max_tokens=opts.max_tokens,
-            timeout_s=opts.request_timeout_s,
-            duration_s=delay + AFTER_STOP_S,
-        )
+        spec = opts.load(ctx.rng.randrange(2**31), duration_s=delay + AFTER_STOP_S)
         rec: dict[str, Any] = {"victim": victim.url, "pid": victim.pid, "stop_after_s": delay}
         out.rounds.append(rec)
         load = LoadProcess(router, spec, ctx.work_dir / f"{self.name}.json").start()

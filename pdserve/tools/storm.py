@@ -22,7 +22,7 @@ from typing import Any
 
 from pdserve.tools import probes
 from pdserve.tools.chaos_cluster import ClusterError, ClusterSpec, WorkerRef
-from pdserve.tools.load import LoadProcess, LoadSpec
+from pdserve.tools.load import LoadProcess
 from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, percentile
 
 WEDGE_BOUND_S = 30.0  # how long we keep polling deep health to tell slow from wedged
@@ -86,13 +86,7 @@ class AbortStorm:
         opts = ctx.opts
         if opts.steady_s <= 0:
             return None
-        spec = LoadSpec(
-            opts.sessions,
-            seed=opts.seed,
-            max_tokens=opts.max_tokens,
-            timeout_s=opts.request_timeout_s,
-            duration_s=opts.steady_s,
-        )
+        spec = opts.load(opts.seed, duration_s=opts.steady_s)
         load = LoadProcess(ctx.cluster.url, spec, ctx.work_dir / f"steady-{tag}.json").start()
         try:
             if not load.wait_loaded():
@@ -110,13 +104,7 @@ class AbortStorm:
         router = ctx.cluster.url
         workers = [w.url for w in ctx.workers()]
         delay = round(ctx.rng.uniform(*opts.kill_after), 3)
-        spec = LoadSpec(
-            opts.sessions,
-            seed=ctx.rng.randrange(2**31),
-            max_tokens=opts.max_tokens,
-            timeout_s=opts.request_timeout_s,
-            abandon=opts.abandon,
-        )
+        spec = opts.load(ctx.rng.randrange(2**31), abandon=opts.abandon)
         rec: dict[str, Any] = {"round": i, "kill_after_s": delay, "violations": []}
         bad: list[str] = rec["violations"]
         load = LoadProcess(router, spec, ctx.work_dir / f"storm-{i}.json").start()

@@ -16,7 +16,6 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.engine import Engine
@@ -29,6 +28,7 @@ from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.dataplane import receive_chunk
 from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.api import params_to_json
+from pdserve.worker.decode_rooms import DRoom, PrefillPeer, RemoteSubmit
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import decode_snapshot
 
@@ -40,39 +40,6 @@ ABORT_ACK_TIMEOUT_S = 5.0
 FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
 FENCE_MARGIN_S = 2.0  # ...and until this long after the room's write deadline
 PREFILL_TIMEOUT_S = 60.0  # a prefill leg may not take longer than this
-
-
-@dataclass(frozen=True)
-class RemoteSubmit:
-    request: Request
-    prefill: str
-
-
-@dataclass
-class PrefillPeer:
-    address: str
-    registered: bool = False
-    refused: str | None = None
-    last_pong: float = field(default_factory=time.monotonic)
-    last_ping: float = 0.0
-    queued: list[int] = field(default_factory=list)  # rooms waiting for RegisterAck
-
-
-@dataclass
-class DRoom:
-    room: int
-    epoch: int
-    request: Request
-    peer: str
-    deadline: float
-    state: DState = DState.PENDING
-    since: float = field(default_factory=time.monotonic)
-    first_token: int | None = None
-    first_logprob: TokenLogprob | None = None
-    reason: str = ""
-    write_deadline: float = 0.0  # unix time after which P may not write (sent to P)
-    bytes_received: int = 0  # tcp, nixl: KV bytes that arrived for this room
-    done: m.PrefillDone | None = None  # nixl: PrefillDone that came before all its bytes
 
 
 class DecodeEngine(Engine):
@@ -140,7 +107,8 @@ class DecodeEngine(Engine):
             case m.PrefillAccept():
                 self._apply(room, DEvent.ACCEPT)
             case m.PrefillReject(reason=reason):
-                self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
+                if not (msg.unregistered and self._register_again(room)):
+                    self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
             case m.PrefillDone():
                 room.done = msg
                 self._try_done(room)
@@ -244,19 +212,37 @@ class DecodeEngine(Engine):
             if peer is None or not peer.registered:
                 if peer is None or peer.refused is not None:
                     peer = self.peers[sub.prefill] = PrefillPeer(sub.prefill)
-                    self._send(
-                        peer.address,
-                        m.Register(
-                            layout=self.pool.layout.to_dict(),
-                            backend=self.backend,
-                            shm_name=str(self.pool.shm_path) if self.pool.shm_path else None,
-                            num_pages=self.pool.num_pages,
-                            nixl=self.nixl.descriptor() if self.nixl is not None else None,
-                        ),
-                    )
+                    self._send_register(peer)
                 peer.queued.append(room.room)
             else:
                 self._send_prefill(room)
+
+    def _send_register(self, peer: PrefillPeer) -> None:
+        nixl = self.nixl.descriptor() if self.nixl is not None else None
+        shm = str(self.pool.shm_path) if self.pool.shm_path else None
+        layout = self.pool.layout.to_dict()
+        self._send(
+            peer.address,
+            m.Register(
+                layout=layout,
+                backend=self.backend,
+                shm_name=shm,
+                nixl=nixl,
+                num_pages=self.pool.num_pages,
+            ),
+        )
+
+    def _register_again(self, room: DRoom) -> bool:
+        """P restarted and forgot us: pair again and resend `room` (once); False: give up."""
+        peer = self.peers.get(room.peer)
+        if peer is None or room.state is not DState.PENDING or room.reregistered:
+            return False
+        room.reregistered, peer.registered = True, False
+        if not peer.queued:  # no Register in flight yet
+            log.warning("prefill worker %s forgot us (restarted?): registering again", peer.address)
+            self._send_register(peer)
+        peer.queued.append(room.room)
+        return True
 
     def _send(self, peer: str, msg: m.Msg) -> None:
         import msgspec
@@ -381,11 +367,12 @@ class DecodeEngine(Engine):
             if now - peer.last_ping > PING_EVERY_S:
                 peer.last_ping = now
                 self._send(peer.address, m.Ping())
-            if open_rooms and now - peer.last_pong > PEER_TIMEOUT_S:
+            # Silence counts from when we began waiting: the last pong, or the oldest open
+            # room if it is younger (a P silent while we asked nothing is not yet dead).
+            waited = now - max(peer.last_pong, min((r.since for r in open_rooms), default=now))
+            if open_rooms and waited > PEER_TIMEOUT_S:
                 log.warning(
-                    "prefill worker %s silent for %.1fs: declared dead",
-                    peer.address,
-                    now - peer.last_pong,
+                    "prefill worker %s silent for %.1fs: declared dead", peer.address, waited
                 )
                 peer.registered = False  # re-register when it comes back
                 peer.refused = "declared dead"

@@ -159,13 +159,18 @@ class PrefillEngine(Engine):
         self._reply(peer, m.RegisterAck(ok=True, layout=ours.to_dict()))
 
     def _prefill_request(self, peer_id: str, msg: m.PrefillRequest) -> None:
-        def reject(reason: str) -> None:
+        def reject(reason: str, unregistered: bool = False) -> None:
             self.stats.rejected += 1
-            self._reply(peer_id, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=reason))
+            self._reply(
+                peer_id,
+                m.PrefillReject(
+                    room=msg.room, epoch=msg.epoch, reason=reason, unregistered=unregistered
+                ),
+            )
 
         peer = self.peers.get(peer_id)
         if peer is None:
-            return reject("not registered")
+            return reject("not registered", unregistered=True)
         if (peer_id, msg.room) in self.rooms:
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
@@ -235,6 +240,7 @@ class PrefillEngine(Engine):
                 assert room.first_token is not None  # COMPUTED set it; not input-dependent
                 lp = room.first_logprob
                 self.stats.done += 1
+                self.stats.bytes_acked += room.bytes_written  # reported to D as complete
                 self._reply(
                     room.peer,
                     m.PrefillDone(

@@ -29,8 +29,8 @@ class RoleStats:
     done: int = 0
     failed: int = 0
     aborted: int = 0
-    bytes_written: int = 0  # P: bytes written into peers' pages; D (tcp): bytes received
-    bytes_acked: int = 0  # D: bytes P reported in PrefillDone
+    bytes_written: int = 0  # P: bytes whose writes completed; D (tcp, nixl): bytes received
+    bytes_acked: int = 0  # in PrefillDone: P, bytes it reported; D, bytes it decoded on
 
     def snapshot(self) -> dict[str, object]:
         return {

@@ -41,31 +41,25 @@ def test_decodes_come_first_and_budget_shared():
     assert [(c.request.request_id, c.length) for c in plan.chunks] == [("a", 1), ("b", 5)]
 
 
-def test_preemption_by_recompute_frees_pages_and_requeues_first():
-    alloc = PageAllocator(4)
-    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4), alloc, 4)
-    a, b = req("a", 7), req("b", 7)
-    s.add(a)
-    s.add(b)
-    finish_step(s.schedule())  # both prefilled: 2 pages each, pool full
-    assert alloc.num_free == 0
-    finish_step(s.schedule())  # token 9 fits page 2 for both
-    plan = s.schedule()  # a needs a third page: b (latest) is preempted
-    assert [c.request.request_id for c in plan.chunks] == ["a"]
-    assert plan.preempted == [b] and b.status is Status.WAITING and b.num_computed == 0
-    assert s.waiting[0] is b and b.pages == [] and b.output_ids == [7, 7]
-    assert alloc.num_used == 3
-
-
 def full_pool_of_two():
     alloc = PageAllocator(4)
     s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4), alloc, 4)
     a, b = req("a", 7), req("b", 7)
     s.add(a)
     s.add(b)
-    finish_step(s.schedule())
-    finish_step(s.schedule())  # both hold 2 pages, both need a third next
+    finish_step(s.schedule())  # both prefilled: 2 pages each, pool full
+    finish_step(s.schedule())  # token 9 fits page 2 for both; both need a third next
     return s, alloc, a, b
+
+
+def test_preemption_by_recompute_frees_pages_and_requeues_first():
+    s, alloc, a, b = full_pool_of_two()
+    assert alloc.num_free == 0
+    plan = s.schedule()  # a needs a third page: b (latest) is preempted
+    assert [c.request.request_id for c in plan.chunks] == ["a"]
+    assert plan.preempted == [b] and b.status is Status.WAITING and b.num_computed == 0
+    assert s.waiting[0] is b and b.pages == [] and b.output_ids == [7, 7]
+    assert alloc.num_used == 3
 
 
 def test_a_pinned_request_is_never_the_victim():

@@ -38,6 +38,8 @@ RECV = "control.recv.Ping"
         (f"{RECV}=reorder", Fault(Action.REORDER)),
         ("control.send.Pong=unknown", Fault(Action.UNKNOWN)),
         (f"{RECV}=malformed@1", Fault(Action.MALFORMED)),
+        ("thread.engine=kill:1#1", Fault(Action.KILL, 1.0, 1.0, 1)),
+        (f"{RECV}=drop@0.5#3", Fault(Action.DROP, None, 0.5, 3)),
     ],
 )
 def test_every_action_parses_and_renders_back(spec, fault):
@@ -68,12 +70,25 @@ def test_a_spec_of_several_points_and_spaces():
         (f"{RECV}=drop@often", "probability 'often' is not a number"),
         ("p.write=duplicate", "only at control.recv/send points"),
         ("thread.x=drop", "only at control.recv/send points"),
+        ("thread.x=kill#0", "#times must be a whole number"),
+        ("thread.x=kill#once", "#times must be a whole number"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec, why):
     with pytest.raises(ValueError, match=why) as e:
         parse(f"p.write=delay:1,{spec}")
     assert repr(spec) in str(e.value)  # names the item at fault
+
+
+def test_times_caps_how_often_a_point_fires():
+    f = Faults(f"{RECV}=drop#2", seed=1)
+    assert [f.hit(RECV) for _ in range(4)] == [
+        Verdict.DROP,
+        Verdict.DROP,
+        Verdict.PASS,
+        Verdict.PASS,
+    ]
+    assert f.snapshot()["fired"] == {RECV: 2}
 
 
 @pytest.mark.parametrize("action", ["drop", "duplicate", "reorder", "unknown", "malformed"])

@@ -1,0 +1,48 @@
+"""What the decode role keeps: a submission waiting for pages, a prefill peer, a room.
+
+A room is one request's prefill leg with one prefill worker; its state moves only through the
+D table of `protocol/rooms.py` (worker/decode.py drives it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.request import Request, TokenLogprob
+from pdserve.protocol import messages as m
+from pdserve.protocol.rooms import DState
+
+
+@dataclass(frozen=True)
+class RemoteSubmit:
+    request: Request
+    prefill: str
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    registered: bool = False
+    refused: str | None = None
+    last_pong: float = field(default_factory=time.monotonic)
+    last_ping: float = 0.0
+    queued: list[int] = field(default_factory=list)  # rooms waiting for RegisterAck
+
+
+@dataclass
+class DRoom:
+    room: int
+    epoch: int
+    request: Request
+    peer: str
+    deadline: float
+    state: DState = DState.PENDING
+    since: float = field(default_factory=time.monotonic)
+    first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
+    reason: str = ""
+    write_deadline: float = 0.0  # unix time after which P may not write (sent to P)
+    bytes_received: int = 0  # tcp, nixl: KV bytes that arrived for this room
+    done: m.PrefillDone | None = None  # nixl: PrefillDone that came before all its bytes
+    reregistered: bool = False  # P refused it as unregistered once; we paired again
