@@ -22,9 +22,9 @@ CHUNK = 48
 
 @pytest.fixture(
     scope="module",
-    # 1P+1D on tcp and nixl: tests/pd/test_pd_parity.py (the same 64 mixed requests).
-    params=[(1, 1, "shm"), (2, 2, "shm"), (2, 2, "tcp")],
-    ids=["1p1d-shm", "2p2d-shm", "2p2d-tcp"],
+    # 1P+1D on nixl: tests/pd/test_pd_parity.py (the same 64 mixed requests, no launcher).
+    params=[(1, 1, "shm"), (1, 1, "tcp"), (2, 2, "shm"), (2, 2, "tcp")],
+    ids=["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp"],
 )
 def cluster(request, tiny_dir: Path, tmp_path_factory) -> Iterator[LaunchedCluster]:
     n_p, n_d, backend = request.param
