@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # from the peer or the transfer's progress thread on a small machine.
 ROLE_POLL_S = 0.0005
 OVERDUE_GRACE_S = 1.0
+OVERDUE_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Engine:
         # after the deadlines were applied: non-empty means a deadline did not end something
         # (a bug), and /health says so. Read by other threads; replaced, never mutated.
         self.overdue: tuple[str, ...] = ()
+        self._overdue_at = 0.0  # when `overdue` was last computed
 
     @classmethod
     def build(
@@ -232,6 +234,9 @@ class Engine:
             if req.deadline is not None and now > req.deadline:
                 req.error = f"request exceeded its deadline in state {req.status.value}"
                 self._finish(req, Event.FAIL)
+        if now - self._overdue_at < OVERDUE_EVERY_S:
+            return  # the loop may tick every 0.5 ms; health needs this a few times a second
+        self._overdue_at = now
         late = now - OVERDUE_GRACE_S
         reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
         self.overdue = tuple(

@@ -119,11 +119,8 @@ class ThreadKill:
         while w.pid is not None and pid_alive(w.pid):
             state = httpcall.get(w.url + "/debug/state", 2.0).body
             health = httpcall.get(w.url + "/health", 2.0)
-            dead = [
-                t["name"]
-                for t in (state or {}).get("threads", [])
-                if isinstance(state, dict) and not t["alive"]
-            ]
+            threads = state.get("threads", []) if isinstance(state, dict) else []
+            dead = [t["name"] for t in threads if not t["alive"]]
             if dead and health.ok:
                 out.violate(f"{w.url}: /health said 200 with thread(s) {dead} dead")
             if time.monotonic() - t0 > EXIT_BOUND_S:
@@ -131,8 +128,7 @@ class ThreadKill:
                 return rec
             time.sleep(0.05)
         rec["exited_after_s"] = round(time.monotonic() - t0, 3)
-        time.sleep(0.5)  # the launcher logs the exit
-        code = ctx.cluster.exit_code(w.pid) if w.pid is not None else None
+        code = wait_exit_code(ctx, w.pid)
         rec["exit_code"] = code
         if code is not None and code == 0:
             out.violate(f"{w.url}: exited 0 after thread {thread} died (must be non-zero)")
@@ -142,6 +138,17 @@ class ThreadKill:
             out.violate(f"after {w.url} died, a new request failed: {fresh}")
         rec["ok"] = fresh is None and code != 0
         return rec
+
+
+def wait_exit_code(ctx: Context, pid: int | None, bound_s: float = 5.0) -> int | None:
+    """The exit status the launcher reported for `pid` (it logs it right after reaping)."""
+    t0 = time.monotonic()
+    while pid is not None and time.monotonic() - t0 < bound_s:
+        code = ctx.cluster.exit_code(pid)
+        if code is not None:
+            return code
+        time.sleep(0.1)
+    return None
 
 
 def thread_names(w: WorkerRef) -> list[str]:

@@ -166,17 +166,6 @@ class NixlAgent:
         for h in pending:
             self.release(h)
 
-    def close(self) -> None:
-        for handle in (self.local,):
-            try:
-                handle.release()
-            except Exception as e:  # noqa: BLE001 - shutting down: report and go on
-                log.warning("NIXL dlist release at close: %s", e)
-        try:
-            self.agent.deregister_memory(self.reg)
-        except Exception as e:  # noqa: BLE001
-            log.warning("NIXL deregister at close: %s", e)
-
 
 @dataclass
 class NixlTransfer:
