@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -53,13 +54,17 @@ def peer_main(num_pages: int, raw_bytes: int, device: str) -> None:
         + json.dumps({"md": d.agent_md.hex(), "base": d.base, "raw": raw.data_ptr(), "mem": d.mem}),
         flush=True,
     )
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "quit":
+    while True:
+        # Like a decode engine with rooms open: drain notifications (which drives UCX) every
+        # ROLE_POLL_S, between commands.
+        agent.landed()
+        if not select.select([sys.stdin], [], [], ROLE_POLL_S)[0]:
+            continue
+        cmd, _, arg = sys.stdin.readline().strip().partition(" ")
+        if cmd in ("quit", ""):
             return
         if cmd == "check":  # a checksum of the given pages' bytes, for the write check
             print(f"PEER {checksum(pool, json.loads(arg))}", flush=True)
-        agent.landed()  # drain notifications so they do not pile up
 
 
 def checksum(pool: KVPool, pages: list[int]) -> int:
@@ -137,7 +142,8 @@ def main() -> None:
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL write ended {state}")
 
-        a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        # Real bytes: an untouched torch.empty maps the zero page, and copying it is cache-fast.
+        a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g).to(dev)
         b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
         def memcpy() -> None:

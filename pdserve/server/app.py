@@ -239,6 +239,9 @@ class Server:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         stuck = self.supervisor.stop(timeout_s=5.0)
+        nixl = getattr(self.engine, "nixl", None)
+        if nixl is not None and not stuck:  # the engine thread no longer touches the agent
+            nixl.settle()
         if self.control is not None:
             self.control.close()
         self.engine.pool.close()
@@ -251,4 +254,11 @@ def run_server(cfg: ServerConfig) -> int:
     server = Server(cfg)
     code = asyncio.run(server.serve())
     sys.stdout.flush()
+    if getattr(server.engine, "nixl", None) is not None:
+        # Do not let the interpreter destroy the NIXL agent: UCX aborts the process (an
+        # assertion) when it tears down an endpoint that still has requests queued for a
+        # peer that is stopped. The orderly shutdown is done; leave without that teardown.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
     return code

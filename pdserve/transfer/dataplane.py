@@ -37,6 +37,10 @@ class WriteError(RuntimeError):
     """A KV write failed (the peer's memory is gone, the send queue refused it)."""
 
 
+class PeerGone(WriteError):
+    """The transfer layer says the peer disconnected: every write to it is lost, not just one."""
+
+
 class Pending(Protocol):
     """One posted write of a room's pages."""
 

@@ -6,14 +6,17 @@ lacks (LESSONS: every wait bounded, pages are leases):
 * every transfer carries a deadline (the room's write deadline, capped); when it passes the
   handle is released and the room fails with `writes_cancelled`, which makes D fence the
   destination pages instead of freeing them;
-* a peer that disconnects (a typed NIXL error) fails the transfer at once;
+* a peer that disconnects (NIXL's typed nixlRemoteDisconnectError) raises PeerGone, and the
+  prefill role fails every room of that peer at once, not only the room whose write noticed;
 * agent metadata and the pool descriptor travel inside pdserve's own Register message, so the
   pairing lives and dies with the control plane we already supervise;
 * each WRITE carries a notification "pdkv1 ROOM EPOCH BYTES"; D counts the bytes that landed
   per room and decodes only when they equal what PrefillDone reports.
 
-Only the engine thread of a worker touches its agent (NIXL's sync mode NONE is then safe);
-UCX's own progress thread moves the bytes while the engine computes the next chunk.
+Only the engine thread of a worker touches its agent (NIXL's sync mode NONE is then safe).
+The engine also drives UCX's progress as it polls (see PROGRESS_THREAD_ENV); on one host UCX
+copies through CMA while the write is posted, over RDMA the NIC moves the bytes while the
+engine computes the next chunk.
 
 Descriptors: the pool is [pages, layers, buffers, page_size, heads, head_dim], so one page of
 every layer is one contiguous run (`bytes_per_page_all_layers`). Both sides prepare the list
@@ -36,13 +39,21 @@ import numpy as np
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.protocol.messages import NixlPool
-from pdserve.transfer.dataplane import WriteError
+from pdserve.transfer.dataplane import PeerGone, WriteError
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'pdserve[nixl]' (the nixl-cu12 wheel; it runs on CPU-only hosts too)"
 NOTIF_PREFIX = b"pdkv1"
 TRANSFER_TIMEOUT_S = 30.0  # no single WRITE may stay in flight longer than this
+# UCX's progress thread, as NIXL's Python API starts it, busy-polls a core for ever (its delay
+# is hard-coded to 0). It stole that core from torch's compute threads (a 24 MiB torch copy
+# ran at 3 GB/s beside it, 17-28 GB/s without) and made writes slower, not faster: on one
+# host UCX copies through CMA inside the posting call anyway. So agents run without it and the
+# engine drives UCX as it polls (every tick; every 0.5 ms while a transfer is open). Set
+# PDSERVE_NIXL_PROGRESS_THREAD=1 where UCX moves data over TCP between hosts, so bytes keep
+# moving through a long compute step.
+PROGRESS_THREAD_ENV = "PDSERVE_NIXL_PROGRESS_THREAD"
 
 
 class BackendUnavailable(RuntimeError):
@@ -68,6 +79,12 @@ def nixl_available() -> bool:
     except BackendUnavailable:
         return False
     return True
+
+
+def write_error(what: str, e: Exception) -> WriteError:
+    """NIXL's exception as ours: a remote disconnect is PeerGone, anything else WriteError."""
+    cls = PeerGone if type(e).__name__ == "nixlRemoteDisconnectError" else WriteError
+    return cls(f"{what}: {type(e).__name__}: {e}")
 
 
 def page_runs(layout: KVLayout, base: int, num_pages: int, device_id: int) -> np.ndarray:
@@ -104,11 +121,14 @@ def parse_notif(msg: bytes) -> tuple[int, int, int] | None:
 class NixlAgent:
     """One worker's NIXL agent with its whole KV pool registered and its runs prepared."""
 
-    def __init__(self, name: str, pool: KVPool) -> None:
+    def __init__(self, name: str, pool: KVPool, progress_thread: bool | None = None) -> None:
         self.nixl = import_nixl()
         self.name = name
         self.pool = pool
-        cfg = self.nixl.nixl_agent_config(backends=["UCX"])
+        if progress_thread is None:
+            progress_thread = os.environ.get(PROGRESS_THREAD_ENV, "0") == "1"
+        self.progress_thread = progress_thread
+        cfg = self.nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent = self.nixl.nixl_agent(name, cfg)
         self.mem = "VRAM" if pool.data.is_cuda else "DRAM"
         self.device_id = pool.data.device.index or 0
@@ -151,6 +171,18 @@ class NixlAgent:
                     out.append(parsed)
         return out
 
+    def progress(self) -> None:
+        """Drive UCX (it has no progress thread here); P gets no notifications, D uses landed()."""
+        self.bad_notifs += sum(len(v) for v in self.agent.get_new_notifs().values())
+
+    def settle(self, timeout_s: float = 1.0) -> None:
+        """Before an agent or a remote agent is dropped: keep UCX progressing for a bounded
+        time, so that requests queued for a peer that died fail and leave UCX's queues."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self.progress()
+            time.sleep(0.001)
+
     def release(self, handle: Any) -> bool:
         """Release a transfer handle; False (and kept for retry) if NIXL cannot cancel it yet."""
         try:
@@ -184,7 +216,7 @@ class NixlTransfer:
             state = self.agent.agent.check_xfer_state(self.handle)
         except Exception as e:  # noqa: BLE001 - typed NIXL errors (peer disconnect, ...)
             self._finish()
-            raise WriteError(f"NIXL transfer failed: {type(e).__name__}: {e}") from e
+            raise write_error("NIXL transfer failed", e) from e
         if state == "DONE":
             self._finish()
             return True
@@ -244,13 +276,13 @@ class NixlWriter:
                 notif(room, epoch, nbytes),
             )
         except Exception as e:  # noqa: BLE001 - typed NIXL errors become a failed write
-            raise WriteError(f"NIXL could not prepare the write: {type(e).__name__}: {e}") from e
+            raise write_error("NIXL could not prepare the write", e) from e
         xfer = NixlTransfer(a, handle, nbytes, min(deadline, time.monotonic() + TRANSFER_TIMEOUT_S))
         try:
             state = a.agent.transfer(handle)
         except Exception as e:  # noqa: BLE001
             xfer.cancel()
-            raise WriteError(f"NIXL could not post the write: {type(e).__name__}: {e}") from e
+            raise write_error("NIXL could not post the write", e) from e
         if state == "ERR":
             xfer.cancel()
             raise WriteError("NIXL refused to post the write (peer gone?)")

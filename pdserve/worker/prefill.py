@@ -29,7 +29,14 @@ from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
-from pdserve.transfer.dataplane import PeerWriter, Pending, ShmWriter, TcpWriter, WriteError
+from pdserve.transfer.dataplane import (
+    PeerGone,
+    PeerWriter,
+    Pending,
+    ShmWriter,
+    TcpWriter,
+    WriteError,
+)
 from pdserve.transfer.nixl import NixlAgent, NixlWriter
 from pdserve.worker.api import params_from_json
 from pdserve.worker.roles import RoleStats, SendFailed, enter
@@ -317,6 +324,8 @@ class PrefillEngine(Engine):
                 room.inflight.append(xfer)
                 room.bytes_written += xfer.nbytes
                 room.pages_written = target
+            except PeerGone as e:
+                self._drop_peer(room.peer, f"its transfer layer disconnected ({e})", lost=True)
             except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
                 log.warning("KV write for room %d failed: %s", room.room, e)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
@@ -348,7 +357,9 @@ class PrefillEngine(Engine):
     def poll_writes(self) -> None:
         """Collect completed writes; a failed or overdue one fails its room."""
         if self.nixl is not None:
+            self.nixl.progress()  # UCX has no progress thread: the engine drives it, every tick
             self.nixl.retry_releases()
+        gone: dict[str, str] = {}
         for room in [r for r in self.rooms.values() if r.inflight]:
             error = None
             for xfer in list(room.inflight):
@@ -356,14 +367,21 @@ class PrefillEngine(Engine):
                     if not xfer.poll():
                         continue
                     self.stats.bytes_written += xfer.nbytes
+                except PeerGone as e:
+                    gone[room.peer] = str(e)
+                    room.writes_cancelled, error = True, str(e)
                 except WriteError as e:
                     room.writes_cancelled, error = True, str(e)
                 room.inflight.remove(xfer)
+            if room.peer in gone:
+                continue  # failed below with every other room of that peer
             if error is not None:
                 log.warning("KV write for room %d failed: %s", room.room, error)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
             if not room.inflight and room.state in WAITING_FOR_WRITES:
                 self._apply(room, PEvent.WRITES_DONE)
+        for peer_id, why in gone.items():
+            self._drop_peer(peer_id, f"its transfer layer disconnected ({why})", lost=True)
 
     def apply_role_deadlines(self) -> None:
         self.poll_writes()
@@ -373,15 +391,30 @@ class PrefillEngine(Engine):
                 self._apply(room, PEvent.DEADLINE, "prefill deadline passed")
         for peer in list(self.peers.values()):
             if now - peer.last_seen > PEER_SILENCE_S:
-                log.warning(
-                    "decode worker %s silent for %.0fs: dropping it",
-                    peer.identity,
-                    now - peer.last_seen,
-                )
-                del self.peers[peer.identity]
-                for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
-                    self._apply(room, PEvent.PEER_DEAD, "decode worker gone")
-                peer.writer.close()
+                silent = f"silent for {now - peer.last_seen:.0f}s"
+                self._drop_peer(peer.identity, silent, lost=False)
+
+    def _drop_peer(self, identity: str, why: str, *, lost: bool) -> None:
+        """Forget a decode worker and fail every room it had, at once.
+
+        `lost`: the transfer layer said the peer disconnected, so no write to it can complete:
+        release them now (D, if it is alive after all, fences those pages) instead of waiting
+        for each one's own error or deadline. A silent peer's writes may still be moving; its
+        rooms wait for them as usual. Either way D pairs again by registering anew."""
+        log.warning("decode worker %s: %s; dropping it and failing its rooms", identity, why)
+        self.stats.peers_dropped["disconnected" if lost else "silent"] += 1
+        peer = self.peers.pop(identity, None)
+        for room in [r for r in self.rooms.values() if r.peer == identity]:
+            if lost:
+                for xfer in room.inflight:
+                    xfer.cancel()
+                    room.writes_cancelled = True
+                room.inflight.clear()
+            self._apply(room, PEvent.PEER_DEAD, f"decode worker gone: {why}")
+            if room.state in WAITING_FOR_WRITES and not room.inflight:  # already aborting/failing
+                self._apply(room, PEvent.WRITES_DONE)
+        if peer is not None:
+            peer.writer.close()
 
     def role_snapshot(self) -> dict[str, Any]:
         return prefill_snapshot(self)

@@ -31,6 +31,7 @@ class RoleStats:
     aborted: int = 0
     bytes_written: int = 0  # P: bytes whose writes completed; D (tcp, nixl): bytes received
     bytes_acked: int = 0  # in PrefillDone: P, bytes it reported; D, bytes it decoded on
+    peers_dropped: Counter[str] = field(default_factory=Counter)  # P: by why (silent, disconnected)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -43,6 +44,7 @@ class RoleStats:
             "aborted": self.aborted,
             "bytes_written": self.bytes_written,
             "bytes_acked": self.bytes_acked,
+            "peers_dropped": dict(self.peers_dropped),
         }
 
 

@@ -2,16 +2,19 @@
 
 It registers a shared-memory KV pool with a NIXL agent, prints one JSON line (its pool path
 and its NIXL descriptor, hex-encoded), then answers stdin commands: `landed` prints the
-notifications that arrived as JSON, `quit` exits. The test maps the same pool to check bytes.
+notifications that arrived since the last `landed` as JSON, `quit` exits. The test maps the
+same pool to check bytes.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import sys
 
 import torch
 
+from pdserve.engine.engine import ROLE_POLL_S
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.transfer.nixl import NixlAgent
@@ -24,7 +27,8 @@ def main() -> None:
     agent = NixlAgent(f"peer-{sys.argv[3]}", pool)
     d = agent.descriptor()
     print(
-        "PEER " + json.dumps(
+        "PEER "
+        + json.dumps(
             {
                 "shm": str(pool.shm_path),
                 "md": d.agent_md.hex(),
@@ -35,11 +39,18 @@ def main() -> None:
         ),
         flush=True,
     )
-    for line in sys.stdin:
-        cmd = line.strip()
+    landed: list[tuple[int, int, int]] = []
+    while True:
+        # Like a decode engine with rooms open: drain notifications (this also drives UCX,
+        # which has no progress thread of its own) every ROLE_POLL_S between commands.
+        landed += agent.landed()
+        if not select.select([sys.stdin], [], [], ROLE_POLL_S)[0]:
+            continue
+        cmd = sys.stdin.readline().strip()
         if cmd == "landed":
-            print("PEER " + json.dumps(agent.landed()), flush=True)
-        elif cmd == "quit":
+            print("PEER " + json.dumps(landed), flush=True)
+            landed = []
+        elif cmd in ("quit", ""):
             return
 
 
