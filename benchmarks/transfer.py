@@ -71,14 +71,10 @@ def checksum(pool: KVPool, pages: list[int]) -> int:
     return sum(int(pool.page(p).view(torch.uint8).long().sum()) for p in pages)
 
 
-def timed(fn, iters: int) -> list[float]:
-    fn()  # warm-up: connection, registration caches
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -163,11 +159,14 @@ def main() -> None:
                 ("pdserve_shm_scattered", lambda: shm.write(1, 1, src, src_pages, dst_pages, 0))
             )
 
-        results: dict[str, list[float]] = {}
-        # Interleave the methods round by round so that a noisy neighbour hits all alike.
-        for _ in range(3):
+        for _, fn in methods:
+            fn()  # warm-up: connection, registration caches
+        results: dict[str, list[float]] = {name: [] for name, _ in methods}
+        # Interleave the methods call by call, so that a noisy neighbour or a drifting clock
+        # hits all alike; the ratio is then taken per pair of neighbouring calls.
+        for _ in range(args.iters):
             for name, fn in methods:
-                results.setdefault(name, []).extend(timed(fn, max(1, args.iters // 3)))
+                results[name].append(timed(fn))
         # The bytes really landed (checked once, outside the timing).
         src.data[src_pages[0]].fill_(1.5)  # so that a stale copy cannot pass
         pdserve_nixl()
@@ -203,6 +202,17 @@ def main() -> None:
         "GB_per_s": {k: round(v, 3) for k, v in gbps.items()},
         "pdserve_nixl_vs_raw_nixl": round(
             gbps["pdserve_nixl_scattered"] / gbps["raw_nixl_contiguous"], 3
+        ),
+        # The same ratio call by call (raw time / pdserve time of neighbouring calls): the
+        # median of these is steadier than the ratio of medians on a busy machine.
+        "pdserve_nixl_vs_raw_nixl_paired": round(
+            statistics.median(
+                r / p
+                for p, r in zip(
+                    results["pdserve_nixl_scattered"], results["raw_nixl_contiguous"], strict=True
+                )
+            ),
+            3,
         ),
         "pdserve_nixl_vs_memcpy": round(
             gbps["pdserve_nixl_scattered"] / gbps["memcpy_contiguous"], 3
