@@ -105,7 +105,12 @@ class Ping(Msg, frozen=True):
 
 
 class Pong(Msg, frozen=True):
+    """P's control thread answers at once, so a long compute step does not look like death;
+    `engine_busy_s` says how long P's engine has been inside its current tick, so that a D
+    can still tell a stalled engine from a slow step."""
+
     nonce: int = 0
+    engine_busy_s: float = 0.0
 
 
 class Error(Msg, frozen=True):

@@ -23,7 +23,7 @@ from aiohttp import web
 from pdserve.config import ServerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.messages import Msg
+from pdserve.protocol.messages import Msg, Ping
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
@@ -87,6 +87,8 @@ class Server:
         self.started = time.monotonic()
 
     def _to_engine(self, inbound: Inbound) -> None:
+        if isinstance(inbound.msg, Ping) and isinstance(self.engine, PrefillEngine):
+            self.engine.answer_ping(inbound)  # on this (control) thread: see answer_ping
         self.engine.inbox.put(inbound)
 
     def _send_failed(self, peer: str, msg: Msg, why: str) -> None:

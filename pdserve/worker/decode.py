@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 PING_EVERY_S = 1.0
 PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
+# A Pong whose P engine has been inside one tick longer than this does not count (P's own
+# engine heartbeat bound, server/app.py ENGINE_HEARTBEAT_S: one CPU step may take seconds).
+PEER_ENGINE_STALL_S = 30.0
 ABORT_ACK_TIMEOUT_S = 5.0
 FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
 FENCE_MARGIN_S = 2.0  # ...and until this long after the room's write deadline
@@ -93,8 +96,11 @@ class DecodeEngine(Engine):
     def _inbound(self, cmd: Inbound) -> None:
         msg = cmd.msg
         peer = self.peers.get(cmd.peer)
-        if peer is not None:
-            peer.last_pong = time.monotonic()  # any word from P proves it alive
+        stalled = isinstance(msg, m.Pong) and msg.engine_busy_s > PEER_ENGINE_STALL_S
+        if peer is not None and not stalled:
+            peer.last_pong = time.monotonic()  # any word from P proves it alive...
+        if stalled:  # ...but a Pong from a P whose engine is stuck in one tick does not
+            self.stats.stale["pong_engine_stalled"] += 1
         if isinstance(msg, m.RegisterAck):
             return self._register_ack(cmd.peer, msg)
         if isinstance(msg, m.Pong):

@@ -125,9 +125,18 @@ class PrefillEngine(Engine):
                 else:
                     self._apply(room, PEvent.ABORT)
             case m.Ping():
-                self._reply(cmd.peer, m.Pong(nonce=msg.nonce))
+                pass  # answered on the control thread (answer_ping); here it only proves D alive
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
+
+    def answer_ping(self, cmd: Inbound) -> None:
+        """Runs on the control thread, before the Ping reaches the engine's inbox. Answering
+        from the engine made a step longer than D's 5 s silence bound (a big prompt chunk on
+        a CPU) look like death, though P's own heartbeat allows 30 s. The Pong says how long
+        the engine has been in its current tick; D judges a stall by that."""
+        assert isinstance(cmd.msg, m.Ping)
+        busy = max(0.0, time.monotonic() - self.last_tick)
+        self._reply(cmd.peer, m.Pong(nonce=cmd.msg.nonce, engine_busy_s=round(busy, 3)))
 
     def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
         self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity), frames)
