@@ -60,8 +60,9 @@ def peer_main(num_pages: int, raw_bytes: int, device: str) -> None:
         agent.landed()
         if not select.select([sys.stdin], [], [], ROLE_POLL_S)[0]:
             continue
-        cmd, _, arg = sys.stdin.readline().strip().partition(" ")
-        if cmd in ("quit", ""):
+        line = sys.stdin.readline()
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "quit" or not line:  # quit, or the benchmark went away (EOF)
             return
         if cmd == "check":  # a checksum of the given pages' bytes, for the write check
             print(f"PEER {checksum(pool, json.loads(arg))}", flush=True)
@@ -164,8 +165,8 @@ def main() -> None:
         results: dict[str, list[float]] = {name: [] for name, _ in methods}
         # Interleave the methods call by call, so that a noisy neighbour or a drifting clock
         # hits all alike; the ratio is then taken per pair of neighbouring calls.
-        for _ in range(args.iters):
-            for name, fn in methods:
+        for i in range(args.iters):
+            for name, fn in methods if i % 2 == 0 else methods[::-1]:  # no fixed order bias
                 results[name].append(timed(fn))
         # The bytes really landed (checked once, outside the timing).
         src.data[src_pages[0]].fill_(1.5)  # so that a stale copy cannot pass

@@ -70,7 +70,10 @@ class PEvent(enum.Enum):
     ABORT = "abort"
     WRITE_FAILED = "write_failed"
     DEADLINE = "deadline"
-    PEER_DEAD = "peer_dead"
+    PEER_DEAD = "peer_dead"  # D silent: its writes may still be moving, wait for them
+    # The transfer layer says D disconnected: no write to it can complete. Release them now
+    # and tell D (alive after all?) that the room failed, so it fences rather than waits.
+    PEER_LOST = "peer_lost"
 
 
 D_TERMINAL = frozenset({DState.DONE, DState.RELEASED, DState.FAILED})
@@ -129,6 +132,22 @@ P_TABLE: dict[tuple[PState, PEvent], tuple[PState, tuple[Cmd, ...]]] = {
     (PState.FAILING, PEvent.WRITES_DONE): (PState.FAILED, (C.SEND_FAILED, C.FREE_PAGES)),
     (PState.FAILING, PEvent.ABORT): (PState.ABORTING, ()),
     (PState.FAILING, PEvent.DEADLINE): (
+        PState.FAILED,
+        (C.CANCEL_WRITES, C.SEND_FAILED, C.FREE_PAGES),
+    ),
+    (PState.PREFILLING, PEvent.PEER_LOST): (
+        PState.FAILED,
+        (C.STOP_COMPUTE, C.CANCEL_WRITES, C.SEND_FAILED, C.FREE_PAGES),
+    ),
+    (PState.WRITING, PEvent.PEER_LOST): (
+        PState.FAILED,
+        (C.CANCEL_WRITES, C.SEND_FAILED, C.FREE_PAGES),
+    ),
+    (PState.ABORTING, PEvent.PEER_LOST): (
+        PState.ABORTED,
+        (C.CANCEL_WRITES, C.SEND_ABORT_ACK, C.FREE_PAGES),
+    ),
+    (PState.FAILING, PEvent.PEER_LOST): (
         PState.FAILED,
         (C.CANCEL_WRITES, C.SEND_FAILED, C.FREE_PAGES),
     ),

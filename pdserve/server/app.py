@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.config import ServerConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.messages import Msg, Ping
+from pdserve.protocol.messages import Msg
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
@@ -37,8 +37,6 @@ from pdserve.worker.prefill import PrefillEngine
 from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
-
-ENGINE_HEARTBEAT_S = 30.0  # one CPU step on a large prompt chunk can take seconds
 
 
 class Server:
@@ -87,8 +85,7 @@ class Server:
         self.started = time.monotonic()
 
     def _to_engine(self, inbound: Inbound) -> None:
-        if isinstance(inbound.msg, Ping) and isinstance(self.engine, PrefillEngine):
-            self.engine.answer_ping(inbound)  # on this (control) thread: see answer_ping
+        self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
         self.engine.inbox.put(inbound)
 
     def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
@@ -254,7 +251,11 @@ class Server:
 
 def run_server(cfg: ServerConfig) -> int:
     server = Server(cfg)
-    code = asyncio.run(server.serve())
+    code = 1
+    try:
+        code = asyncio.run(server.serve())
+    except Exception:  # noqa: BLE001 - logged; the exit below must still happen
+        log.exception("the server failed")
     sys.stdout.flush()
     if getattr(server.engine, "nixl", None) is not None:
         # Do not let the interpreter destroy the NIXL agent: UCX aborts the process (an

@@ -47,9 +47,10 @@ INSTALL_HINT = "pip install 'pdserve[nixl]' (the nixl-cu12 wheel; it runs on CPU
 NOTIF_PREFIX = b"pdkv1"
 TRANSFER_TIMEOUT_S = 30.0  # no single WRITE may stay in flight longer than this
 # UCX's progress thread, as NIXL's Python API starts it, busy-polls a core for ever (its delay
-# is hard-coded to 0). It stole that core from torch's compute threads (a 24 MiB torch copy
-# ran at 3 GB/s beside it, 17-28 GB/s without) and made writes slower, not faster: on one
-# host UCX copies through CMA inside the posting call anyway. So agents run without it and the
+# is hard-coded to 0). It stole that core from torch's compute threads (on a 16-core host a
+# 24 MiB torch copy ran at 3.65 GB/s beside it, 32-37 GB/s without: benchmarks/RESULTS.md)
+# and made writes slower, not faster (1.7 vs 3.1-3.7 GB/s on 2 cores): on one host UCX
+# copies through CMA inside the posting call anyway. So agents run without it and the
 # engine drives UCX as it polls (every tick; every 0.5 ms while a transfer is open). Set
 # PDSERVE_NIXL_PROGRESS_THREAD=1 where UCX moves data over TCP between hosts, so bytes keep
 # moving through a long compute step.
@@ -83,6 +84,7 @@ def nixl_available() -> bool:
 
 def write_error(what: str, e: Exception) -> WriteError:
     """NIXL's exception as ours: a remote disconnect is PeerGone, anything else WriteError."""
+    # By name: the bindings module is nixl._bindings or nixl_cu12._bindings, per wheel.
     cls = PeerGone if type(e).__name__ == "nixlRemoteDisconnectError" else WriteError
     return cls(f"{what}: {type(e).__name__}: {e}")
 

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.engine.engine import Engine
+from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, RequestOutput, TokenLogprob
 from pdserve.protocol import messages as m
@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 
 PING_EVERY_S = 1.0
 PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
-# A Pong whose P engine has been inside one tick longer than this does not count (P's own
-# engine heartbeat bound, server/app.py ENGINE_HEARTBEAT_S: one CPU step may take seconds).
-PEER_ENGINE_STALL_S = 30.0
+# A Pong whose P engine has been inside one tick longer than P's own heartbeat bound does not
+# count: P is up, its engine is stuck.
+PEER_ENGINE_STALL_S = ENGINE_HEARTBEAT_S
 ABORT_ACK_TIMEOUT_S = 5.0
 FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
 FENCE_MARGIN_S = 2.0  # ...and until this long after the room's write deadline

@@ -45,6 +45,7 @@ from pdserve.worker.snapshots import prefill_snapshot
 log = logging.getLogger(__name__)
 
 WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
+CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later (see _drop_peer)
 PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
 
 
@@ -53,12 +54,14 @@ class DecodePeer:
     identity: str
     writer: PeerWriter
     num_pages: int
+    generation: int  # which registration: the same D may register again
     last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class PRoom:
     peer: str
+    peer_generation: int  # the registration it came in on; only that one may write for it
     room: int
     epoch: int
     request: Request
@@ -93,6 +96,9 @@ class PrefillEngine(Engine):
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
         self.nixl: NixlAgent | None = None  # created on the first nixl registration
+        self.registrations = 0
+        # Writers of dropped peers, closed once UCX had time to fail what was queued for them.
+        self.closing: list[tuple[float, PeerWriter]] = []
         self.scheduler.pinned = self._pinned
 
     def _pinned(self, req: Request) -> bool:
@@ -125,18 +131,18 @@ class PrefillEngine(Engine):
                 else:
                     self._apply(room, PEvent.ABORT)
             case m.Ping():
-                pass  # answered on the control thread (answer_ping); here it only proves D alive
+                pass  # answered on the control thread (on_control); here it only proves D alive
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
-    def answer_ping(self, cmd: Inbound) -> None:
-        """Runs on the control thread, before the Ping reaches the engine's inbox. Answering
-        from the engine made a step longer than D's 5 s silence bound (a big prompt chunk on
-        a CPU) look like death, though P's own heartbeat allows 30 s. The Pong says how long
-        the engine has been in its current tick; D judges a stall by that."""
-        assert isinstance(cmd.msg, m.Ping)
-        busy = max(0.0, time.monotonic() - self.last_tick)
-        self._reply(cmd.peer, m.Pong(nonce=cmd.msg.nonce, engine_busy_s=round(busy, 3)))
+    def on_control(self, inbound: Inbound) -> None:
+        """Pings are answered here, on the control thread. Answering from the engine made a
+        step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like death,
+        though P's own heartbeat allows 30 s. The Pong says how long the engine has been in
+        its current tick; D judges a stall by that. Reads one float of engine state."""
+        if isinstance(inbound.msg, m.Ping):
+            busy = max(0.0, time.monotonic() - self.last_tick)
+            self._reply(inbound.peer, m.Pong(nonce=inbound.msg.nonce, engine_busy_s=round(busy, 3)))
 
     def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
         self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity), frames)
@@ -170,7 +176,8 @@ class PrefillEngine(Engine):
             log.warning("refused registration of %s: %s", peer, e)
             self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours.to_dict()))
             return
-        self.peers[peer] = DecodePeer(peer, writer, msg.num_pages)
+        self.registrations += 1
+        self.peers[peer] = DecodePeer(peer, writer, msg.num_pages, self.registrations)
         log.info("registered decode worker %s (%s)", peer, msg.backend)
         self._reply(peer, m.RegisterAck(ok=True, layout=ours.to_dict()))
 
@@ -212,6 +219,7 @@ class PrefillEngine(Engine):
         )
         room = PRoom(
             peer_id,
+            peer.generation,
             msg.room,
             msg.epoch,
             req,
@@ -316,7 +324,7 @@ class PrefillEngine(Engine):
                 continue
             peer = self.peers.get(room.peer)
             try:
-                if peer is None:
+                if peer is None or peer.generation != room.peer_generation:
                     raise WriteError(f"decode worker {room.peer} is no longer registered")
                 if time.time() > room.write_deadline:
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
@@ -334,12 +342,15 @@ class PrefillEngine(Engine):
                 room.bytes_written += xfer.nbytes
                 room.pages_written = target
             except PeerGone as e:
-                self._drop_peer(room.peer, f"its transfer layer disconnected ({e})", lost=True)
+                assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
+                self._drop_peer(peer, f"its transfer layer disconnected ({e})", lost=True)
             except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
                 log.warning("KV write for room %d failed: %s", room.room, e)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
 
     def on_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
+        if req.status.finished:  # its room failed in on_computed this step (a write failed)
+            return
         room = self.by_request.get(req.request_id)
         if room is None:  # not a room (cannot happen: P serves no local requests)
             self.scheduler.finish(req, Event.FAIL)
@@ -368,7 +379,10 @@ class PrefillEngine(Engine):
         if self.nixl is not None:
             self.nixl.progress()  # UCX has no progress thread: the engine drives it, every tick
             self.nixl.retry_releases()
-        gone: dict[str, str] = {}
+        now = time.monotonic()
+        while self.closing and self.closing[0][0] <= now:
+            self.closing.pop(0)[1].close()
+        gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
         for room in [r for r in self.rooms.values() if r.inflight]:
             error = None
             for xfer in list(room.inflight):
@@ -377,20 +391,20 @@ class PrefillEngine(Engine):
                         continue
                     self.stats.bytes_written += xfer.nbytes
                 except PeerGone as e:
-                    gone[room.peer] = str(e)
+                    gone.setdefault((room.peer, room.peer_generation), str(e))
                     room.writes_cancelled, error = True, str(e)
                 except WriteError as e:
                     room.writes_cancelled, error = True, str(e)
                 room.inflight.remove(xfer)
-            if room.peer in gone:
-                continue  # failed below with every other room of that peer
             if error is not None:
                 log.warning("KV write for room %d failed: %s", room.room, error)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
             if not room.inflight and room.state in WAITING_FOR_WRITES:
                 self._apply(room, PEvent.WRITES_DONE)
-        for peer_id, why in gone.items():
-            self._drop_peer(peer_id, f"its transfer layer disconnected ({why})", lost=True)
+        for (peer_id, generation), why in gone.items():
+            peer = self.peers.get(peer_id)
+            if peer is not None and peer.generation == generation:  # not a former pairing's
+                self._drop_peer(peer, f"its transfer layer disconnected ({why})", lost=True)
 
     def apply_role_deadlines(self) -> None:
         self.poll_writes()
@@ -401,29 +415,25 @@ class PrefillEngine(Engine):
         for peer in list(self.peers.values()):
             if now - peer.last_seen > PEER_SILENCE_S:
                 silent = f"silent for {now - peer.last_seen:.0f}s"
-                self._drop_peer(peer.identity, silent, lost=False)
+                self._drop_peer(peer, silent, lost=False)
 
-    def _drop_peer(self, identity: str, why: str, *, lost: bool) -> None:
+    def _drop_peer(self, peer: DecodePeer, why: str, *, lost: bool) -> None:
         """Forget a decode worker and fail every room it had, at once.
 
         `lost`: the transfer layer said the peer disconnected, so no write to it can complete:
-        release them now (D, if it is alive after all, fences those pages) instead of waiting
-        for each one's own error or deadline. A silent peer's writes may still be moving; its
-        rooms wait for them as usual. Either way D pairs again by registering anew."""
-        log.warning("decode worker %s: %s; dropping it and failing its rooms", identity, why)
+        PEER_LOST releases them now and tells D the room failed (D, if alive after all, fences
+        the pages) instead of waiting for each write's own error or deadline. A silent peer's
+        writes may still be moving: PEER_DEAD lets its rooms wait for them as usual. Either way
+        D pairs again by registering anew. The writer is closed CLOSE_AFTER_S later: UCX, driven
+        by the engine's ticks, first fails what it still had queued for that peer (tearing an
+        endpoint down with requests queued can abort the process)."""
+        log.warning("decode worker %s: %s; dropping it and failing its rooms", peer.identity, why)
         self.stats.peers_dropped["disconnected" if lost else "silent"] += 1
-        peer = self.peers.pop(identity, None)
-        for room in [r for r in self.rooms.values() if r.peer == identity]:
-            if lost:
-                for xfer in room.inflight:
-                    xfer.cancel()
-                    room.writes_cancelled = True
-                room.inflight.clear()
-            self._apply(room, PEvent.PEER_DEAD, f"decode worker gone: {why}")
-            if room.state in WAITING_FOR_WRITES and not room.inflight:  # already aborting/failing
-                self._apply(room, PEvent.WRITES_DONE)
-        if peer is not None:
-            peer.writer.close()
+        del self.peers[peer.identity]
+        event = PEvent.PEER_LOST if lost else PEvent.PEER_DEAD
+        for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
+            self._apply(room, event, f"decode worker gone: {why}")
+        self.closing.append((time.monotonic() + CLOSE_AFTER_S, peer.writer))
 
     def role_snapshot(self) -> dict[str, Any]:
         return prefill_snapshot(self)

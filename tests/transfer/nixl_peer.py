@@ -46,11 +46,12 @@ def main() -> None:
         landed += agent.landed()
         if not select.select([sys.stdin], [], [], ROLE_POLL_S)[0]:
             continue
-        cmd = sys.stdin.readline().strip()
+        line = sys.stdin.readline()
+        cmd = line.strip()
         if cmd == "landed":
             print("PEER " + json.dumps(landed), flush=True)
             landed = []
-        elif cmd in ("quit", ""):
+        elif cmd == "quit" or not line:  # quit, or the test went away (EOF)
             return
 
 
