@@ -7,6 +7,8 @@ Configurations (all on the built-in tiny model, all on this machine's cores):
   pd                `pdserve launch --prefill 1 --decode 1 --threads 1`: router + P + D.
   colocated-router  `pdserve launch --prefill 0 --decode 1 --threads 2`: the co-located
                     worker behind the same router, to separate the router's hop from PD.
+  pd-d2, pd-p2      (with --configs) 1P+1D with 2 torch threads for D or for P, 1 for the
+                    other: the same cores split another way (three threads on two cores).
 
 Workload, two streams on one clock (pdserve.bench.runner):
   decode   short prompts, long outputs, a closed loop of --decode-streams in flight;
@@ -55,6 +57,29 @@ CONFIGS = {
     "colocated": ["serve", "--threads", "2"],
     "pd": ["launch", "--prefill", "1", "--decode", "1", "--threads", "1"],
     "colocated-router": ["launch", "--prefill", "0", "--decode", "1", "--threads", "2"],
+    # The same two cores split another way: three torch threads on two cores.
+    "pd-d2": [
+        "launch",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--prefill-threads",
+        "1",
+        "--decode-threads",
+        "2",
+    ],
+    "pd-p2": [
+        "launch",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--prefill-threads",
+        "2",
+        "--decode-threads",
+        "1",
+    ],
 }
 
 
@@ -234,7 +259,8 @@ def load(args: argparse.Namespace, from_dir: Path) -> list[Run]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin:tiny")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    default_configs = ["colocated", "pd", "colocated-router"]
+    p.add_argument("--configs", nargs="+", default=default_configs, choices=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=1, help="repeat all configs, interleaved")
     p.add_argument("--streams", type=int, default=8, help="decode streams in flight")
     p.add_argument("--decode-requests", type=int, default=80)

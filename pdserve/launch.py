@@ -67,6 +67,15 @@ def add_launch_command(sub: Any) -> None:
         default=0,
         help="torch threads per worker (0: CPUs / number of workers)",
     )
+    p.add_argument(
+        "--prefill-threads", type=int, default=0, help="torch threads per prefill worker"
+    )
+    p.add_argument(
+        "--decode-threads",
+        type=int,
+        default=0,
+        help="torch threads per decode (or co-located) worker",
+    )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     p.add_argument(
         "--startup-timeout",
@@ -99,6 +108,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         threads=args.threads or max(1, (cpus or 1) // max(workers, 1)),
+        prefill_threads=args.prefill_threads,
+        decode_threads=args.decode_threads,
         engine_flags=engine_flags(args),
         log_dir=log_dir,
         host=args.host,

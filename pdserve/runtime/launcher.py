@@ -54,13 +54,21 @@ class LaunchConfig:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0  # per phase (router, workers) before SIGKILL
     on_worker_exit: str = "stop"  # stop | continue (the router routes around a dead worker)
+    prefill_threads: int = 0  # per-role overrides of `threads` (0: use `threads`)
+    decode_threads: int = 0
+
+    def threads_for(self, role: str) -> int:
+        per_role = self.prefill_threads if role == "prefill" else self.decode_threads
+        return per_role or self.threads
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(
                 f"need --prefill >= 0 and --decode >= 1, got {self.prefill}, {self.decode}"
             )
-        if self.threads < 1 or self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
+        if min(self.threads, self.threads_for("prefill"), self.threads_for("decode")) < 1 or (
+            self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0
+        ):
             raise ValueError(f"threads and timeouts must be positive: {self}")
         if self.on_worker_exit not in ("stop", "continue"):
             raise ValueError(f"on_worker_exit must be stop or continue, got {self.on_worker_exit}")
@@ -78,7 +86,6 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
             "--host": WORKER_HOST,
             "--port": "0",
             "--backend": cfg.backend,
-            "--threads": str(cfg.threads),
             "--model": cfg.model_path,
             "--served-model-name": cfg.served_model_name,
         }
@@ -89,7 +96,8 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
     for role, i in roles:
         extra = ["--control-port", "0"] if role == "prefill" else []
         extra += ["--debug-faults"] if cfg.debug_faults else []
-        argv = [*base, "--role", role, *common, *cfg.engine_flags, *extra]
+        threads = ["--threads", str(cfg.threads_for(role))]
+        argv = [*base, "--role", role, *threads, *common, *cfg.engine_flags, *extra]
         out.append((f"{role}-{i}", argv))
     return out
 

@@ -60,6 +60,16 @@ def test_worker_and_router_argv_follow_the_topology():
         config(decode=0)
 
 
+def test_threads_per_role():
+    plan = dict(worker_argvs(config(decode_threads=2)))
+    threads = {name: argv[argv.index("--threads") + 1] for name, argv in plan.items()}
+    assert threads == {"prefill-0": "3", "decode-0": "2", "decode-1": "2"}
+    colo = dict(worker_argvs(config(prefill=0, prefill_threads=1)))
+    assert {a[a.index("--threads") + 1] for a in colo.values()} == {"3"}
+    with pytest.raises(ValueError, match="threads"):
+        config(prefill_threads=-1)
+
+
 def test_engine_flags_are_passed_on_as_given():
     args = build_parser().parse_args(
         [
