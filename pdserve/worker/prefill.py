@@ -23,39 +23,21 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.params import InvalidParams
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.scheduler import StepPlan
-from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
-from pdserve.transfer.dataplane import (
-    PeerGone,
-    PeerWriter,
-    Pending,
-    ShmWriter,
-    TcpWriter,
-    WriteError,
-)
-from pdserve.transfer.nixl import NixlAgent, NixlWriter
+from pdserve.transfer.dataplane import PeerGone, Pending, WriteError
+from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.api import params_from_json
+from pdserve.worker.decode_peers import DecodePeer, DecodePeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import prefill_snapshot
 
 log = logging.getLogger(__name__)
 
 WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
-CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later (see _drop_peer)
-PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
-
-
-@dataclass
-class DecodePeer:
-    identity: str
-    writer: PeerWriter
-    num_pages: int
-    generation: int  # which registration: the same D may register again
-    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -91,15 +73,15 @@ class PrefillEngine(Engine):
         """`copier`: the data-plane worker that runs shm/tcp page copies off this thread."""
         self.control = control
         self.copier = copier
-        self.peers: dict[str, DecodePeer] = {}
+        self.peers = DecodePeers(self.pool, control, copier)
         self.rooms: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
-        self.nixl: NixlAgent | None = None  # created on the first nixl registration
-        self.registrations = 0
-        # Writers of dropped peers, closed once UCX had time to fail what was queued for them.
-        self.closing: list[tuple[float, PeerWriter]] = []
         self.scheduler.pinned = self._pinned
+
+    @property
+    def nixl(self) -> NixlAgent | None:
+        return self.peers.nixl
 
     def _pinned(self, req: Request) -> bool:
         room = self.by_request.get(req.request_id)
@@ -148,38 +130,15 @@ class PrefillEngine(Engine):
         self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity), frames)
 
     def _register(self, peer: str, msg: m.Register) -> None:
-        ours = self.pool.layout
+        ours = self.pool.layout.to_dict()
         try:
-            theirs = KVLayout.from_dict(dict(msg.layout))
-            diff = ours.mismatch(theirs)
-            if diff is not None:
-                raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")
-            writer: PeerWriter
-            if msg.backend == "shm":
-                if not msg.shm_name:
-                    raise ValueError("backend shm needs the decode pool's shm_name")
-                writer = ShmWriter(msg.shm_name, theirs, msg.num_pages, self.copier)
-            elif msg.backend == "tcp":
-                writer = TcpWriter(self.control, peer, self.control.identity, self.copier)
-            elif msg.backend == "nixl":
-                if msg.nixl is None:
-                    raise ValueError("backend nixl needs the decode pool's NIXL descriptor")
-                if self.nixl is None:
-                    self.nixl = NixlAgent(self.control.identity, self.pool)
-                old = self.peers.pop(peer, None)
-                if old is not None:  # the same D again (it declared us dead): pair anew
-                    old.writer.close()
-                writer = NixlWriter(self.nixl, msg.nixl, theirs, msg.num_pages)
-            else:
-                raise ValueError(f"unknown backend {msg.backend!r}")
+            self.peers.register(peer, msg)
         except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why
             log.warning("refused registration of %s: %s", peer, e)
-            self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours.to_dict()))
+            self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours))
             return
-        self.registrations += 1
-        self.peers[peer] = DecodePeer(peer, writer, msg.num_pages, self.registrations)
         log.info("registered decode worker %s (%s)", peer, msg.backend)
-        self._reply(peer, m.RegisterAck(ok=True, layout=ours.to_dict()))
+        self._reply(peer, m.RegisterAck(ok=True, layout=ours))
 
     def _prefill_request(self, peer_id: str, msg: m.PrefillRequest) -> None:
         def reject(reason: str, unregistered: bool = False) -> None:
@@ -322,9 +281,9 @@ class PrefillEngine(Engine):
             )
             if target <= room.pages_written:
                 continue
-            peer = self.peers.get(room.peer)
+            peer = self.peers.current(room.peer, room.peer_generation)
             try:
-                if peer is None or peer.generation != room.peer_generation:
+                if peer is None:
                     raise WriteError(f"decode worker {room.peer} is no longer registered")
                 if time.time() > room.write_deadline:
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
@@ -376,12 +335,7 @@ class PrefillEngine(Engine):
 
     def poll_writes(self) -> None:
         """Collect completed writes; a failed or overdue one fails its room."""
-        if self.nixl is not None:
-            self.nixl.progress()  # UCX has no progress thread: the engine drives it, every tick
-            self.nixl.retry_releases()
-        now = time.monotonic()
-        while self.closing and self.closing[0][0] <= now:
-            self.closing.pop(0)[1].close()
+        self.peers.tick()
         gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
         for room in [r for r in self.rooms.values() if r.inflight]:
             error = None
@@ -402,8 +356,8 @@ class PrefillEngine(Engine):
             if not room.inflight and room.state in WAITING_FOR_WRITES:
                 self._apply(room, PEvent.WRITES_DONE)
         for (peer_id, generation), why in gone.items():
-            peer = self.peers.get(peer_id)
-            if peer is not None and peer.generation == generation:  # not a former pairing's
+            peer = self.peers.current(peer_id, generation)  # not a former pairing's
+            if peer is not None:
                 self._drop_peer(peer, f"its transfer layer disconnected ({why})", lost=True)
 
     def apply_role_deadlines(self) -> None:
@@ -412,10 +366,8 @@ class PrefillEngine(Engine):
         for room in list(self.rooms.values()):
             if now > room.deadline:
                 self._apply(room, PEvent.DEADLINE, "prefill deadline passed")
-        for peer in list(self.peers.values()):
-            if now - peer.last_seen > PEER_SILENCE_S:
-                silent = f"silent for {now - peer.last_seen:.0f}s"
-                self._drop_peer(peer, silent, lost=False)
+        for peer in self.peers.silent(now):
+            self._drop_peer(peer, f"silent for {now - peer.last_seen:.0f}s", lost=False)
 
     def _drop_peer(self, peer: DecodePeer, why: str, *, lost: bool) -> None:
         """Forget a decode worker and fail every room it had, at once.
@@ -424,16 +376,13 @@ class PrefillEngine(Engine):
         PEER_LOST releases them now and tells D the room failed (D, if alive after all, fences
         the pages) instead of waiting for each write's own error or deadline. A silent peer's
         writes may still be moving: PEER_DEAD lets its rooms wait for them as usual. Either way
-        D pairs again by registering anew. The writer is closed CLOSE_AFTER_S later: UCX, driven
-        by the engine's ticks, first fails what it still had queued for that peer (tearing an
-        endpoint down with requests queued can abort the process)."""
+        D pairs again by registering anew."""
         log.warning("decode worker %s: %s; dropping it and failing its rooms", peer.identity, why)
         self.stats.peers_dropped["disconnected" if lost else "silent"] += 1
-        del self.peers[peer.identity]
+        self.peers.drop(peer)
         event = PEvent.PEER_LOST if lost else PEvent.PEER_DEAD
         for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
             self._apply(room, event, f"decode worker gone: {why}")
-        self.closing.append((time.monotonic() + CLOSE_AFTER_S, peer.writer))
 
     def role_snapshot(self) -> dict[str, Any]:
         return prefill_snapshot(self)

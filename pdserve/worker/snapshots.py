@@ -50,8 +50,7 @@ def prefill_snapshot(e: PrefillEngine) -> dict[str, Any]:
     now = time.monotonic()
     return {
         "peers": [
-            {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)}
-            for p in e.peers.values()
+            {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)} for p in e.peers
         ],
         "rooms": [
             {
