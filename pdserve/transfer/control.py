@@ -1,9 +1,11 @@
 """The control plane: ZMQ sockets owned by one I/O thread, typed messages in and out.
 
 P binds a ROUTER socket; each D connects a DEALER (identity = D's worker id) per P it uses.
-Only the I/O thread touches sockets. Other threads `send()` into a bounded queue; the I/O
-thread sends without blocking (a peer that does not drain fails that message, reported
-through `on_send_failed`, instead of freezing a thread: LESSONS #5). Every inbound frame goes
+Only the I/O thread touches sockets. Other threads `send()` into a bounded queue and wake the
+I/O thread through a pipe it polls with its sockets (a send goes out at once; an idle I/O
+thread sleeps in poll instead of waking every few ms). The I/O thread sends without blocking
+(a peer that does not drain fails that message, reported through `on_send_failed`, instead
+of freezing a thread: LESSONS #5). Every inbound frame goes
 through the one decoder; what it cannot read is counted and dropped (LESSONS #1).
 
 Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
@@ -15,6 +17,7 @@ malformed frame, which goes through the same decoder (recv) or onto the wire (se
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections import Counter, deque
@@ -29,7 +32,7 @@ from pdserve.runtime.faults import FAULTS, Verdict
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 2  # the I/O loop's poll interval; bounds the latency of queued sends
+POLL_MS = 100  # the I/O loop's longest sleep in poll (sends wake it; this bounds held messages)
 OUTBOX_LIMIT = 10_000
 HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
 # What `unknown` and `malformed` faults put in a message's place.
@@ -85,6 +88,11 @@ class Control:
         self.held_out: deque[tuple[float, Outgoing]] = deque()
         self.stats = ControlStats()
         self.address = ""
+        # send() writes a byte here to wake the I/O thread out of poll.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller.register(self._wake_r, zmq.POLLIN)
 
     def bind(self, host: str, port: int) -> str:
         """P: listen for decode workers; returns the bound address."""
@@ -108,6 +116,17 @@ class Control:
         except queue.Full:
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, "control outbox full")
+            return
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the I/O thread's poll return now (any thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already: it will wake
+            pass
+        except OSError:  # closed: the control plane is shutting down
+            pass
 
     # -- the I/O thread ----------------------------------------------------------------------
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
@@ -127,6 +146,9 @@ class Control:
         """Poll once, deliver what arrived, flush the outbox without blocking, then release
         messages a `reorder` fault has held for HOLD_S."""
         for sock, _ in self.poller.poll(POLL_MS):
+            if sock == self._wake_r:
+                self._drain_wake()
+                continue
             while True:
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -148,6 +170,13 @@ class Control:
             self.on_message(self.held_in.popleft()[1])
         while self.held_out and self.held_out[0][0] < too_old:
             self._transmit(self.held_out.popleft()[1])
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _decode(self, peer: str, parts: list[bytes]) -> Inbound | None:
         """The one way in: None for a frame that cannot be read (counted, logged, dropped)."""
@@ -233,3 +262,5 @@ class Control:
         for s in [self.router, *self.dealers.values()]:
             if s is not None:
                 s.close(0)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)

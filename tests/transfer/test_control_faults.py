@@ -123,3 +123,18 @@ def test_drop_loses_the_message(pair):
     pair.send(Ping(nonce=1), Pong(nonce=2))
     assert pair.wait_for(1) == [("Pong", 2)]
     assert pair.p.stats.received == {"Ping": 1, "Pong": 1} and pair.threads_unhurt()
+
+
+def test_a_send_wakes_the_io_thread_out_of_poll(pair, monkeypatch):
+    """A send does not wait for the I/O thread's poll timeout: send() wakes it (a pipe)."""
+    monkeypatch.setattr(control, "POLL_MS", 5000)
+    pair.p.wake()
+    pair.d.wake()  # both I/O threads now go back to sleep with the 5 s timeout
+    time.sleep(0.2)
+    pair.send(Ping(nonce=1))
+    try:
+        assert pair.wait_for(1, timeout_s=2.0) == [("Ping", 1)]  # not after 5 s
+    finally:
+        monkeypatch.setattr(control, "POLL_MS", 100)
+        pair.p.wake()
+        pair.d.wake()  # so that both threads stop in time at teardown
