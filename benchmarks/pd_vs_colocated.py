@@ -168,8 +168,18 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     ]
 
 
+def scaled(argv: list[str], cpus: int) -> list[str]:
+    """A config's flags for `cpus` cores instead of 2: every thread count times cpus / 2."""
+    out = list(argv)
+    for i, flag in enumerate(out[:-1]):
+        if flag in ("--threads", "--prefill-threads", "--decode-threads"):
+            out[i + 1] = str(max(1, int(out[i + 1]) * cpus // 2))
+    return out
+
+
 def run_one(name: str, args: argparse.Namespace, slo: Slo, log_dir: Path) -> RunResult:
-    with Server(CONFIGS[name] + ["--model", args.model], log_dir) as server:
+    argv = [*scaled(CONFIGS[name], args.cpus), "--model", args.model, "--device", args.device]
+    with Server(argv, log_dir) as server:
         client = ClientConfig(url=server.url, request_timeout_s=300.0)
         return asyncio.run(run_workloads(client, workloads(args), slo, warmup=2, progress=False))
 
@@ -259,9 +269,16 @@ def load(args: argparse.Namespace, from_dir: Path) -> list[Run]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--device", default="cpu", help="the workers' device (the study is on CPUs)")
     default_configs = ["colocated", "pd", "colocated-router"]
     p.add_argument("--configs", nargs="+", default=default_configs, choices=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=1, help="repeat all configs, interleaved")
+    p.add_argument(
+        "--cpus",
+        type=int,
+        default=2,
+        help="cores the run is pinned to (taskset): thread counts scale from the 2-core ones",
+    )
     p.add_argument("--streams", type=int, default=8, help="decode streams in flight")
     p.add_argument("--decode-requests", type=int, default=80)
     p.add_argument("--decode-input", type=int, default=32)
