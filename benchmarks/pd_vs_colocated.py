@@ -53,33 +53,20 @@ from pdserve.bench.runner import RunResult, Workload, run_workloads  # noqa: E40
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
+
+def split(prefill_threads: int, decode_threads: int) -> list[str]:
+    """1P+1D with its own torch thread count per role."""
+    threads = ["--prefill-threads", str(prefill_threads), "--decode-threads", str(decode_threads)]
+    return ["launch", "--prefill", "1", "--decode", "1", *threads]
+
+
 CONFIGS = {
     "colocated": ["serve", "--threads", "2"],
     "pd": ["launch", "--prefill", "1", "--decode", "1", "--threads", "1"],
     "colocated-router": ["launch", "--prefill", "0", "--decode", "1", "--threads", "2"],
     # The same two cores split another way: three torch threads on two cores.
-    "pd-d2": [
-        "launch",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--prefill-threads",
-        "1",
-        "--decode-threads",
-        "2",
-    ],
-    "pd-p2": [
-        "launch",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--prefill-threads",
-        "2",
-        "--decode-threads",
-        "1",
-    ],
+    "pd-d2": split(prefill_threads=1, decode_threads=2),
+    "pd-p2": split(prefill_threads=2, decode_threads=1),
 }
 
 

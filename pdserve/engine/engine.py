@@ -43,8 +43,7 @@ log = logging.getLogger(__name__)
 # often to poll them (an inbox command wakes it at once). Spinning instead would take a core
 # from the peer or the transfer's progress thread on a small machine.
 ROLE_POLL_S = 0.0005
-# The engine thread's heartbeat bound: one CPU step on a large prompt chunk can take seconds.
-ENGINE_HEARTBEAT_S = 30.0
+ENGINE_HEARTBEAT_S = 30.0  # the engine thread's heartbeat bound: a CPU step can take seconds
 OVERDUE_GRACE_S = 1.0
 OVERDUE_EVERY_S = 0.25
 
@@ -290,8 +289,7 @@ class Engine:
         return {}
 
     def on_control(self, inbound: Any) -> None:
-        """Role engines: runs on the control thread for each inbound message, before it is
-        queued for this engine. Must not touch engine state (only the engine thread does)."""
+        """Role engines: each inbound message, on the control thread, before it is queued."""
 
     def _run(self, plan: StepPlan) -> None:
         logits = self.runner.forward(plan.chunks)

@@ -129,7 +129,6 @@ class NixlAgent:
         self.pool = pool
         if progress_thread is None:
             progress_thread = os.environ.get(PROGRESS_THREAD_ENV, "0") == "1"
-        self.progress_thread = progress_thread
         cfg = self.nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent = self.nixl.nixl_agent(name, cfg)
         self.mem = "VRAM" if pool.data.is_cuda else "DRAM"

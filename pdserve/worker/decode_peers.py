@@ -11,7 +11,6 @@ the process. Owned by the prefill engine thread, like everything it touches.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,8 +22,6 @@ from pdserve.transfer.control import Control
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter
 from pdserve.transfer.nixl import NixlAgent, NixlWriter
-
-log = logging.getLogger(__name__)
 
 CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later
 PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
@@ -80,8 +77,8 @@ class DecodePeers:
             if self.nixl is None:
                 self.nixl = NixlAgent(self.control.identity, self.pool)
             old = self.by_id.pop(identity, None)
-            if old is not None:  # the same D again: its agent is loaded anew under its name
-                old.writer.close()
+            if old is not None:  # the same D again: NIXL holds one remote agent per name, so
+                old.writer.close()  # the old one must go before it is loaded anew (no delay)
             writer = NixlWriter(self.nixl, msg.nixl, theirs, msg.num_pages)
         else:
             raise ValueError(f"unknown backend {msg.backend!r}")
