@@ -52,20 +52,21 @@ class ModelRunner:
             for i, c in enumerate(decodes):
                 n = -(-(c.start + 1) // ps)
                 table[i, :n] = torch.tensor(c.request.pages[:n])
-            pos = torch.arange(max_kv)
+            pos = torch.arange(max_pages * ps)
             ctx.num_decode = len(decodes)
-            ctx.decode_slots = (table[:, pos // ps] * ps + pos % ps).to(self.device)
+            ctx.decode_pages = table.to(self.device)
             ctx.decode_mask = (pos[None, :] < kv_lens[:, None])[:, None, None, :].to(self.device)
         q_start = len(decodes)
         for c in chunks[len(decodes) :]:
             mask = None
-            kv_slots = torch.empty(0, dtype=torch.long)
+            kv_pages = torch.empty(0, dtype=torch.long)
             if c.start > 0:
                 kv_len = c.start + c.length
-                kv_slots = slots_for(c.request.pages, 0, kv_len, ps).to(self.device)
+                n = -(-kv_len // ps)
+                kv_pages = torch.tensor(c.request.pages[:n], dtype=torch.long).to(self.device)
                 q_pos = torch.arange(c.start, kv_len)
                 mask = (torch.arange(kv_len)[None, :] <= q_pos[:, None]).to(self.device)
-            prefills.append(PrefillSeq(q_start, c.length, kv_slots, mask))
+            prefills.append(PrefillSeq(q_start, c.length, kv_pages, mask))
             q_start += c.length
         ctx.prefills = prefills
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

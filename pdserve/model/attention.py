@@ -3,7 +3,9 @@
 Invariants: the runner lays a step's tokens out flat with the decode tokens first (one per
 sequence) and the prefill chunks after them. Every index tensor here is computed once per
 step by the runner and shared by all layers; a layer only scatters its new K/V into the pool
-and gathers what each query may see.
+and gathers what each query may see. Keys are gathered a page at a time (`index_select` on
+the page dimension copies page_size * kv_heads * head_dim contiguous values per index), not a
+slot at a time: on a CPU the per-slot gather was most of a decode step's attention.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSeq:
-    """One prefill chunk: queries q[q_start : q_start+q_len] see kv_slots (context + chunk)."""
+    """One prefill chunk: queries q[q_start : q_start+q_len] see the first kv_len keys held
+    in kv_pages (context + chunk)."""
 
     q_start: int
     q_len: int
-    kv_slots: torch.Tensor  # [kv_len] long: flat pool slots of every visible key, in order
+    kv_pages: torch.Tensor  # [ceil(kv_len / page_size)] long: the request's pages, in order
     mask: torch.Tensor | None  # [q_len, kv_len] bool, or None when the chunk is the whole context
 
 
@@ -28,9 +31,15 @@ class PrefillSeq:
 class AttentionContext:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [B, max_kv] long (padded with slot 0)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_kv] bool: True = visible
+    decode_pages: torch.Tensor | None = None  # [B, max_pages] long (padded with page 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_pages * page_size] bool: visible
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache [num_pages, page_size, Hkv, D] at pages [..., n] -> [..., n * page_size, Hkv, D]."""
+    out = cache.index_select(0, pages.reshape(-1))
+    return out.view(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def paged_attention(
@@ -54,10 +63,9 @@ def paged_attention(
     out = torch.empty_like(q)
     b = ctx.num_decode
     if b:
-        assert ctx.decode_slots is not None and ctx.decode_mask is not None
-        seen = (ctx.decode_slots // ps, ctx.decode_slots % ps)
-        kd = k_cache[seen].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vd = v_cache[seen].transpose(1, 2)
+        assert ctx.decode_pages is not None and ctx.decode_mask is not None
+        kd = gather_pages(k_cache, ctx.decode_pages).transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vd = gather_pages(v_cache, ctx.decode_pages).transpose(1, 2)
         qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
         od = F.scaled_dot_product_attention(
             qd,
@@ -78,9 +86,9 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
-            seen = (p.kv_slots // ps, p.kv_slots % ps)
-            kp = k_cache[seen].transpose(0, 1).to(q.dtype)  # [Hkv, kv_len, D]
-            vp = v_cache[seen].transpose(0, 1).to(q.dtype)
+            kv_len = p.mask.shape[1]
+            kp = gather_pages(k_cache, p.kv_pages)[:kv_len].transpose(0, 1).to(q.dtype)
+            vp = gather_pages(v_cache, p.kv_pages)[:kv_len].transpose(0, 1).to(q.dtype)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )
