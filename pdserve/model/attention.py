@@ -77,20 +77,22 @@ def paged_attention(
         )
         out[:b] = od.squeeze(2)
     for p in ctx.prefills:
+        # 4-D [1, heads, len, D]: torch's CPU flash kernel takes only batched inputs and sends
+        # 3-D ones to the unfused math path, several times slower on a long chunk.
         sl = slice(p.q_start, p.q_start + p.q_len)
-        qp = q[sl].transpose(0, 1)  # [Hq, q_len, D]
+        qp = q[sl].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if p.mask is None:
             # The chunk is the whole context: attend to the fresh K/V directly.
-            kp, vp = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+            kp, vp = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
             kv_len = p.mask.shape[1]
-            kp = gather_pages(k_cache, p.kv_pages)[:kv_len].transpose(0, 1).to(q.dtype)
-            vp = gather_pages(v_cache, p.kv_pages)[:kv_len].transpose(0, 1).to(q.dtype)
+            kp = gather_pages(k_cache, p.kv_pages)[:kv_len].transpose(0, 1)[None].to(q.dtype)
+            vp = gather_pages(v_cache, p.kv_pages)[:kv_len].transpose(0, 1)[None].to(q.dtype)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )
-        out[sl] = op.transpose(0, 1)
+        out[sl] = op[0].transpose(0, 1)
     return out
