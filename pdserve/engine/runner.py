@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
-from pdserve.model.attention import AttentionContext, PrefillSeq
+from pdserve.model.attention import AttentionContext, DecodeGroup, PrefillSeq
 from pdserve.model.llama import CausalLM
 
 
@@ -21,6 +21,22 @@ def slots_for(pages: Sequence[int], start: int, end: int, page_size: int) -> tor
     pos = torch.arange(start, end)
     table = torch.tensor(pages, dtype=torch.long)
     return table[pos // page_size] * page_size + pos % page_size
+
+
+def group_by_length(kv_lens: Sequence[int], page_size: int) -> list[list[int]]:
+    """Decode rows in groups, longest first, each holding every remaining row with more than
+    half the pages of the group's longest: padding a row to its group's length at most doubles
+    its attention work, where one batch padded to the longest row could multiply it by 10.
+    """
+    pages = [-(-n // page_size) for n in kv_lens]
+    order = sorted(range(len(kv_lens)), key=lambda i: -pages[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and 2 * pages[i] > pages[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 class ModelRunner:
@@ -45,17 +61,13 @@ class ModelRunner:
             slots.append(slots_for(c.request.pages, c.start, c.start + c.length, ps))
         ctx = AttentionContext(slot_mapping=torch.cat(slots).to(self.device))
         if decodes:
-            kv_lens = torch.tensor([c.start + 1 for c in decodes])
-            max_kv = int(kv_lens.max())
-            max_pages = -(-max_kv // ps)
-            table = torch.zeros(len(decodes), max_pages, dtype=torch.long)
-            for i, c in enumerate(decodes):
-                n = -(-(c.start + 1) // ps)
-                table[i, :n] = torch.tensor(c.request.pages[:n])
-            pos = torch.arange(max_pages * ps)
             ctx.num_decode = len(decodes)
-            ctx.decode_pages = table.to(self.device)
-            ctx.decode_mask = (pos[None, :] < kv_lens[:, None])[:, None, None, :].to(self.device)
+            kv_lens = [c.start + 1 for c in decodes]
+            groups = group_by_length(kv_lens, ps)
+            if len(groups) == 1:
+                groups = [list(range(len(decodes)))]  # step order: no index to gather by
+            for rows in groups:
+                ctx.decode_groups.append(self._decode_group(decodes, kv_lens, rows, len(groups)))
         q_start = len(decodes)
         for c in chunks[len(decodes) :]:
             mask = None
@@ -71,6 +83,21 @@ class ModelRunner:
         ctx.prefills = prefills
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), ctx
+
+    def _decode_group(
+        self, decodes: Sequence[Chunk], kv_lens: Sequence[int], rows: list[int], num_groups: int
+    ) -> DecodeGroup:
+        ps = self.pool.page_size
+        lens = torch.tensor([kv_lens[i] for i in rows])
+        max_pages = -(-int(lens.max()) // ps)
+        table = torch.zeros(len(rows), max_pages, dtype=torch.long)
+        for j, i in enumerate(rows):
+            n = -(-kv_lens[i] // ps)
+            table[j, :n] = torch.tensor(decodes[i].request.pages[:n])
+        pos = torch.arange(max_pages * ps)
+        mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        index = None if num_groups == 1 else torch.tensor(rows).to(self.device)
+        return DecodeGroup(index, table.to(self.device), mask.to(self.device))
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:

@@ -6,6 +6,8 @@ step by the runner and shared by all layers; a layer only scatters its new K/V i
 and gathers what each query may see. Keys are gathered a page at a time (`index_select` on
 the page dimension copies page_size * kv_heads * head_dim contiguous values per index), not a
 slot at a time: on a CPU the per-slot gather was most of a decode step's attention.
+Decode rows are grouped by KV length (the runner's `group_by_length`) so that one long
+sequence does not pad every short one in the batch to its length.
 """
 
 from __future__ import annotations
@@ -28,11 +30,19 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar KV length, attended in one padded batch."""
+
+    rows: torch.Tensor | None  # [n] long: which of the step's decode tokens; None = all, in order
+    pages: torch.Tensor  # [n, max_pages] long (padded with page 0)
+    mask: torch.Tensor  # [n, 1, 1, max_pages * page_size] bool: True = visible
+
+
+@dataclass
 class AttentionContext:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode: int = 0
-    decode_pages: torch.Tensor | None = None  # [B, max_pages] long (padded with page 0)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_pages * page_size] bool: visible
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -62,20 +72,17 @@ def paged_attention(
 
     out = torch.empty_like(q)
     b = ctx.num_decode
-    if b:
-        assert ctx.decode_pages is not None and ctx.decode_mask is not None
-        kd = gather_pages(k_cache, ctx.decode_pages).transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vd = gather_pages(v_cache, ctx.decode_pages).transpose(1, 2)
-        qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
+    for g in ctx.decode_groups:
+        kd = gather_pages(k_cache, g.pages).transpose(1, 2)  # [n, Hkv, max_kv, D]
+        vd = gather_pages(v_cache, g.pages).transpose(1, 2)
+        qd = (q[:b] if g.rows is None else q[g.rows]).unsqueeze(2)  # [n, Hq, 1, D]
         od = F.scaled_dot_product_attention(
-            qd,
-            kd.to(q.dtype),
-            vd.to(q.dtype),
-            attn_mask=ctx.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[:b] = od.squeeze(2)
+            qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=gqa
+        ).squeeze(2)
+        if g.rows is None:
+            out[:b] = od
+        else:
+            out[g.rows] = od
     for p in ctx.prefills:
         # 4-D [1, heads, len, D]: torch's CPU flash kernel takes only batched inputs and sends
         # 3-D ones to the unfused math path, several times slower on a long chunk.
