@@ -66,12 +66,12 @@ class ModelRunner:
             groups = group_by_length(kv_lens, ps)
             if len(groups) == 1:
                 groups = [list(range(len(decodes)))]  # step order: no index to gather by
+            indexed = len(groups) > 1
             for rows in groups:
-                ctx.decode_groups.append(self._decode_group(decodes, kv_lens, rows, len(groups)))
+                ctx.decode_groups.append(self._decode_group(decodes, kv_lens, rows, indexed))
         q_start = len(decodes)
         for c in chunks[len(decodes) :]:
-            mask = None
-            kv_pages = torch.empty(0, dtype=torch.long)
+            mask = kv_pages = None
             if c.start > 0:
                 kv_len = c.start + c.length
                 n = -(-kv_len // ps)
@@ -85,8 +85,10 @@ class ModelRunner:
         return input_ids, torch.cat(positions).to(self.device), ctx
 
     def _decode_group(
-        self, decodes: Sequence[Chunk], kv_lens: Sequence[int], rows: list[int], num_groups: int
+        self, decodes: Sequence[Chunk], kv_lens: Sequence[int], rows: list[int], indexed: bool
     ) -> DecodeGroup:
+        """The page table and mask of decode rows `rows`; `indexed`: they are not all the rows
+        of the step in order, so attention gathers and scatters them by index."""
         ps = self.pool.page_size
         lens = torch.tensor([kv_lens[i] for i in rows])
         max_pages = -(-int(lens.max()) // ps)
@@ -96,7 +98,7 @@ class ModelRunner:
             table[j, :n] = torch.tensor(decodes[i].request.pages[:n])
         pos = torch.arange(max_pages * ps)
         mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-        index = None if num_groups == 1 else torch.tensor(rows).to(self.device)
+        index = torch.tensor(rows).to(self.device) if indexed else None
         return DecodeGroup(index, table.to(self.device), mask.to(self.device))
 
     @torch.inference_mode()

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 @dataclass
 class PrefillSeq:
     """One prefill chunk: queries q[q_start : q_start+q_len] see the first kv_len keys held
-    in kv_pages (context + chunk)."""
+    in kv_pages (context + chunk). A chunk that is the whole context has neither pages nor
+    mask: it attends to its own fresh K/V, causally."""
 
     q_start: int
     q_len: int
-    kv_pages: torch.Tensor  # [ceil(kv_len / page_size)] long: the request's pages, in order
-    mask: torch.Tensor | None  # [q_len, kv_len] bool, or None when the chunk is the whole context
+    kv_pages: torch.Tensor | None = None  # [ceil(kv_len / page_size)] long, in order
+    mask: torch.Tensor | None = None  # [q_len, kv_len] bool: True = visible
 
 
 @dataclass
@@ -76,7 +77,7 @@ def paged_attention(
         kd = gather_pages(k_cache, g.pages).transpose(1, 2)  # [n, Hkv, max_kv, D]
         vd = gather_pages(v_cache, g.pages).transpose(1, 2)
         qd = (q[:b] if g.rows is None else q[g.rows]).unsqueeze(2)  # [n, Hq, 1, D]
-        od = F.scaled_dot_product_attention(
+        od = F.scaled_dot_product_attention(  # [n, Hq, D]
             qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=gqa
         ).squeeze(2)
         if g.rows is None:
@@ -88,17 +89,16 @@ def paged_attention(
         # 3-D ones to the unfused math path, several times slower on a long chunk.
         sl = slice(p.q_start, p.q_start + p.q_len)
         qp = q[sl].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if p.mask is None:
-            # The chunk is the whole context: attend to the fresh K/V directly.
+        if p.kv_pages is None or p.mask is None:
             kp, vp = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
-            op = F.scaled_dot_product_attention(
+            op = F.scaled_dot_product_attention(  # [1, Hq, q_len, D]
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
             kv_len = p.mask.shape[1]
             kp = gather_pages(k_cache, p.kv_pages)[:kv_len].transpose(0, 1)[None].to(q.dtype)
             vp = gather_pages(v_cache, p.kv_pages)[:kv_len].transpose(0, 1)[None].to(q.dtype)
-            op = F.scaled_dot_product_attention(
+            op = F.scaled_dot_product_attention(  # [1, Hq, q_len, D]
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )
         out[sl] = op[0].transpose(0, 1)

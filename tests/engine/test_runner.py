@@ -1,11 +1,24 @@
-"""The runner's decode grouping: rows of similar KV length share one padded attention batch."""
+"""The runner's attention metadata, checked against attention computed row by row.
+
+Decode rows are grouped by KV length (one long row must not pad the short ones); keys are
+gathered a page at a time. The reference here reads every key slot by slot from the pool's
+strided layer view and runs a plain softmax in float64, so a wrong page order, page count,
+mask, group row mapping or prefill context slice shows up as a different output.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from pdserve.engine.runner import group_by_length
-from pdserve.model.attention import AttentionContext, DecodeGroup, paged_attention
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.runner import group_by_length, slots_for
+from pdserve.engine.scheduler import Chunk
+from pdserve.model.attention import paged_attention
+from tests.helpers import make_engine
 
 
 def test_groups_cover_every_row_once_and_at_most_double_the_padding():
@@ -22,47 +35,56 @@ def test_groups_cover_every_row_once_and_at_most_double_the_padding():
     assert group_by_length([40, 40, 40], 16) == [[0, 1, 2]]
 
 
-def _layout(lens, page_size=4, heads=4, kv_heads=2, dim=8):
-    g = torch.Generator().manual_seed(0)
-    num_pages = sum(-(-n // page_size) for n in lens) + 1
-    k_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=g)
-    perm = torch.randperm(num_pages - 1, generator=g) + 1  # page 0 stays unused: padding
-    tables, at = [], 0
-    for n in lens:
-        tables.append(perm[at : at + -(-n // page_size)])
-        at += len(tables[-1])
-    q = torch.randn(len(lens), heads, dim, generator=g)
-    new_k = torch.randn(len(lens), kv_heads, dim, generator=g)
-    new_v = torch.randn(len(lens), kv_heads, dim, generator=g)
-    slots = torch.tensor(
-        [
-            int(t[(n - 1) // page_size]) * page_size + (n - 1) % page_size
-            for t, n in zip(tables, lens, strict=True)
-        ]
-    )
-    return k_cache, v_cache, tables, q, new_k, new_v, slots
+def reference(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    chunks: list[Chunk],
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Each query row attends to its request's keys at positions 0..its own, slot by slot."""
+    ps = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    rows = []
+    for c in chunks:
+        for pos in range(c.start, c.start + c.length):
+            slots = slots_for(c.request.pages, 0, pos + 1, ps)
+            keys = k_cache[slots // ps, slots % ps].double().repeat_interleave(group, dim=1)
+            vals = v_cache[slots // ps, slots % ps].double().repeat_interleave(group, dim=1)
+            t = len(rows)
+            probs = (torch.einsum("hd,khd->hk", q[t].double(), keys) * scale).softmax(-1)
+            rows.append(torch.einsum("hk,khd->hd", probs, vals))
+    return torch.stack(rows).float()
 
 
-def _group(rows, lens, tables, page_size, index):
-    max_pages = max(len(tables[i]) for i in rows)
-    pages = torch.zeros(len(rows), max_pages, dtype=torch.long)
-    for j, i in enumerate(rows):
-        pages[j, : len(tables[i])] = tables[i]
-    pos = torch.arange(max_pages * page_size)
-    mask = (pos[None, :] < torch.tensor([lens[i] for i in rows])[:, None])[:, None, None, :]
-    return DecodeGroup(torch.tensor(rows) if index else None, pages, mask)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_attention_matches_row_by_row_reference(tiny_dir: Path, page_size: int):
+    engine = make_engine(tiny_dir, page_size=page_size, chunk=512, kv_mb=8.0)
+    pool = engine.pool
+    gen = torch.Generator().manual_seed(page_size)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    free = (torch.randperm(pool.num_pages - 1, generator=gen) + 1).tolist()  # page 0: padding
 
+    def request(num_tokens: int) -> Request:
+        req = Request(f"r{len(free)}", list(range(num_tokens)), SamplingParams(), lambda out: None)
+        req.pages = [free.pop() for _ in range(pool.pages_needed(num_tokens))]
+        return req
 
-def test_grouped_decode_attention_equals_one_padded_batch():
-    lens, ps = [5, 9, 61, 3, 40], 4
-    k_cache, v_cache, tables, q, k, v, slots = _layout(lens, ps)
-    one = AttentionContext(slot_mapping=slots, num_decode=len(lens))
-    one.decode_groups = [_group(list(range(len(lens))), lens, tables, ps, index=False)]
-    ref = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), one, 8**-0.5)
-    groups = group_by_length(lens, ps)
-    assert len(groups) > 1
-    split = AttentionContext(slot_mapping=slots, num_decode=len(lens))
-    split.decode_groups = [_group(g, lens, tables, ps, index=True) for g in groups]
-    out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), split, 8**-0.5)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    # Decodes of very different lengths (several groups; one ends exactly on a page), then a
+    # prefill chunk with context already in the pool and a first chunk without any.
+    decode_lens = [5, 3 * page_size, 130, 9, 61, 128]
+    chunks = [Chunk(request(n), n - 1, 1) for n in decode_lens]
+    chunks += [Chunk(request(70), 40, 30), Chunk(request(23), 0, 23)]
+    assert len(group_by_length(decode_lens, page_size)) > 1
+
+    _, _, ctx = engine.runner.build(chunks)
+    arch = engine.runner.model.arch
+    t = sum(c.length for c in chunks)
+    q = torch.randn(t, arch.num_heads, arch.head_dim, generator=gen)
+    k = torch.randn(t, arch.num_kv_heads, arch.head_dim, generator=gen)
+    v = torch.randn(t, arch.num_kv_heads, arch.head_dim, generator=gen)
+    k_cache, v_cache = pool.layer(1)  # strided across pages, as the model sees it
+    scale = arch.head_dim**-0.5
+    out = paged_attention(q, k, v, k_cache, v_cache, ctx, scale)
+    # paged_attention wrote this step's K/V into the pool: the reference reads them there
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, chunks, scale))
