@@ -62,20 +62,18 @@ class ModelRunner:
         ctx = AttentionContext(slot_mapping=torch.cat(slots).to(self.device))
         if decodes:
             ctx.num_decode = len(decodes)
-            kv_lens = [c.start + 1 for c in decodes]
-            groups = group_by_length(kv_lens, ps)
-            if len(groups) == 1:
-                groups = [list(range(len(decodes)))]  # step order: no index to gather by
-            indexed = len(groups) > 1
-            for rows in groups:
-                ctx.decode_groups.append(self._decode_group(decodes, kv_lens, rows, indexed))
+            groups = group_by_length([c.start + 1 for c in decodes], ps)
+            if len(groups) == 1:  # every row, in step order: no index to gather or scatter by
+                ctx.decode_groups = [self._decode_group(decodes, None)]
+            else:
+                ctx.decode_groups = [self._decode_group([decodes[i] for i in g], g) for g in groups]
         q_start = len(decodes)
         for c in chunks[len(decodes) :]:
             mask = kv_pages = None
             if c.start > 0:
                 kv_len = c.start + c.length
-                n = -(-kv_len // ps)
-                kv_pages = torch.tensor(c.request.pages[:n], dtype=torch.long).to(self.device)
+                pages = c.request.pages[: self.pool.pages_needed(kv_len)]
+                kv_pages = torch.tensor(pages, dtype=torch.long).to(self.device)
                 q_pos = torch.arange(c.start, kv_len)
                 mask = (torch.arange(kv_len)[None, :] <= q_pos[:, None]).to(self.device)
             prefills.append(PrefillSeq(q_start, c.length, kv_pages, mask))
@@ -84,22 +82,22 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), ctx
 
-    def _decode_group(
-        self, decodes: Sequence[Chunk], kv_lens: Sequence[int], rows: list[int], indexed: bool
-    ) -> DecodeGroup:
-        """The page table and mask of decode rows `rows`; `indexed`: they are not all the rows
-        of the step in order, so attention gathers and scatters them by index."""
-        ps = self.pool.page_size
-        lens = torch.tensor([kv_lens[i] for i in rows])
-        max_pages = -(-int(lens.max()) // ps)
-        table = torch.zeros(len(rows), max_pages, dtype=torch.long)
-        for j, i in enumerate(rows):
-            n = -(-kv_lens[i] // ps)
-            table[j, :n] = torch.tensor(decodes[i].request.pages[:n])
-        pos = torch.arange(max_pages * ps)
-        mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-        index = torch.tensor(rows).to(self.device) if indexed else None
-        return DecodeGroup(index, table.to(self.device), mask.to(self.device))
+    def _decode_group(self, group: Sequence[Chunk], rows: list[int] | None) -> DecodeGroup:
+        """Page table and mask of the decode chunks `group`; `rows`: their places among the
+        step's decode tokens (None: they are all of them, in step order)."""
+        lens = [c.start + 1 for c in group]
+        max_pages = self.pool.pages_needed(max(lens))
+        table = []
+        for c, n in zip(group, lens, strict=True):
+            pages = c.request.pages[: self.pool.pages_needed(n)]
+            table.append(pages + [0] * (max_pages - len(pages)))  # page 0 pads, masked out
+        pos = torch.arange(max_pages * self.pool.page_size)
+        mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        return DecodeGroup(
+            torch.tensor(rows).to(self.device) if rows is not None else None,
+            torch.tensor(table, dtype=torch.long).to(self.device),
+            mask.to(self.device),
+        )
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:

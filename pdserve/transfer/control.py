@@ -123,9 +123,7 @@ class Control:
         """Make the I/O thread's poll return now (any thread)."""
         try:
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already: it will wake
-            pass
-        except OSError:  # closed: the control plane is shutting down
+        except OSError:  # full of wake-ups already (it will wake), or closed at shutdown
             pass
 
     # -- the I/O thread ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ the process. Owned by the prefill engine thread, like everything it touches.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ class DecodePeers:
         self.by_id: dict[str, DecodePeer] = {}
         self.nixl: NixlAgent | None = None  # created on the first nixl registration
         self.pairings = 0
-        self.closing: list[tuple[float, PeerWriter]] = []  # (close at, writer), oldest first
+        self.closing: deque[tuple[float, PeerWriter]] = deque()  # (close at, writer), oldest first
 
     def __iter__(self) -> Iterator[DecodePeer]:
         return iter(list(self.by_id.values()))
@@ -102,4 +103,4 @@ class DecodePeers:
             self.nixl.retry_releases()
         now = time.monotonic()
         while self.closing and self.closing[0][0] <= now:
-            self.closing.pop(0)[1].close()
+            self.closing.popleft()[1].close()
