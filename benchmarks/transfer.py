@@ -154,8 +154,8 @@ def main() -> None:
         ]
         if dev.type == "cpu":
             shm_dst = KVPool(LAYOUT, pool_pages, dev, shared=True)
-            assert shm_dst.shm_path is not None
-            shm = ShmWriter(str(shm_dst.shm_path), LAYOUT, pool_pages)
+            assert shm_dst.shm is not None
+            shm = ShmWriter(shm_dst.shm, LAYOUT, pool_pages)
             methods.append(
                 ("pdserve_shm_scattered", lambda: shm.write(1, 1, src, src_pages, dst_pages, 0))
             )

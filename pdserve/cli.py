@@ -106,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         control_port=args.control_port,
         backend=args.backend,
         debug_faults=args.debug_faults,
+        cluster_key_file=args.cluster_key_file,
     )
     from pdserve.transfer.nixl import BackendUnavailable
 
@@ -114,6 +115,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BackendUnavailable as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from pdserve.runtime.cluster_key import ClusterKey, generate
+
+    if args.token_of:  # for curl: -H "Authorization: Bearer $(pdserve keygen --token-of F)"
+        print(ClusterKey.load(args.token_of).http_token)
+        return 0
+    try:
+        generate(args.out)
+    except FileExistsError:
+        print(f"pdserve keygen: {args.out} exists; not overwriting a key", file=sys.stderr)
+        return 2
+    print(f"wrote a new cluster key to {args.out} (mode 600); give it to every worker and router")
+    return 0
+
+
+def add_key_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster's shared secret (default: $PDSERVE_CLUSTER_KEY_FILE); "
+        "prefill and decode workers need it",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("name", help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape")
     mk.add_argument("--out", required=True, help="output directory")
     mk.set_defaults(func=cmd_make_model)
+
+    kg = sub.add_parser("keygen", help="write a new cluster key (for workers started by hand)")
+    what = kg.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="the key file to create (mode 600)")
+    what.add_argument(
+        "--token-of", metavar="FILE", help="print the HTTP bearer token of an existing key file"
+    )
+    kg.set_defaults(func=cmd_keygen)
 
     sv = sub.add_parser("serve", help="serve a model over the OpenAI API")
     sv.add_argument("--host", default="127.0.0.1")
@@ -148,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let POST /debug/faults set fault points at run time (tests and chaos only)",
     )
+    add_key_arg(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)

@@ -65,6 +65,10 @@ class ServerConfig:
     control_port: int = 0  # prefill: ZMQ control socket (0 = pick a free port)
     backend: str = "shm"  # shm | tcp | nixl: the KV data plane between prefill and decode
     debug_faults: bool = False  # POST /debug/faults may set fault points at run time
+    # The cluster's shared secret (runtime/cluster_key.py); None: $PDSERVE_CLUSTER_KEY_FILE.
+    # Prefill and decode workers need one; a co-located server without one leaves its
+    # worker API and /debug/* open (it then should listen on loopback only).
+    cluster_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

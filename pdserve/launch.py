@@ -78,6 +78,12 @@ def add_launch_command(sub: Any) -> None:
     )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     p.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster's shared secret (default: a new one, LOG_DIR/cluster.key, mode 600)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -102,6 +108,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)
+    key_file = args.cluster_key_file
+    if key_file is None:
+        from pdserve.runtime.cluster_key import generate
+
+        key_file = str(log_dir / "cluster.key")
+        Path(key_file).unlink(missing_ok=True)  # a log dir used again: a new cluster, a new key
+        generate(key_file)
     cfg = LaunchConfig(
         model_path=str(resolve_model(args.model)),
         served_model_name=args.served_model_name or args.model,
@@ -112,6 +125,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         decode_threads=args.decode_threads,
         engine_flags=engine_flags(args),
         log_dir=log_dir,
+        cluster_key_file=str(Path(key_file).resolve()),
         host=args.host,
         port=args.port,
         backend=args.backend,

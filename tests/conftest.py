@@ -13,6 +13,17 @@ from tests.procs import ServerProcess
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cluster_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cluster key for the run: every worker, router and tool we start inherits it."""
+    from pdserve.runtime.cluster_key import KEY_FILE_ENV, generate
+
+    path = tmp_path_factory.mktemp("pdserve-key") / "cluster.key"
+    generate(path)
+    os.environ[KEY_FILE_ENV] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model cache for the whole run, shared with the server processes we start."""

@@ -123,9 +123,15 @@ class LaunchedCluster(ServerProcess):
     child the launcher left behind, so a failing test cannot leak processes either.
     """
 
-    def __init__(self, args: list[str], log_dir: Path, ready_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, args: list[str], log_dir: Path, ready_timeout_s: float = 120.0, own_key: bool = False
+    ) -> None:
+        """`own_key`: let launch make the cluster's key (else the run's key, so `http` works)."""
+        from pdserve.runtime.cluster_key import KEY_FILE_ENV
+
+        key = [] if own_key else ["--cluster-key-file", os.environ[KEY_FILE_ENV]]
         super().__init__(
-            [*args, "--log-dir", str(log_dir)], log_dir / "launcher.log", ready_timeout_s
+            [*args, "--log-dir", str(log_dir), *key], log_dir / "launcher.log", ready_timeout_s
         )
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
@@ -183,14 +189,27 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
         time.sleep(0.05)
 
 
+def auth_headers() -> dict[str, str]:
+    """JSON, with the cluster key's bearer token when the run has a key (tests/conftest.py)."""
+    from pdserve.runtime.cluster_key import ClusterKey
+
+    key = ClusterKey.from_env(None)
+    return {"Content-Type": "application/json", **(key.http_headers if key else {})}
+
+
 def http(
-    method: str, url: str, body: Any = None, timeout: float = 60.0, raw: bytes | None = None
+    method: str,
+    url: str,
+    body: Any = None,
+    timeout: float = 60.0,
+    raw: bytes | None = None,
+    auth: bool = True,
 ) -> tuple[int, Any]:
-    """A tiny JSON client (status, parsed body or text); never raises on HTTP errors."""
+    """A tiny JSON client (status, parsed body or text); never raises on HTTP errors.
+    `auth`: send the cluster key's token (False: as a stranger would)."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = auth_headers() if auth else {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, text = r.status, r.read().decode()

@@ -2,8 +2,10 @@
 
 Its loop is `drain inbox -> apply deadlines -> schedule -> forward -> sample -> emit`.
 Other threads talk to it only through the inbox (submit, abort, snapshot) and hear back
-through each request's sink; there are no locks on request state. An exception inside a
-step fails the requests of that step (they get an error output) and the loop goes on.
+through each request's sink; there are no locks on request state. A failure inside a step
+fails only the requests it belongs to (engine/isolation.py): the forward is run again chunk
+by chunk, or the rows are sampled one by one, and the rest of the batch goes on with the
+tokens it would have had (LESSONS #16). A command whose handling raises fails its own request.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.isolation import forward_each, sample_rows
 from pdserve.engine.metrics import EngineMetrics
-from pdserve.engine.params import InvalidParams, SamplingParams
+from pdserve.engine.params import SamplingParams, validate_prompt
 from pdserve.engine.request import (
     FINISH_REASON,
     Event,
@@ -119,23 +122,8 @@ class Engine:
 
     # -- called from other threads --------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidParams for a request this engine can never serve."""
-        if not prompt_ids:
-            raise InvalidParams("the prompt is empty", "prompt")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise InvalidParams(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidParams(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, including at least one generated token",
-                "prompt",
-            )
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidParams(
-                f"max_tokens {params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
-                f"context of {self.max_model_len} tokens",
-                "max_tokens",
-            )
+        """Raise InvalidParams for a request this engine can never serve (the router's rules)."""
+        validate_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     def submit(
         self,
@@ -198,11 +186,33 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            self._handle(cmd)
+            try:
+                self._handle(cmd)
+            except Exception as e:  # noqa: BLE001 - input must not kill this thread (LESSONS #1)
+                self._command_failed(cmd, e)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _command_failed(self, cmd: Command | object, e: Exception) -> None:
+        """A command whose handling raised ends its own request or room, and only that one;
+        the supervisor's restart budget is for bugs in the loop, not for bad input."""
+        self.metrics.command_errors.inc()
+        log.warning("engine command %s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
+        why = f"could not handle the request: {type(e).__name__}: {e}"
+        if isinstance(cmd, Submit):
+            req = cmd.request
+            if self.scheduler.get(req.request_id) is req:
+                req.error = why
+                self._finish(req, Event.FAIL)
+            elif not req.status.finished:
+                self._emit_end(req, "error", why)
+            return
+        self.command_failed(cmd, why)
+
+    def command_failed(self, cmd: object, why: str) -> None:
+        """Role engines: end whatever request or room `cmd` concerned (see _command_failed)."""
 
     def _handle(self, cmd: Command | object) -> None:
         match cmd:
@@ -259,12 +269,11 @@ class Engine:
         if plan.chunks:
             try:
                 self._run(plan)
-            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            except Exception as e:  # noqa: BLE001 - a bug past the isolation: fail the step
                 self.metrics.step_errors.inc()
                 log.exception("engine step failed; failing %d requests", len(plan.chunks))
                 for c in plan.chunks:
-                    c.request.error = f"engine step failed: {type(e).__name__}: {e}"
-                    self._finish(c.request, Event.FAIL)
+                    self._fail_in_step(c.request, f"engine step failed: {type(e).__name__}: {e}")
         self.steps += 1
         counts = self.scheduler.counts()
         self.metrics.running.set(counts["running"])
@@ -292,16 +301,39 @@ class Engine:
         """Role engines: each inbound message, on the control thread, before it is queued."""
 
     def _run(self, plan: StepPlan) -> None:
-        logits = self.runner.forward(plan.chunks)
-        for c in plan.chunks:
+        chunks = list(plan.chunks)
+        try:
+            logits = self.runner.forward(chunks)
+        except Exception as e:  # noqa: BLE001 - find the chunk at fault, run the others
+            self.metrics.step_errors.inc()
+            log.warning(
+                "forward failed (%s: %s); running its chunks one by one", type(e).__name__, e
+            )
+            logits, chunks = forward_each(self.runner, chunks, self._fail_in_step)
+        for c in chunks:
             c.request.num_computed = c.start + c.length
         self.on_computed(plan)
-        sampling = [c.request for c in plan.chunks if c.samples]
+        sampling = [c.request for c in chunks if c.samples]
         if not sampling:
             return
-        token_ids, logprobs = sample(logits, sampling)
-        for req, tok, lp in zip(sampling, token_ids, logprobs, strict=True):
-            self.on_token(req, tok, lp)
+        picked, split = sample_rows(sample, logits, sampling, self._fail_in_step)
+        if split:
+            self.metrics.step_errors.inc()
+        for req, tok, lp in picked:
+            try:
+                self.on_token(req, tok, lp)
+            except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
+                log.exception("handling a token of %s failed", req.request_id)
+                self._fail_in_step(req, f"handling its token failed: {type(e).__name__}: {e}")
+
+    def _fail_in_step(self, req: Request, why: str) -> None:
+        if not req.status.finished:
+            self.fail_request(req, why)
+
+    def fail_request(self, req: Request, why: str) -> None:
+        """End a scheduled request with an error (the prefill role fails its room instead)."""
+        req.error = why
+        self._finish(req, Event.FAIL)
 
     def on_computed(self, plan: StepPlan) -> None:
         """After a forward: the chunks' KV is in the pool (the prefill role ships it)."""

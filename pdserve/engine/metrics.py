@@ -23,6 +23,9 @@ class EngineMetrics:
         )
         self.preemptions = Counter("pdserve_preemptions", "Requests preempted", registry=r)
         self.step_errors = Counter("pdserve_step_errors", "Engine steps that raised", registry=r)
+        self.command_errors = Counter(
+            "pdserve_command_errors", "Inbox commands whose handling raised", registry=r
+        )
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Arrival to first token",

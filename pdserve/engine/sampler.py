@@ -1,7 +1,8 @@
 """The sampler: logits of a batch of requests -> one token each (and logprobs if asked).
 
 Order of operations per row: penalties (repetition on prompt+output; frequency/presence on
-output), min_tokens (EOS and stop ids masked), then greedy argmax, or temperature ->
+output), min_tokens (EOS and stop ids masked), then greedy argmax (also for a temperature
+below GREEDY_TEMPERATURE: dividing by it overflows), or temperature ->
 top_k -> top_p -> min_p -> a draw. A seeded request draws from its own generator, so its
 tokens do not depend on what else is in the batch. Logprobs are reported from the model's
 raw distribution (before penalties and temperature), like vLLM's default.
@@ -49,7 +50,8 @@ def filter_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor
     """top_k / top_p / min_p as a mask over each row's sorted distribution."""
     vocab = logits.shape[1]
     dev = logits.device
-    top_k = torch.tensor([r.params.top_k or vocab for r in reqs], device=dev)
+    # Clamped to the vocab: top_k may be up to 2**31 - 1, whatever this model's vocab is.
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs], device=dev)
     top_p = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=logits.dtype)
     min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -90,6 +92,7 @@ def sample(
     apply_penalties(logits, reqs)
     apply_min_tokens(logits, reqs)
     tokens = logits.argmax(dim=-1)
+    # A temperature under GREEDY_TEMPERATURE counts as greedy, so no row is divided by it.
     rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rand:
         sub_reqs = [reqs[i] for i in rand]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import mmap
 import os
-import uuid
+import re
+import secrets
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +24,25 @@ from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.layout import KVLayout
 
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "pdserve-kv-"
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+class PoolRefused(ValueError):
+    """A peer named something that is not a pdserve KV pool it owns. The message says only
+    that: nothing about what the named thing is, where it lives or how large it is."""
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """How a peer on this host finds a shared pool: the owner's pid, the fd it keeps the pool
+    open on, and the random token in the pool's (unlinked) name. Never a path: the opener
+    builds /proc/PID/fd/FD itself and accepts what it opened only if it is a deleted
+    /dev/shm/pdserve-kv-TOKEN file of the right size (`map_shared`)."""
+
+    pid: int
+    fd: int
+    token: str
 
 
 def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
@@ -38,31 +60,61 @@ def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
     )
 
 
-def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, int]:
+def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, ShmRef]:
     """A zeroed pool in shared memory that no name on disk outlives.
 
     The file is unlinked as soon as it is mapped; peers open it through
     /proc/<our pid>/fd/<fd>, so the memory goes away with the last process that maps it,
-    even when this one is SIGKILLed. Returns the tensor and the open fd.
+    even when this one is SIGKILLed. Its name carries a random token that peers must
+    present (ShmRef). Returns the tensor and its ShmRef.
     """
     nbytes = num_pages * layout.bytes_per_page_all_layers
-    path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    token = secrets.token_hex(16)
+    path = SHM_DIR / f"{SHM_PREFIX}{token}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, nbytes)
         buf = mmap.mmap(fd, nbytes)
     finally:
         path.unlink()
-    return torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages)), fd
+    tensor = torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages))
+    return tensor, ShmRef(os.getpid(), fd, token)
 
 
-def map_shared(path: Path, layout: KVLayout, num_pages: int) -> torch.Tensor:
-    """Attach a peer's shared pool by the path it advertised."""
-    nbytes = num_pages * layout.bytes_per_page_all_layers
-    fd = os.open(path, os.O_RDWR)
+def map_shared(ref: ShmRef, layout: KVLayout, num_pages: int) -> torch.Tensor:
+    """Attach a peer's shared pool; PoolRefused unless `ref` names a pdserve pool of that size.
+
+    What was opened is checked, not what was named (no race between a check and the open):
+    a regular file with no name left, whose deleted name is /dev/shm/pdserve-kv-<token>."""
+    if not (
+        isinstance(ref.pid, int)
+        and isinstance(ref.fd, int)
+        and isinstance(ref.token, str)
+        and 0 < ref.pid < 2**22
+        and 0 <= ref.fd < 2**20
+        and _TOKEN.fullmatch(ref.token)
+    ):
+        raise PoolRefused("the shm pool reference is malformed")
+    refused = PoolRefused("the shm pool reference does not name a pdserve KV pool")
+    link = f"/proc/{ref.pid}/fd/{ref.fd}"
+    try:  # stat first: opening a device or a FIFO can block or have effects of its own
+        if not stat.S_ISREG(os.stat(link).st_mode):
+            raise refused
+        fd = os.open(link, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        raise refused from None  # which errno it was would say what the path is
     try:
-        if os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, layout implies {nbytes}")
+        st = os.fstat(fd)
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_nlink != 0
+            or opened != f"{SHM_DIR}/{SHM_PREFIX}{ref.token} (deleted)"
+        ):
+            raise refused
+        nbytes = num_pages * layout.bytes_per_page_all_layers
+        if st.st_size != nbytes:
+            raise PoolRefused("the shm pool's size does not match the layout and page count")
         buf = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
@@ -81,13 +133,11 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
-        self.shm_path: Path | None = None  # where a peer opens the shared pool
-        self._shm_fd: int | None = None
+        self.shm: ShmRef | None = None  # how a peer on this host opens the shared pool
         if shared:
             if device.type != "cpu":
                 raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
-            self.data, self._shm_fd = create_shared(layout, num_pages)
-            self.shm_path = Path(f"/proc/{os.getpid()}/fd/{self._shm_fd}")
+            self.data, self.shm = create_shared(layout, num_pages)
         else:
             self.data = torch.zeros(
                 pool_shape(layout, num_pages), dtype=layout.torch_dtype, device=device
@@ -96,10 +146,9 @@ class KVPool:
 
     def close(self) -> None:
         """Stop offering the shared pool to new peers (mappings stay valid until dropped)."""
-        if self._shm_fd is not None:
-            os.close(self._shm_fd)
-            self._shm_fd = None
-            self.shm_path = None
+        if self.shm is not None:
+            os.close(self.shm.fd)
+            self.shm = None
 
     @property
     def page_size(self) -> int:

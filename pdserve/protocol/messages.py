@@ -31,12 +31,21 @@ class NixlPool(msgspec.Struct, frozen=True):
     mem: str = "DRAM"  # DRAM | VRAM
 
 
+class ShmPool(msgspec.Struct, frozen=True):
+    """Where D keeps its shared pool open (backend shm, same host): never a path. P opens
+    /proc/PID/fd/FD and accepts it only as D's pdserve pool named by `token` (kvcache/pool.py)."""
+
+    pid: int
+    fd: int
+    token: str
+
+
 class Register(Msg, frozen=True):
-    """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm_name` its pool (shm)."""
+    """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm` its pool (shm)."""
 
     layout: dict[str, object]
     backend: str
-    shm_name: str | None = None
+    shm: ShmPool | None = None
     num_pages: int = 0
     nixl: NixlPool | None = None
 

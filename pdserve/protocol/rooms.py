@@ -52,6 +52,9 @@ class DEvent(enum.Enum):
     FENCE_EXPIRED = "fence_expired"
     # P stopped, but released writes it could not confirm: bytes may still land.
     WRITES_CANCELLED = "writes_cancelled"
+    # Handling one of the room's messages raised here (a bug or input that slipped through):
+    # the room ends like a deadline (abort P, fail the request), never the engine thread.
+    LOCAL_FAIL = "local_fail"
 
 
 class PState(enum.Enum):
@@ -74,6 +77,8 @@ class PEvent(enum.Enum):
     # The transfer layer says D disconnected: no write to it can complete. Release them now
     # and tell D (alive after all?) that the room failed, so it fences rather than waits.
     PEER_LOST = "peer_lost"
+    # Handling one of the room's messages raised here: the room fails like a failed write.
+    LOCAL_FAIL = "local_fail"
 
 
 D_TERMINAL = frozenset({DState.DONE, DState.RELEASED, DState.FAILED})
@@ -90,6 +95,7 @@ D_TABLE: dict[tuple[DState, DEvent], tuple[DState, tuple[Cmd, ...]]] = {
     (DState.PENDING, DEvent.LOCAL_ABORT): (DState.ABORTING, (C.SEND_ABORT,)),
     (DState.PENDING, DEvent.DEADLINE): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PENDING, DEvent.PEER_DEAD): (DState.FENCED, (C.FAIL_REQUEST,)),
+    (DState.PENDING, DEvent.LOCAL_FAIL): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PENDING, DEvent.WRITES_CANCELLED): (DState.FENCED, (C.FAIL_REQUEST,)),
     (DState.PREFILLING, DEvent.DONE): (DState.DONE, (C.START_DECODE,)),
     (DState.PREFILLING, DEvent.REJECT): (DState.FAILED, _FREE_FAIL),
@@ -97,6 +103,7 @@ D_TABLE: dict[tuple[DState, DEvent], tuple[DState, tuple[Cmd, ...]]] = {
     (DState.PREFILLING, DEvent.LOCAL_ABORT): (DState.ABORTING, (C.SEND_ABORT,)),
     (DState.PREFILLING, DEvent.DEADLINE): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PREFILLING, DEvent.PEER_DEAD): (DState.FENCED, (C.FAIL_REQUEST,)),
+    (DState.PREFILLING, DEvent.LOCAL_FAIL): (DState.ABORTING, (C.SEND_ABORT, C.FAIL_REQUEST)),
     (DState.PREFILLING, DEvent.WRITES_CANCELLED): (DState.FENCED, (C.FAIL_REQUEST,)),
     # Any word from P that it no longer writes releases the pages.
     (DState.ABORTING, DEvent.ABORT_ACK): (DState.RELEASED, (C.FREE_PAGES,)),
@@ -119,11 +126,13 @@ P_TABLE: dict[tuple[PState, PEvent], tuple[PState, tuple[Cmd, ...]]] = {
     (PState.PREFILLING, PEvent.WRITE_FAILED): (PState.FAILING, (C.STOP_COMPUTE,)),
     (PState.PREFILLING, PEvent.DEADLINE): (PState.FAILING, (C.STOP_COMPUTE,)),
     (PState.PREFILLING, PEvent.PEER_DEAD): (PState.ABORTING, (C.STOP_COMPUTE,)),
+    (PState.PREFILLING, PEvent.LOCAL_FAIL): (PState.FAILING, (C.STOP_COMPUTE,)),
     (PState.WRITING, PEvent.WRITES_DONE): (PState.DONE, (C.SEND_DONE, C.FREE_PAGES)),
     (PState.WRITING, PEvent.ABORT): (PState.ABORTING, ()),
     (PState.WRITING, PEvent.WRITE_FAILED): (PState.FAILING, ()),
     (PState.WRITING, PEvent.DEADLINE): (PState.FAILING, ()),
     (PState.WRITING, PEvent.PEER_DEAD): (PState.ABORTING, ()),
+    (PState.WRITING, PEvent.LOCAL_FAIL): (PState.FAILING, ()),
     (PState.ABORTING, PEvent.WRITES_DONE): (PState.ABORTED, (C.SEND_ABORT_ACK, C.FREE_PAGES)),
     (PState.ABORTING, PEvent.DEADLINE): (
         PState.ABORTED,

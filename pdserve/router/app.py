@@ -29,7 +29,9 @@ from pdserve.router.health import CANARY_PARAMS, HealthMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.ready import announce_ready
+from pdserve.server.errors import error_middleware
 from pdserve.server.openai_api import OpenAIApi
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ class Router:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[error_middleware()])
         app.add_routes(self.api.routes())
         app.add_routes(
             [
@@ -165,7 +167,9 @@ class Router:
         # No connection cap: a cap would silently queue streams behind each other; the
         # workers bound admission themselves and every call carries its own timeout.
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        key = ClusterKey.from_env(self.cfg.cluster_key_file)
+        headers = key.http_headers if key is not None else None
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             await self.startup(session)
             runner = web.AppRunner(
                 self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_S

@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.params import InvalidParams, SamplingParams
+from pdserve.engine.params import SamplingParams, validate_prompt
 from pdserve.engine.request import RequestOutput
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
@@ -40,27 +40,12 @@ Sink = Callable[[RequestOutput], None]
 def validate_request(
     prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
 ) -> None:
-    """The checks of Engine.validate, word for word, against the fleet's limits.
+    """Engine.validate's checks (the same function) against the fleet's limits.
 
     The router must refuse exactly what a worker would, with the same message: the router
     tests compare the 400 bodies of the router and of a co-located server.
     """
-    if not prompt_ids:
-        raise InvalidParams("the prompt is empty", "prompt")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise InvalidParams(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidParams(
-            f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-            f"{max_model_len} tokens, including at least one generated token",
-            "prompt",
-        )
-    if len(prompt_ids) + params.max_tokens > max_model_len:
-        raise InvalidParams(
-            f"max_tokens {params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
-            f"context of {max_model_len} tokens",
-            "max_tokens",
-        )
+    validate_prompt(prompt_ids, params, vocab_size, max_model_len)
 
 
 def generate_body(

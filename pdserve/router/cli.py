@@ -52,6 +52,12 @@ def add_router_command(sub: Any) -> None:
         default=60.0,
         help="seconds to wait for every worker's /info at startup",
     )
+    r.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="FILE",
+        help="the workers' cluster key (default: $PDSERVE_CLUSTER_KEY_FILE)",
+    )
     r.set_defaults(func=cmd_router)
 
 
@@ -71,5 +77,6 @@ def cmd_router(args: argparse.Namespace) -> int:
         policy=args.policy,
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,
+        cluster_key_file=args.cluster_key_file,
     )
     return run_router(cfg)

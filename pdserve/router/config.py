@@ -26,6 +26,7 @@ class RouterConfig:
     abort_timeout_s: float = 2.0  # the fire-and-forget POST /abort to a worker
     debug_timeout_s: float = 3.0  # fetching one worker's /debug/state
     drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
+    cluster_key_file: str | None = None  # None: $PDSERVE_CLUSTER_KEY_FILE, or no key
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

@@ -44,6 +44,7 @@ class LaunchConfig:
     threads: int  # torch threads per worker, resolved from the CPU count when not given
     engine_flags: tuple[str, ...]  # the `serve` engine flags to pass on, --model excluded
     log_dir: Path
+    cluster_key_file: str  # the secret every process of the cluster shares (0600)
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "shm"
@@ -88,6 +89,7 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
             "--backend": cfg.backend,
             "--model": cfg.model_path,
             "--served-model-name": cfg.served_model_name,
+            "--cluster-key-file": cfg.cluster_key_file,
         }
     )
     roles = [("prefill", i) for i in range(cfg.prefill)]
@@ -116,6 +118,7 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
             "--served-model-name": cfg.served_model_name,
             "--request-timeout": str(cfg.request_timeout_s),
             "--startup-timeout": str(cfg.startup_timeout_s),
+            "--cluster-key-file": cfg.cluster_key_file,
         }
     )
 
@@ -203,6 +206,7 @@ class Launcher:
                 {
                     "url": router.url,
                     "launcher_pid": os.getpid(),
+                    "cluster_key_file": self.cfg.cluster_key_file,
                     "processes": [
                         dict(zip(("name", "pid", "url", "log"), r, strict=True)) for r in rows
                     ],

@@ -8,7 +8,6 @@ thread that dies for good triggers the same shutdown with a non-zero exit code.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -24,10 +23,12 @@ from pdserve.config import ServerConfig
 from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
-from pdserve.server.openai_api import OpenAIApi, error_response
+from pdserve.server.errors import error_middleware
+from pdserve.server.openai_api import OpenAIApi, error_response, read_json
 from pdserve.server.openai_protocol import ApiError
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
@@ -38,6 +39,8 @@ from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the cluster key
+
 
 class Server:
     def __init__(self, cfg: ServerConfig) -> None:
@@ -45,6 +48,14 @@ class Server:
         self.fatal: str | None = None
         self._stop_event: asyncio.Event | None = None
         self.supervisor = Supervisor(on_fatal=self._on_fatal)
+        # First, before any model is loaded: a worker without its key cannot serve.
+        self.key = ClusterKey.from_env(cfg.cluster_key_file)
+        if self.key is None and cfg.role != "colocated":
+            raise ValueError(
+                f"a {cfg.role} worker needs the cluster key: --cluster-key-file FILE or "
+                "$PDSERVE_CLUSTER_KEY_FILE (`pdserve keygen --out FILE` makes one; "
+                "`pdserve launch` makes one per cluster)"
+            )
         self.tokenizer = Tokenizer.from_dir(Path(cfg.engine.model.path))
         eos = self.tokenizer.eos_token_ids
         self.control: Control | None = None
@@ -55,7 +66,8 @@ class Server:
             self.engine = Engine.build(cfg.engine, eos)
         else:
             identity = f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            self.control = Control(identity, self._to_engine, self._send_failed)
+            assert self.key is not None  # checked above for every role but colocated
+            self.control = Control(identity, self._to_engine, self._send_failed, self.key)
             if cfg.role == "prefill":
                 p_engine = PrefillEngine.build(cfg.engine, eos)
                 assert isinstance(p_engine, PrefillEngine)
@@ -175,9 +187,9 @@ class Server:
                 )
             )
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return error_response(ApiError(400, f"body is not JSON: {e}", code="bad_json"))
+            body = await read_json(request)
+        except ApiError as e:
+            return error_response(ApiError(400, e.message, param=e.param, code="bad_json"))
         spec = body.get("spec") if isinstance(body, dict) else None
         seed = body.get("seed", 0) if isinstance(body, dict) else None
         if not isinstance(spec, str) or not isinstance(seed, int) or isinstance(seed, bool):
@@ -190,8 +202,33 @@ class Server:
             return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
         return web.json_response(FAULTS.snapshot())
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With a cluster key, everything but /health, /metrics and a co-located server's
+        OpenAI API (/v1/...) needs the cluster's bearer token: /generate, /abort, /info and
+        /debug/* are for the router and the operator, not for clients."""
+        key = self.key
+        if (
+            key is None
+            or request.path in OPEN_PATHS
+            or (self.cfg.role == "colocated" and request.path.startswith("/v1/"))
+            or key.http_ok(request.headers.get("Authorization"))
+        ):
+            return await handler(request)
+        return error_response(
+            ApiError(
+                401,
+                "this endpoint needs the cluster key (Authorization: Bearer <token>)",
+                type_="authentication_error",
+                code="cluster_key_required",
+            )
+        )
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        # The error middleware is the outer one: the 401 below passes through it unchanged.
+        app = web.Application(
+            client_max_size=64 * 2**20, middlewares=[error_middleware(), self._authenticate]
+        )
         if self.cfg.role == "colocated":
             app.add_routes(self.api.routes())
         if self.cfg.role != "prefill":

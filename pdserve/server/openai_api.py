@@ -23,6 +23,7 @@ from pdserve.server.openai_protocol import (
     bad,
     parse_chat,
     parse_completion,
+    parse_json_body,
 )
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class OpenAIApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            spec = parse_completion(await _json(request))
+            spec = parse_completion(await read_json(request))
             self._check_model(spec)
             prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in spec.prompts]
             return await self._serve(request, spec, prompts)
@@ -86,11 +87,13 @@ class OpenAIApi:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            spec = parse_chat(await _json(request))
+            spec = parse_chat(await read_json(request))
             self._check_model(spec)
             try:
                 text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
+                # The tokenizer reports whatever the template raised as ValueError; a TypeError
+                # is a keyword clash at the call, which parse_chat should already have refused.
                 raise bad(f"chat template: {e}", "messages") from e
             prompt = self.tok.encode(text, add_special_tokens=False)
             return await self._serve(request, spec, [prompt])
@@ -168,11 +171,13 @@ class OpenAIApi:
         return resp
 
 
-async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}") from e
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body, through the checks every JSON endpoint shares.
+
+    A body past the app's client_max_size raises aiohttp's 413, which the error middleware
+    (pdserve.server.errors) turns into an OpenAI-style body.
+    """
+    return parse_json_body(await request.read(), request.charset)
 
 
 class _Formatter:

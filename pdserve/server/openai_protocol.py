@@ -1,15 +1,51 @@
 """OpenAI request bodies -> a validated GenerationSpec; errors -> OpenAI-style bodies.
 
 Everything a client can get wrong is caught here and reported as an ApiError with the HTTP
-status and the offending parameter, before anything reaches the engine.
+status and the offending parameter, before anything reaches the engine: the body's bytes
+(charset, JSON, nesting depth, lone surrogates: `parse_json_body`, shared with the worker
+API), then every field's type and range (sampling fields through SamplingParams), then the
+limits on how much one body may ask for (prompts x n, stop strings).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.params import InvalidParams, SamplingParams
+from pdserve.engine.params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    InvalidParams,
+    SamplingParams,
+    is_int,
+    is_number,
+    show,
+)
+
+MAX_JSON_DEPTH = 64
+MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one completions body
+MAX_CHOICES = 256  # prompts x n: the requests one body may start
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
+MAX_TIMEOUT_S = 1e6
+# Names the chat template renderer sets itself (Tokenizer.apply_chat_template's parameters,
+# its defaults and the special tokens): a chat_template_kwargs key may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "self",
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "documents",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+    }
+)
 
 
 class ApiError(Exception):
@@ -69,6 +105,79 @@ class GenerationSpec:
 _MISSING = object()
 
 
+def parse_json_body(raw: bytes, charset: str | None) -> Any:
+    """A request body's bytes -> its JSON value; a body no JSON endpoint can take is a 400.
+
+    Python's json accepts what later code cannot: nesting deep enough to exhaust the stack
+    (RecursionError), ints past the int-digit limit (ValueError), lone surrogates (they fail
+    UTF-8 encoding in the tokenizer or in the response). NaN and Infinity do parse: the
+    field checks refuse them and name the field.
+    """
+    encoding = charset or "utf-8"
+    try:
+        text = raw.decode(encoding)
+    except LookupError as e:  # also a codec that is not a text encoding ("hex", "rot13")
+        raise bad(f"unsupported charset {show(charset)} in Content-Type; send UTF-8") from e
+    except UnicodeError as e:
+        raise bad(f"the request body is not valid JSON in {show(encoding)}: {e}") from e
+    try:
+        value = json.loads(text)
+    except RecursionError as e:
+        raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from e
+    except ValueError as e:  # JSONDecodeError, or an int past Python's int-digit limit
+        raise bad(f"the request body is not valid JSON: {e}") from e
+    check_json(value)
+    return value
+
+
+def check_json(value: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and a lone surrogate in any string or key.
+
+    The error names the top-level field the problem sits under.
+    """
+    stack: list[tuple[Any, int, str | None]] = [(value, 0, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, top)
+            continue
+        if not isinstance(v, (dict, list)):
+            continue  # a number, a bool or null: only the top-level value gets here
+        if depth >= MAX_JSON_DEPTH:
+            raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", top)
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k, top)
+                if isinstance(x, (str, list, dict)):
+                    stack.append((x, depth + 1, k if depth == 0 else top))
+        else:
+            stack.extend((x, depth + 1, top) for x in v if isinstance(x, (str, list, dict)))
+
+
+def _check_text(s: str, param: str | None) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(
+            f"a string holds a lone surrogate (U+{ord(s[e.start]):04X}), which is not text",
+            param,
+        ) from e
+
+
+def check_timeout(value: Any, param: str) -> float | None:
+    """A client's timeout: None, or a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    if value is None:
+        return None
+    if not (is_number(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise bad(
+            f"'{param}' must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {show(value)}",
+            param,
+        )
+    return float(value)
+
+
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
@@ -88,31 +197,43 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return tuple(stop)
-    raise bad("'stop' must be a string or a list of at most 16 strings", "stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        isinstance(stops, list)
+        and len(stops) <= MAX_STOPS
+        and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        return tuple(stops)
+    raise bad(
+        f"'stop' must be a string or a list of at most {MAX_STOPS} strings, "
+        f"each of 1 to {MAX_STOP_CHARS} characters",
+        "stop",
+    )
 
 
 def _params(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
-    stop_ids = _get(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    # Range, type and finiteness of each field are SamplingParams' checks; numbers go in as
+    # the client sent them (float() of a 400-digit int would raise OverflowError).
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise bad(
+            f"'seed' must be an integer in [{INT64_MIN}, {INT64_MAX}], got {show(seed)}", "seed"
+        )
+    top_k = _get(body, "top_k", int, 0)
     num = (int, float)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(_get(body, "temperature", num, 1.0)),
-            top_p=float(_get(body, "top_p", num, 1.0)),
-            top_k=max(0, int(_get(body, "top_k", int, 0))),  # vLLM accepts -1 for "off"
-            min_p=float(_get(body, "min_p", num, 0.0)),
-            seed=_get(body, "seed", int, None),
-            repetition_penalty=float(_get(body, "repetition_penalty", num, 1.0)),
-            frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0)),
-            presence_penalty=float(_get(body, "presence_penalty", num, 0.0)),
+            temperature=_get(body, "temperature", num, 1.0),
+            top_p=_get(body, "top_p", num, 1.0),
+            top_k=0 if top_k == -1 else top_k,  # vLLM accepts -1 for "off"
+            min_p=_get(body, "min_p", num, 0.0),
+            seed=seed,
+            repetition_penalty=_get(body, "repetition_penalty", num, 1.0),
+            frequency_penalty=_get(body, "frequency_penalty", num, 0.0),
+            presence_penalty=_get(body, "presence_penalty", num, 0.0),
             ignore_eos=_get(body, "ignore_eos", bool, False),
-            stop_token_ids=tuple(stop_ids),
+            stop_token_ids=tuple(_get(body, "stop_token_ids", list, [])),
             min_tokens=_get(body, "min_tokens", int, 0),
             logprobs=logprobs,
         )
@@ -120,20 +241,27 @@ def _params(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Samp
         raise bad(str(e), e.param) from e
 
 
-def _common(body: dict[str, Any]) -> dict[str, Any]:
+def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
     n = _get(body, "n", int, 1)
-    if not 1 <= n <= 16:
-        raise bad(f"'n' must be in [1, 16], got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise bad(f"'n' must be in [1, {MAX_N}], got {show(n)}", "n")
+    if n * num_prompts > MAX_CHOICES:
+        raise bad(
+            f"'n' x the number of prompts must be at most {MAX_CHOICES}, got {n} x {num_prompts}",
+            "n",
+        )
     stream_options = _get(body, "stream_options", dict, {})
-    timeout = _get(body, "timeout", (int, float), None)
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
     return {
         "n": n,
         "stream": _get(body, "stream", bool, False),
-        "include_usage": bool(stream_options.get("include_usage", False)),
+        "include_usage": bool(include_usage),
         "stop": _stop(body),
         "include_stop_str": _get(body, "include_stop_str_in_output", bool, False),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
-        "timeout_s": float(timeout) if timeout is not None else None,
+        "timeout_s": check_timeout(body.get("timeout"), "timeout"),
     }
 
 
@@ -142,7 +270,7 @@ def _max_tokens(body: dict[str, Any], *names: str) -> tuple[int, bool]:
         v = _get(body, name, int, None)
         if v is not None:
             if v < 1:
-                raise bad(f"'{name}' must be >= 1, got {v}", name)
+                raise bad(f"'{name}' must be >= 1, got {show(v)}", name)
             return v, True
     return 16, False
 
@@ -155,14 +283,14 @@ def parse_completion(body: Any) -> GenerationSpec:
     prompts: list[str | tuple[int, ...]]
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [tuple(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     elif (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+        and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt)
     ):
         prompts = [tuple(p) for p in prompt]
     else:
@@ -171,6 +299,8 @@ def parse_completion(body: Any) -> GenerationSpec:
         )
     if any(p == "" for p in prompts):
         raise bad("'prompt' must not be empty", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     max_tokens, given = _max_tokens(body, "max_tokens")
     logprobs = _get(body, "logprobs", int, None)
     return GenerationSpec(
@@ -180,7 +310,7 @@ def parse_completion(body: Any) -> GenerationSpec:
         params=_params(body, max_tokens, logprobs),
         max_tokens_given=given,
         echo=_get(body, "echo", bool, False),
-        **_common(body),
+        **_common(body, len(prompts)),
     )
 
 
@@ -194,10 +324,11 @@ def parse_chat(body: Any) -> GenerationSpec:
     norm = tuple(_message(m, i) for i, m in enumerate(messages))
     max_tokens, given = _max_tokens(body, "max_completion_tokens", "max_tokens")
     top = _get(body, "top_logprobs", int, None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {show(top)}", "top_logprobs")
     logprobs = (top or 0) if _get(body, "logprobs", bool, False) else None
     if top is not None and logprobs is None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
     return GenerationSpec(
         kind="chat",
         model=model,
@@ -207,10 +338,24 @@ def parse_chat(body: Any) -> GenerationSpec:
         messages=norm,
         chat_kwargs={
             "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
-            **kwargs,
+            **_template_kwargs(body),
         },
-        **_common(body),
+        **_common(body, 1),
     )
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs become keyword arguments of the renderer: identifiers only, and
+    none of the names it sets itself (a clash is a TypeError there, or silently wins)."""
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    for k in kwargs:
+        if not (isinstance(k, str) and k.isidentifier()) or k in RESERVED_TEMPLATE_NAMES:
+            raise bad(
+                f"'chat_template_kwargs' keys must be identifiers other than "
+                f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))}; got {show(k)}",
+                "chat_template_kwargs",
+            )
+    return dict(kwargs)
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -219,7 +364,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         raise bad(f"{where} must be an object", "messages")
     role = m.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise bad(f"{where}.role must be system, user, assistant or tool, got {role!r}", "messages")
+        raise bad(
+            f"{where}.role must be system, user, assistant or tool, got {show(role)}", "messages"
+        )
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
@@ -241,7 +388,3 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         "role": "system" if role == "developer" else role,
         "content": content,
     }
-
-
-def _is_int(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)

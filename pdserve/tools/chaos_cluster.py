@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.runtime.child import _die_with_parent
+from pdserve.runtime.cluster_key import generate as generate_key
 from pdserve.tools import httpcall
 
 DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
@@ -146,6 +147,15 @@ class Cluster:
         return None
 
 
+def new_cluster_key(log_dir: Path) -> Path:
+    """A fresh key for a cluster the harness starts (LOG_DIR/cluster.key); the harness uses it
+    from now on, to read the workers' /debug/* and set their fault points."""
+    key_file = log_dir / "cluster.key"
+    key_file.unlink(missing_ok=True)
+    httpcall.use_key(generate_key(key_file))
+    return key_file
+
+
 class AttachedCluster(Cluster):
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -179,6 +189,7 @@ class LaunchedCluster(Cluster):
         argv += ["--backend", s.backend, "--threads", str(s.threads), "--port", "0"]
         argv += ["--on-worker-exit", "continue", "--log-dir", str(self.log_dir)]
         argv += ["--startup-timeout", str(s.startup_timeout_s)]
+        argv += ["--cluster-key-file", str(new_cluster_key(self.log_dir))]
         if s.debug_faults:
             argv.append("--debug-faults")
         env = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pdserve.runtime.child import _die_with_parent
-from pdserve.tools.chaos_cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.tools.chaos_cluster import Cluster, ClusterError, ClusterSpec, new_cluster_key
 
 STOP_S = 15.0  # per group: a worker's drain and its supervisor's 5 s thread bound fit in it
 
@@ -82,6 +82,7 @@ class ComposedCluster(Cluster):
         s = self.spec
         deadline = time.monotonic() + s.startup_timeout_s
         base = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
+        key = ["--cluster-key-file", str(new_cluster_key(self.log_dir))]
         names = [f"prefill-{i}" for i in range(s.prefill)]
         names += [f"decode-{i}" for i in range(s.decode)]
         for name in names:
@@ -92,7 +93,7 @@ class ComposedCluster(Cluster):
             level = "ERROR" if own else "WARNING"
             argv = [sys.executable, "-m", "pdserve", "--log-level", level, "serve"]
             argv += ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", s.model]
-            argv += ["--backend", s.backend, "--threads", str(s.threads)]
+            argv += ["--backend", s.backend, "--threads", str(s.threads), *key]
             argv += ["--control-port", "0"] if role == "prefill" else []
             self.procs.append(_Proc(name, argv, {**base, **own}, self.log_dir / f"{name}.log"))
         self._barrier(self.procs, deadline)
@@ -101,7 +102,7 @@ class ComposedCluster(Cluster):
         argv += ["--decode", *(str(p.url) for p in workers if p.name.startswith("decode"))]
         if s.prefill:
             argv += ["--prefill", *(str(p.url) for p in workers if p.name.startswith("prefill"))]
-        argv += ["--model", s.model, "--host", "127.0.0.1", "--port", "0"]
+        argv += ["--model", s.model, "--host", "127.0.0.1", "--port", "0", *key]
         router = _Proc("router", argv, base, self.log_dir / "router.log")
         self.procs.append(router)
         self._barrier([router], deadline)

@@ -4,6 +4,10 @@ The tools are sequential scripts, so a plain urllib call is the right size; the 
 never needs more than one call in flight. A call never raises for HTTP or network trouble:
 it returns a Reply that says what happened, because for these tools a refused connection
 or a 503 is an observation to record, not an exception to unwind.
+
+Workers' /debug/* and /info need the cluster key: a tool that reads them calls `use_key`
+once (chaos with the key of the cluster it launched, doctor with --cluster-key-file);
+without that the key named by $PDSERVE_CLUSTER_KEY_FILE is used, if any.
 """
 
 from __future__ import annotations
@@ -12,6 +16,23 @@ import json
 import urllib.error
 import urllib.request
 from typing import Any, NamedTuple
+
+from pdserve.runtime.cluster_key import ClusterKey
+
+_auth: dict[str, str] | None = None  # the Authorization header; None: not decided yet
+
+
+def use_key(key: ClusterKey | None) -> None:
+    """Send this cluster key's bearer token with every call from now on (None: no key)."""
+    global _auth
+    _auth = key.http_headers if key is not None else {}
+
+
+def _headers() -> dict[str, str]:
+    if _auth is None:
+        use_key(ClusterKey.from_env(None))
+    assert _auth is not None  # set just above
+    return {"Content-Type": "application/json", **_auth}
 
 
 class Reply(NamedTuple):
@@ -26,9 +47,7 @@ class Reply(NamedTuple):
 
 def call(method: str, url: str, body: Any = None, timeout_s: float = 10.0) -> Reply:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(url, data=data, method=method, headers=_headers())
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             status, raw = r.status, r.read()

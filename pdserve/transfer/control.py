@@ -5,8 +5,14 @@ Only the I/O thread touches sockets. Other threads `send()` into a bounded queue
 I/O thread through a pipe it polls with its sockets (a send goes out at once; an idle I/O
 thread sleeps in poll instead of waking every few ms). The I/O thread sends without blocking
 (a peer that does not drain fails that message, reported through `on_send_failed`, instead
-of freezing a thread: LESSONS #5). Every inbound frame goes
-through the one decoder; what it cannot read is counted and dropped (LESSONS #1).
+of freezing a thread: LESSONS #5). A message that cannot be encoded fails the same way.
+
+Every frame is authenticated (transfer/frame_auth.py: an HMAC with the cluster key, fresh
+and not replayed) before anything reads it; a frame that fails is counted by why and dropped
+unread (LESSONS #15). What passes goes through the one decoder; what it cannot read is counted
+and dropped (LESSONS #1). A handler that raises on a message is counted too; the thread goes
+on. No single frame may exceed MAX_FRAME_BYTES (ZMQ drops the connection of a peer that
+sends one), so no peer can make us allocate without bound.
 
 Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
 here, on the I/O thread: a message may be dropped, doubled, swapped with the next one in the
@@ -28,13 +34,17 @@ import msgspec
 import zmq
 
 from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
+from pdserve.transfer.frame_auth import FrameAuth
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the I/O loop's longest sleep in poll (sends wake it; this bounds held messages)
 OUTBOX_LIMIT = 10_000
 HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
+MAX_FRAME_BYTES = 256 * 2**20  # one frame: a message, or one KV page on the tcp backend
+DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often
 # What `unknown` and `malformed` faults put in a message's place.
 UNKNOWN_FRAME = msgspec.msgpack.encode({"type": "FaultInjectedUnknown", "room": 0})
 MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
@@ -54,8 +64,10 @@ Outgoing = tuple[str, Msg, tuple[bytes, ...]]  # peer, message, extra frames
 class ControlStats:
     received: Counter[str] = field(default_factory=Counter)
     sent: Counter[str] = field(default_factory=Counter)
-    dropped: Counter[str] = field(default_factory=Counter)  # decode errors by kind
+    dropped: Counter[str] = field(default_factory=Counter)  # auth and decode errors by kind
     send_failed: int = 0
+    encode_failed: int = 0
+    handler_errors: int = 0  # messages whose handler raised (the thread went on)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -63,6 +75,8 @@ class ControlStats:
             "sent": dict(self.sent),
             "dropped": dict(self.dropped),
             "send_failed": self.send_failed,
+            "encode_failed": self.encode_failed,
+            "handler_errors": self.handler_errors,
         }
 
 
@@ -74,8 +88,11 @@ class Control:
         identity: str,
         on_message: Callable[[Inbound], None],
         on_send_failed: Callable[[str, Msg, str], None],
+        key: ClusterKey,
     ) -> None:
         self.identity = identity
+        self.auth = FrameAuth(key, identity)
+        self._drop_logged: dict[str, float] = {}  # kind -> when a drop of it was last logged
         self.on_message = on_message
         self.on_send_failed = on_send_failed
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -100,6 +117,7 @@ class Control:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
         s.setsockopt(zmq.SNDHWM, 1000)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if port:
             s.bind(f"tcp://{host}:{port}")
         else:
@@ -135,6 +153,7 @@ class Control:
             s.setsockopt(zmq.IDENTITY, self.identity.encode())
             s.setsockopt(zmq.SNDHWM, 1000)
             s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             s.connect(address)
             self.poller.register(s, zmq.POLLIN)
             self.dealers[address] = s
@@ -152,11 +171,17 @@ class Control:
                     parts = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                routing_id: str | None = None
                 if sock is self.router:
                     peer, parts = parts[0].decode(errors="replace"), parts[1:]
+                    routing_id = peer
                 else:
                     peer = next(a for a, d in self.dealers.items() if d is sock)
-                self._deliver(peer, parts)
+                refused = self.auth.check(routing_id, parts)
+                if refused is not None:
+                    self._dropped(refused.value, peer, "not authenticated")
+                    continue
+                self._deliver(peer, parts[1:])
         while True:
             try:
                 out = self.outbox.get_nowait()
@@ -165,7 +190,7 @@ class Control:
             self._send_now(out)
         too_old = time.monotonic() - HOLD_S
         while self.held_in and self.held_in[0][0] < too_old:
-            self.on_message(self.held_in.popleft()[1])
+            self._dispatch(self.held_in.popleft()[1])
         while self.held_out and self.held_out[0][0] < too_old:
             self._transmit(self.held_out.popleft()[1])
 
@@ -183,11 +208,38 @@ class Control:
             return None
         msg = decode(parts[0])
         if isinstance(msg, DecodeError):
-            self.stats.dropped[msg.kind] += 1
-            log.warning("dropped a control frame from %s: %s (%s)", peer, msg.kind, msg.detail)
+            self._dropped(msg.kind, peer, msg.detail)
             return None
         self.stats.received[type(msg).__name__] += 1
         return Inbound(peer, msg, tuple(parts[1:]))
+
+    def _dropped(self, kind: str, peer: str, detail: str) -> None:
+        """Count a frame dropped unread; log it, at most once per kind every few seconds."""
+        self.stats.dropped[kind] += 1
+        now = time.monotonic()
+        if now - self._drop_logged.get(kind, -DROP_LOG_EVERY_S) >= DROP_LOG_EVERY_S:
+            self._drop_logged[kind] = now
+            log.warning(
+                "dropped a control frame from %r: %s (%s); %d of this kind so far",
+                peer[:80],
+                kind,
+                detail[:200],
+                self.stats.dropped[kind],
+            )
+
+    def _dispatch(self, inbound: Inbound) -> None:
+        """Hand a message to its handler; one that raises costs that message, not the thread."""
+        try:
+            self.on_message(inbound)
+        except Exception as e:  # noqa: BLE001 - LESSONS #1: no message kills the I/O thread
+            self.stats.handler_errors += 1
+            log.warning(
+                "control handler failed on %s from %s: %s: %s",
+                type(inbound.msg).__name__,
+                inbound.peer[:80],
+                type(e).__name__,
+                e,
+            )
 
     def _deliver(self, peer: str, parts: list[bytes]) -> None:
         inbound = self._decode(peer, parts)
@@ -195,12 +247,12 @@ class Control:
             return
         match FAULTS.hit(f"control.recv.{type(inbound.msg).__name__}"):
             case Verdict.PASS:
-                self.on_message(inbound)
+                self._dispatch(inbound)
             case Verdict.DROP:
                 pass
             case Verdict.DUPLICATE:
-                self.on_message(inbound)
-                self.on_message(inbound)
+                self._dispatch(inbound)
+                self._dispatch(inbound)
             case Verdict.REORDER:
                 self.held_in.append((time.monotonic(), inbound))
                 return
@@ -209,7 +261,7 @@ class Control:
             case Verdict.MALFORMED:
                 self._decode(peer, [MALFORMED_FRAME])
         while self.held_in:
-            self.on_message(self.held_in.popleft()[1])
+            self._dispatch(self.held_in.popleft()[1])
 
     def _send_now(self, out: Outgoing) -> None:
         peer, msg, _ = out
@@ -234,7 +286,13 @@ class Control:
     def _transmit(self, out: Outgoing) -> None:
         peer, msg, frames = out
         try:
-            self.send_raw(peer, [encode(msg), *frames])
+            body = encode(msg)
+        except Exception as e:  # noqa: BLE001 - OverflowError, TypeError, msgspec.EncodeError
+            self.stats.encode_failed += 1
+            self.on_send_failed(peer, msg, f"cannot encode {type(msg).__name__}: {e}")
+            return
+        try:
+            self.send_raw(peer, self.auth.sign([body, *frames]))
         except zmq.ZMQError as e:  # Again (peer not draining) or EHOSTUNREACH (gone)
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, f"send failed: {e}")
@@ -244,13 +302,14 @@ class Control:
     def _send_junk(self, peer: str, frame: bytes) -> None:
         """A fault's frame in place of a message; the message is lost either way."""
         try:
-            self.send_raw(peer, [frame])
+            self.send_raw(peer, self.auth.sign([frame]))  # a member's junk: it gets decoded
         except zmq.ZMQError as e:
             self.stats.send_failed += 1
             log.warning("could not send a fault-injected frame to %s: %s", peer, e)
 
     def send_raw(self, peer: str, parts: list[bytes]) -> None:
-        """Put frames on the wire as they are (I/O thread only); raises zmq.ZMQError."""
+        """Put frames on the wire as they are, signed or not (I/O thread only); raises
+        zmq.ZMQError."""
         if self.router is not None and not peer.startswith("tcp://"):
             self.router.send_multipart([peer.encode(), *parts], zmq.NOBLOCK)
         else:

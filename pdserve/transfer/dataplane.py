@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import KVPool, map_shared
+from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.protocol.messages import KVChunk
 from pdserve.transfer.control import Control
 
@@ -92,10 +91,11 @@ def post(copier: Copier | None, nbytes: int, copy: Callable[[], None], deadline:
 
 class ShmWriter:
     def __init__(
-        self, shm_path: str, layout: KVLayout, num_pages: int, copier: Copier | None = None
+        self, ref: ShmRef, layout: KVLayout, num_pages: int, copier: Copier | None = None
     ) -> None:
+        """Raises PoolRefused unless `ref` is a pdserve pool of `num_pages` pages."""
         self.num_pages = num_pages
-        self.dst = map_shared(Path(shm_path), layout, num_pages)
+        self.dst = map_shared(ref, layout, num_pages)
         self.copier = copier
 
     def write(

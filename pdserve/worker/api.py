@@ -8,23 +8,36 @@
     GET  /info       role, model, max_model_len, vocab size, layout
 
 The stream's last line always carries a finish_reason. A client that disconnects aborts its
-request. Served by co-located workers and decode workers alike.
+request. Served by co-located workers and decode workers alike. Every field of a body is
+checked before the engine sees it (the engine thread would fail on a string seed or a list
+for an address): the same body and SamplingParams checks as the OpenAI API, plus the
+request id, the timeout and the prefill address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import re
 import time
 from typing import Any
 
 from aiohttp import web
 
-from pdserve.engine.params import InvalidParams, SamplingParams
+from pdserve.engine.params import InvalidParams, SamplingParams, is_int, show
 from pdserve.engine.request import RequestOutput
-from pdserve.server.openai_protocol import ApiError, bad
+from pdserve.server.openai_api import read_json
+from pdserve.server.openai_protocol import ApiError, bad, check_timeout
 
 GRACE_S = 10.0
+MAX_REQUEST_ID_CHARS = 256
+MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
+GENERATE_KEYS = frozenset({"request_id", "prompt_ids", "params", "timeout_s", "prefill"})
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_ADDRESS = re.compile(
+    rf"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*):(?P<port>[0-9]{{1,5}})"
+)
 
 
 def output_to_json(o: RequestOutput) -> dict[str, Any]:
@@ -38,20 +51,27 @@ def output_to_json(o: RequestOutput) -> dict[str, Any]:
 
 
 def params_from_json(d: Any) -> SamplingParams:
+    """A router's or a peer's params dict -> SamplingParams; anything wrong is ApiError 400.
+
+    The prefill worker uses it on a PrefillRequest's params too, so it raises nothing else,
+    whatever the dict holds.
+    """
     if not isinstance(d, dict):
         raise bad("'params' must be an object", "params")
     fields = set(SamplingParams.__dataclass_fields__)
-    unknown = set(d) - fields
+    unknown = [k for k in d if k not in fields]
     if unknown:
-        raise bad(f"unknown sampling params {sorted(unknown)}", "params")
+        raise bad(f"unknown sampling params {show(sorted(map(str, unknown)))}", "params")
     kw = dict(d)
     if "stop_token_ids" in kw:
+        if not isinstance(kw["stop_token_ids"], list):
+            raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     try:
         return SamplingParams(**kw)
     except InvalidParams as e:
         raise bad(str(e), e.param) from e
-    except TypeError as e:
+    except (TypeError, ValueError, OverflowError) as e:  # a bug in SamplingParams' checks
         raise bad(f"bad sampling params: {e}", "params") from e
 
 
@@ -59,6 +79,34 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
     d = {k: getattr(p, k) for k in SamplingParams.__dataclass_fields__}
     d["stop_token_ids"] = list(p.stop_token_ids)
     return d
+
+
+def check_request_id(v: Any) -> str:
+    if not (isinstance(v, str) and 0 < len(v) <= MAX_REQUEST_ID_CHARS and v.isprintable()):
+        raise bad(
+            f"'request_id' must be a printable string of 1 to {MAX_REQUEST_ID_CHARS} "
+            f"characters, got {show(v)}",
+            "request_id",
+        )
+    return v
+
+
+def check_prefill_address(v: Any) -> str:
+    """A prefill worker's control address as the router sends it: tcp://HOST:PORT, HOST a
+    host name, an IPv4 address or a bracketed IPv6 address."""
+    m = _ADDRESS.fullmatch(v) if isinstance(v, str) and len(v) <= MAX_ADDRESS_CHARS else None
+    ok = m is not None and 1 <= int(m["port"]) <= 65535
+    if ok and m is not None and m["host"].startswith("["):
+        try:
+            ipaddress.IPv6Address(m["host"][1:-1])
+        except ValueError:
+            ok = False
+    if not ok:
+        raise bad(
+            f"'prefill' must be a control address tcp://HOST:PORT (port 1 to 65535), got {show(v)}",
+            "prefill",
+        )
+    return str(v)
 
 
 class WorkerApi:
@@ -90,49 +138,50 @@ class WorkerApi:
 
     async def abort(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-            rid = body["request_id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return web.json_response(bad("body must be {'request_id': str}").body(), status=400)
-        self.engine.abort(str(rid))
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise bad("the body must be {'request_id': str}", "request_id")
+            rid = check_request_id(body.get("request_id"))
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        self.engine.abort(rid)
         return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return web.json_response(bad(f"invalid JSON: {e}").body(), status=400)
-        try:
-            if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
-                raise bad("'request_id' (string) is required", "request_id")
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise bad("the request body must be a JSON object")
+            unknown = sorted(k for k in body if k not in GENERATE_KEYS)
+            if unknown:
+                raise bad(f"unknown fields {show(unknown)}", unknown[0])
+            rid = check_request_id(body.get("request_id"))
             prompt = body.get("prompt_ids")
-            if not isinstance(prompt, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt
-            ):
+            if not isinstance(prompt, list) or not all(is_int(t) for t in prompt):
                 raise bad("'prompt_ids' must be a list of integers", "prompt_ids")
             params = params_from_json(body.get("params", {}))
-            timeout = body.get("timeout_s")
+            timeout = check_timeout(body.get("timeout_s"), "timeout_s")
+            prefill = check_prefill_address(body["prefill"]) if "prefill" in body else None
             try:
                 self.engine.validate(prompt, params)
             except InvalidParams as e:
                 raise bad(str(e), e.param) from e
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
-        rid = body["request_id"]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        extra = {"prefill": body["prefill"]} if self.role == "decode" and "prefill" in body else {}
+        extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
         self.engine.submit(
             rid,
             prompt,
             params,
             lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
-            float(timeout) if timeout else None,
+            timeout,
             **extra,
         )
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
-        deadline = time.monotonic() + float(timeout or self.engine.cfg.request_timeout_s) + GRACE_S
+        deadline = time.monotonic() + (timeout or self.engine.cfg.request_timeout_s) + GRACE_S
         try:
             await resp.prepare(request)
             while not finished:

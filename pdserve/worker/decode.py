@@ -93,6 +93,17 @@ class DecodeEngine(Engine):
             case _:
                 raise TypeError(f"decode inbox: unexpected {type(cmd).__name__}")
 
+    def command_failed(self, cmd: object, why: str) -> None:
+        """A message or submission whose handling raised ends its own room or request only."""
+        if isinstance(cmd, Inbound):
+            room = self.rooms.get(cmd.msg.room)
+            if room is not None and room.epoch == cmd.msg.epoch and room.peer == cmd.peer:
+                self._apply(room, DEvent.LOCAL_FAIL, why)
+        elif isinstance(cmd, RemoteSubmit):
+            if cmd in self.admitting:
+                self.admitting.remove(cmd)
+            self._end_detached(cmd.request, Event.FAIL, why)
+
     def _inbound(self, cmd: Inbound) -> None:
         msg = cmd.msg
         peer = self.peers.get(cmd.peer)
@@ -200,39 +211,59 @@ class DecodeEngine(Engine):
             if not self.pool.allocator.can_allocate(need):
                 return
             self.admitting.popleft()
-            req.pages = self.pool.allocator.allocate(need, req.request_id)
-            left = PREFILL_TIMEOUT_S
-            if req.deadline is not None:
-                left = min(left, req.deadline - time.monotonic())
-            room = DRoom(
-                next(self._room_ids),
-                1,
-                req,
-                sub.prefill,
-                time.monotonic() + left,
-                write_deadline=time.time() + left,
-            )
-            self.rooms[room.room] = room
-            self.by_request[req.request_id] = room
-            peer = self.peers.get(sub.prefill)
-            if peer is None or not peer.registered:
-                if peer is None or peer.refused is not None:
-                    peer = self.peers[sub.prefill] = PrefillPeer(sub.prefill)
-                    self._send_register(peer)
-                peer.queued.append(room.room)
-            else:
-                self._send_prefill(room)
+            try:
+                self._open_room(sub, need)
+            except Exception as e:  # noqa: BLE001 - one bad submission must not wedge admission
+                log.warning("could not open a room for %s: %s", req.request_id, e)
+                self._admit_failed(sub, f"could not start the prefill leg: {type(e).__name__}: {e}")
+
+    def _admit_failed(self, sub: RemoteSubmit, why: str) -> None:
+        room = self.by_request.get(sub.request.request_id)
+        if room is not None:  # the room exists: end it through the table (it owns the pages)
+            self._apply(room, DEvent.LOCAL_FAIL, why)
+            return
+        if sub.request.pages:
+            self.pool.allocator.free(sub.request.pages, sub.request.request_id)
+            sub.request.pages = []
+        self._end_detached(sub.request, Event.FAIL, why)
+
+    def _open_room(self, sub: RemoteSubmit, need: int) -> None:
+        """Destination pages, a room, and its PrefillRequest (or a Register first)."""
+        req = sub.request
+        req.pages = self.pool.allocator.allocate(need, req.request_id)
+        left = PREFILL_TIMEOUT_S
+        if req.deadline is not None:
+            left = min(left, req.deadline - time.monotonic())
+        room = DRoom(
+            next(self._room_ids),
+            1,
+            req,
+            sub.prefill,
+            time.monotonic() + left,
+            write_deadline=time.time() + left,
+        )
+        self.rooms[room.room] = room
+        self.by_request[req.request_id] = room
+        peer = self.peers.get(sub.prefill)
+        if peer is None or not peer.registered:
+            if peer is None or peer.refused is not None:
+                peer = self.peers[sub.prefill] = PrefillPeer(sub.prefill)
+                self._send_register(peer)
+            peer.queued.append(room.room)
+        else:
+            self._send_prefill(room)
 
     def _send_register(self, peer: PrefillPeer) -> None:
         nixl = self.nixl.descriptor() if self.nixl is not None else None
-        shm = str(self.pool.shm_path) if self.pool.shm_path else None
+        ref = self.pool.shm
+        shm = m.ShmPool(pid=ref.pid, fd=ref.fd, token=ref.token) if ref is not None else None
         layout = self.pool.layout.to_dict()
         self._send(
             peer.address,
             m.Register(
                 layout=layout,
                 backend=self.backend,
-                shm_name=shm,
+                shm=shm,
                 nixl=nixl,
                 num_pages=self.pool.num_pages,
             ),

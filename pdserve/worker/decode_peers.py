@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.pool import KVPool, ShmRef
 from pdserve.protocol import messages as m
 from pdserve.transfer.control import Control
 from pdserve.transfer.copier import Copier
@@ -67,9 +67,10 @@ class DecodePeers:
             raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")
         writer: PeerWriter
         if msg.backend == "shm":
-            if not msg.shm_name:
-                raise ValueError("backend shm needs the decode pool's shm_name")
-            writer = ShmWriter(msg.shm_name, theirs, msg.num_pages, self.copier)
+            if msg.shm is None:
+                raise ValueError("backend shm needs the decode pool's shm reference")
+            ref = ShmRef(msg.shm.pid, msg.shm.fd, msg.shm.token)
+            writer = ShmWriter(ref, theirs, msg.num_pages, self.copier)
         elif msg.backend == "tcp":
             writer = TcpWriter(self.control, identity, self.control.identity, self.copier)
         elif msg.backend == "nixl":

@@ -13,7 +13,9 @@ known=False, never an assert (LESSONS #1, #3).
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +40,7 @@ from pdserve.worker.snapshots import prefill_snapshot
 log = logging.getLogger(__name__)
 
 WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
+REFUSALS_KEPT = 16
 
 
 @dataclass
@@ -77,6 +80,8 @@ class PrefillEngine(Engine):
         self.rooms: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
+        # The last registrations refused, (when, peer, why), for /debug/state.
+        self.refusals: deque[tuple[float, str, str]] = deque(maxlen=REFUSALS_KEPT)
         self.scheduler.pinned = self._pinned
 
     @property
@@ -117,6 +122,25 @@ class PrefillEngine(Engine):
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
+    def command_failed(self, cmd: object, why: str) -> None:
+        """A peer's message whose handling raised fails its room (or is refused), nothing more."""
+        if not isinstance(cmd, Inbound):
+            return
+        msg = cmd.msg
+        room = self.rooms.get((cmd.peer, msg.room))
+        if room is not None and room.epoch == msg.epoch:
+            self._apply(room, PEvent.LOCAL_FAIL, why)
+        elif isinstance(msg, m.PrefillRequest):
+            self.stats.rejected += 1
+            self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
+
+    def fail_request(self, req: Request, why: str) -> None:
+        """A step failed this room's request: the room fails (D hears PrefillFailed)."""
+        room = self.by_request.get(req.request_id)
+        if room is None:
+            return super().fail_request(req, why)
+        self._apply(room, PEvent.LOCAL_FAIL, why)
+
     def on_control(self, inbound: Inbound) -> None:
         """Pings are answered here, on the control thread. Answering from the engine made a
         step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like death,
@@ -134,7 +158,8 @@ class PrefillEngine(Engine):
         try:
             self.peers.register(peer, msg)
         except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why
-            log.warning("refused registration of %s: %s", peer, e)
+            log.warning("refused registration of %s: %s", peer[:80], e)
+            self.refusals.append((time.monotonic(), peer[:80], str(e)[:300]))
             self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours))
             return
         log.info("registered decode worker %s (%s)", peer, msg.backend)
@@ -166,6 +191,8 @@ class PrefillEngine(Engine):
         except Exception as e:  # noqa: BLE001 - ApiError from params parsing
             return reject(f"bad request: {e}")
         left = msg.write_deadline - time.time()
+        if not math.isfinite(left):  # NaN would keep the room open for ever
+            return reject(f"write_deadline must be a finite unix time, got {msg.write_deadline}")
         if left <= 0:
             return reject(f"arrived {-left:.1f}s after its write deadline")
         deadline = time.monotonic() + min(left, self.cfg.request_timeout_s)

@@ -66,6 +66,9 @@ def prefill_snapshot(e: PrefillEngine) -> dict[str, Any]:
             for r in e.rooms.values()
         ],
         "writes_in_flight": sum(len(r.inflight) for r in e.rooms.values()),
+        "registrations_refused": [
+            {"peer": peer, "why": why, "ago_s": round(now - at, 3)} for at, peer, why in e.refusals
+        ],
         "stats": e.stats.snapshot(),
         "control": e.control.stats.snapshot(),
     }

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from pdserve.engine.params import SamplingParams
+from pdserve.engine.params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import filter_logits, sample
 
@@ -82,3 +82,21 @@ def test_logprobs_are_raw_and_top_sorted():
     ref = torch.log_softmax(logits[0], -1)
     assert ids == [2] and math.isclose(lps[0].logprob, float(ref[2]), rel_tol=1e-6)
     assert [t for t, _ in lps[0].top] == [2, 1]
+
+
+def test_tiny_temperature_is_greedy_and_top_k_past_the_vocab_keeps_everything():
+    # logits / 1e-40 overflow float32 to inf, and a softmax over several infs is NaN, which
+    # torch.multinomial refuses: such a temperature must take the greedy path.
+    logits = torch.tensor([[0.1, 3.0, 2.9, 0.0], [1.0, 0.0, 0.0, 0.5]])
+    ids, _ = sample(logits.clone(), [r(temperature=1e-40), r(temperature=1e-6, seed=1)])
+    assert ids == [1, 0]
+    huge_k = r(temperature=1.0, top_k=2**31 - 1, seed=5)
+    assert torch.isfinite(filter_logits(logits[:1].clone(), [huge_k])).all()
+    drawn = {sample(torch.zeros(1, 4), [huge_k])[0][0] for _ in range(200)}
+    assert drawn == {0, 1, 2, 3}
+
+
+def test_seeds_at_the_edges_of_the_accepted_range_sample():
+    logits = torch.zeros(1, 8)
+    for seed in (SEED_MIN, -1, SEED_MAX):
+        assert 0 <= sample(logits.clone(), [r(temperature=1.0, seed=seed)])[0][0] < 8

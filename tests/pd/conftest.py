@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import zmq
 
-from tests.procs import ServerProcess, http, worker_args
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.transfer.frame_auth import FrameAuth
+from tests.procs import ServerProcess, auth_headers, http, worker_args
 
 CHUNK = 48  # P's prefill chunk: prompts longer than this are prefilled in several steps
 
@@ -41,7 +44,7 @@ class PD:
         req = urllib.request.Request(
             self.d.url + "/generate",
             json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
+            auth_headers(),
         )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return [json.loads(line) for line in r if line.strip()]
@@ -57,6 +60,36 @@ class PD:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not quiet after {timeout_s}s: D {d} P {p}")
             time.sleep(0.1)
+
+
+class KeyedSocket:
+    """A raw ZMQ socket of a cluster member: what it sends is signed with the run's cluster key
+    (tests/conftest.py), what it receives is checked and unwrapped. A test plays a peer that
+    holds the key but sends what it likes."""
+
+    def __init__(self, kind: int, identity: str) -> None:
+        key = ClusterKey.from_env(None)
+        assert key is not None
+        self.auth = FrameAuth(key, identity)
+        self.sock = zmq.Context.instance().socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.DEALER:
+            self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+
+    def send(self, *frames: bytes, to: bytes | None = None) -> None:
+        """Signed frames; `to`: the routing identity, on a ROUTER socket."""
+        self.sock.send_multipart(([to] if to is not None else []) + self.auth.sign(list(frames)))
+
+    def recv(self, timeout_ms: int = 10_000) -> tuple[bytes | None, list[bytes]]:
+        """(the sender's routing identity on a ROUTER, else None; the frames after auth)."""
+        assert self.sock.poll(timeout_ms), "nothing arrived in time"
+        parts = self.sock.recv_multipart()
+        ident = parts.pop(0) if self.sock.type == zmq.ROUTER else None
+        assert self.auth.check(ident.decode() if ident else None, parts) is None, parts[:1]
+        return ident, parts[1:]
+
+    def close(self) -> None:
+        self.sock.close(0)
 
 
 def tokens(lines: list[dict]) -> list[int]:

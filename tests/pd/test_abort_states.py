@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.pd.conftest import CHUNK, PD, tokens
-from tests.procs import ServerProcess, worker_args
+from tests.procs import ServerProcess, auth_headers, worker_args
 from tests.procs import http as call
 
 STALL_S = 1.5
@@ -60,7 +60,7 @@ def start(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
         "prefill": pd.control,
         "params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True},
     }
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/generate", json.dumps(body), auth_headers())
     threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
     return conn
 

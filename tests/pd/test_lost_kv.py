@@ -11,7 +11,7 @@ import json
 import urllib.request
 
 from tests.pd.conftest import CHUNK, PD
-from tests.procs import ServerProcess, worker_args
+from tests.procs import ServerProcess, auth_headers, worker_args
 from tests.procs import http as call
 
 
@@ -33,7 +33,7 @@ def test_dropped_kv_chunks_fail_the_request(tiny_dir, tmp_path):
                 "params": {"max_tokens": 4, "temperature": 0},
             }
             req = urllib.request.Request(
-                d.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                d.url + "/generate", json.dumps(body).encode(), auth_headers()
             )
             with urllib.request.urlopen(req, timeout=30) as r:
                 lines = [json.loads(ln) for ln in r if ln.strip()]

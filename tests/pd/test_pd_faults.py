@@ -20,7 +20,8 @@ import zmq
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
-from tests.pd.conftest import PD, tokens
+from tests.pd.conftest import PD, KeyedSocket, tokens
+from tests.procs import auth_headers
 from tests.procs import http as call
 
 
@@ -48,7 +49,7 @@ def open_stream(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnecti
         "prefill": pd.control,
         "params": {"max_tokens": 500, "temperature": 0, "ignore_eos": True},
     }
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/generate", json.dumps(body), auth_headers())
     return conn
 
 
@@ -81,43 +82,45 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
 
 
 def test_hostile_frames_into_prefill_control_socket(pd):
-    """Unknown type, malformed frames, ABORT for unknown rooms, requests from strangers."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, b"stranger")
-    s.connect(pd.control)
-    try:
-        s.send(msgspec.msgpack.encode({"type": "Teleport", "room": 1}))
-        s.send(b"\xc1\xc1 not msgpack")
-        s.send_multipart([b"", b""])
-        s.send(msgspec.msgpack.encode({"type": "PrefillDone", "room": "x"}))
-        s.send(m.encode(m.Abort(room=12345, epoch=1)))
-        s.send(m.encode(m.Abort(room=0)))
-        s.send(m.encode(m.AbortAck(room=7)))  # a message P never takes
-        s.send(
-            m.encode(
-                m.PrefillRequest(
-                    room=9,
-                    epoch=1,
-                    prompt_ids=[1],
-                    dst_pages=[0],
-                    params={},
-                    write_deadline=time.time() + 30,
-                )
+    """Unknown type, malformed frames, ABORT for unknown rooms, requests from an unregistered
+    member; and every one of them again without the key, which P drops unread."""
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.IDENTITY, b"stranger")
+    stranger.connect(pd.control)
+    s = KeyedSocket(zmq.DEALER, "unregistered-member")
+    s.sock.connect(pd.control)
+    frames = [
+        msgspec.msgpack.encode({"type": "Teleport", "room": 1}),
+        b"\xc1\xc1 not msgpack",
+        b"",
+        msgspec.msgpack.encode({"type": "PrefillDone", "room": "x"}),
+        m.encode(m.Abort(room=12345, epoch=1)),
+        m.encode(m.Abort(room=0)),
+        m.encode(m.AbortAck(room=7)),  # a message P never takes
+        m.encode(
+            m.PrefillRequest(
+                room=9,
+                epoch=1,
+                prompt_ids=[1],
+                dst_pages=[0],
+                params={},
+                write_deadline=time.time() + 30,
             )
-        )
-        s.send(m.encode(m.Register(layout={"dtype": "float64"}, backend="shm")))
-        s.send(m.encode(m.Ping(nonce=77)))
-        replies = []
-        poller = zmq.Poller()
-        poller.register(s, zmq.POLLIN)
-        deadline = time.monotonic() + 10
-        while len(replies) < 5 and time.monotonic() < deadline:
-            if poller.poll(200):
-                replies.append(m.decode(s.recv()))
+        ),
+        m.encode(m.Register(layout={"dtype": "float64"}, backend="shm")),
+        m.encode(m.Ping(nonce=77)),
+    ]
+    try:
+        for frame in frames:
+            stranger.send(frame)
+        for frame in frames:
+            s.send(frame)
+        replies = [m.decode(s.recv()[1][0]) for _ in range(5)]
+        assert not stranger.poll(300)  # nothing is ever answered to a stranger
     finally:
-        s.close(0)
+        s.close()
+        stranger.close(0)
     kinds = [type(r).__name__ for r in replies]
     assert kinds.count("AbortAck") == 2 and all(
         not r.known for r in replies if isinstance(r, m.AbortAck)
@@ -128,6 +131,7 @@ def test_hostile_frames_into_prefill_control_socket(pd):
     state = call("GET", pd.p.url + "/debug/state")[1]
     dropped = state["engine"]["role"]["control"]["dropped"]
     assert dropped.get("unknown_type", 0) >= 1 and dropped.get("malformed", 0) >= 2
+    assert dropped.get("auth_missing", 0) >= len(frames)
     assert state["engine"]["role"]["stats"]["unexpected"].get("AbortAck", 0) >= 1
     assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
     assert not state["problems"] and call("GET", pd.p.url + "/health")[0] == 200
@@ -137,10 +141,8 @@ def test_hostile_frames_into_prefill_control_socket(pd):
 
 def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
     """A fake P answers D with garbage, stale events and a refused registration."""
-    ctx = zmq.Context.instance()
-    fake = ctx.socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    fake = KeyedSocket(zmq.ROUTER, "fake-prefill")
+    port = fake.sock.bind_to_random_port("tcp://127.0.0.1")
     address = f"tcp://127.0.0.1:{port}"
     result: dict[str, object] = {}
 
@@ -156,9 +158,8 @@ def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
     t = threading.Thread(target=client, daemon=True)
     t.start()
     try:
-        assert fake.poll(10_000), "D never registered with the fake prefill worker"
-        ident, frame = fake.recv_multipart()
-        assert isinstance(m.decode(frame), m.Register)
+        ident, frames = fake.recv()  # D's registration
+        assert ident is not None and isinstance(m.decode(frames[0]), m.Register)
         for junk in (
             b"\x00garbage",
             msgspec.msgpack.encode({"type": "Nope"}),
@@ -167,10 +168,10 @@ def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
             m.encode(m.KVChunk(room=424242, epoch=1, dst_pages=[0])),
             m.encode(m.RegisterAck(ok=False, error="refused by the test")),
         ):
-            fake.send_multipart([ident, junk])
+            fake.send(junk, to=ident)
         t.join(30)
     finally:
-        fake.close(0)
+        fake.close()
     status, text = result["lines"]
     assert status == 200
     last = text if isinstance(text, dict) else json.loads(text.strip().splitlines()[-1])
@@ -186,11 +187,8 @@ def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
 
 def test_layout_mismatch_is_refused_naming_the_field(pd):
     """Registration compares layouts field by field; the refusal names the field."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, b"mismatch")
-    s.connect(pd.control)
+    s = KeyedSocket(zmq.DEALER, "mismatch")
+    s.sock.connect(pd.control)
     layout = KVLayout.from_dict(call("GET", pd.p.url + "/info")[1]["layout"])
     try:
         for field, value in (
@@ -202,11 +200,10 @@ def test_layout_mismatch_is_refused_naming_the_field(pd):
         ):
             bad = {**layout.to_dict(), field: value}
             s.send(m.encode(m.Register(layout=bad, backend="tcp", num_pages=4)))
-            assert s.poll(10_000)
-            ack = m.decode(s.recv())
+            ack = m.decode(s.recv()[1][0])
             assert isinstance(ack, m.RegisterAck) and not ack.ok and field in ack.error
     finally:
-        s.close(0)
+        s.close()
 
 
 @pytest.fixture(autouse=True)

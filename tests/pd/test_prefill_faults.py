@@ -25,7 +25,7 @@ import zmq
 
 from pdserve.protocol import messages as m
 from pdserve.worker.decode import PEER_ENGINE_STALL_S, PEER_TIMEOUT_S
-from tests.pd.conftest import CHUNK, PD, tokens
+from tests.pd.conftest import CHUNK, PD, KeyedSocket, tokens
 from tests.procs import ServerProcess, http, worker_args
 
 
@@ -84,9 +84,8 @@ def test_pongs_from_a_stalled_prefill_engine_do_not_keep_it_alive(pd):
     """A fake P registers D, accepts the room, then answers every Ping with a Pong saying its
     engine has been stuck for an hour: D must declare it dead as if it were silent."""
     d = pd.d
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
-    address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    fake = KeyedSocket(zmq.ROUTER, "fake-prefill")
+    address = f"tcp://127.0.0.1:{fake.sock.bind_to_random_port('tcp://127.0.0.1')}"
     result: dict[str, object] = {}
 
     def client() -> None:
@@ -107,10 +106,10 @@ def test_pongs_from_a_stalled_prefill_engine_do_not_keep_it_alive(pd):
     try:
         deadline = time.monotonic() + 40
         while t.is_alive() and time.monotonic() < deadline:
-            if not fake.poll(100):
+            if not fake.sock.poll(100):
                 continue
-            ident, frame = fake.recv_multipart()[:2]
-            msg = m.decode(frame)
+            ident, frames = fake.recv()
+            msg = m.decode(frames[0])
             if isinstance(msg, m.Register):
                 reply: m.Msg = m.RegisterAck(ok=True, layout=msg.layout)
             elif isinstance(msg, m.PrefillRequest):
@@ -120,10 +119,10 @@ def test_pongs_from_a_stalled_prefill_engine_do_not_keep_it_alive(pd):
                 reply = m.Pong(nonce=msg.nonce, engine_busy_s=PEER_ENGINE_STALL_S + 3600)
             else:
                 continue
-            fake.send_multipart([ident, m.encode(reply)])
+            fake.send(m.encode(reply), to=ident)
         t.join(5)
     finally:
-        fake.close(0)
+        fake.close()
     assert accepted_at is not None, "D never sent its PrefillRequest"
     status, text = result["answer"]  # type: ignore[misc]
     assert status == 200

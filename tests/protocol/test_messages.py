@@ -6,7 +6,13 @@ import pytest
 from pdserve.protocol import messages as m
 
 SAMPLES = [
-    m.Register(room=0, sender="d0", layout={"dtype": "float32"}, backend="shm", shm_name="/x"),
+    m.Register(
+        room=0,
+        sender="d0",
+        layout={"dtype": "float32"},
+        backend="shm",
+        shm=m.ShmPool(pid=1, fd=3, token="ab" * 16),
+    ),
     m.RegisterAck(ok=False, error="dtype: float32 vs bfloat16"),
     m.PrefillRequest(
         room=2**62 + 5,

@@ -11,6 +11,7 @@ import json
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -317,6 +318,7 @@ def test_validate_refuses_like_the_engine():
         ([-1], ok, "prompt", "prompt token ids must be in [0, 10)"),
         ([1] * 8, ok, "prompt", "the prompt has 8 tokens; this model's context is 8 tokens"),
         ([1] * 5, ok, "max_tokens", "max_tokens 4 + 5 prompt tokens exceeds the context of 8"),
+        ([1], replace(ok, stop_token_ids=(9, 10)), "stop_token_ids", "[0, 10), got 10"),
     ]
     for prompt, params, param, msg in cases:
         with pytest.raises(InvalidParams) as e:

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.launch import engine_flags
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.launcher import LaunchConfig, router_argv, worker_argvs
-from tests.procs import LaunchedCluster, wait_gone
+from tests.procs import LaunchedCluster, http, wait_gone
 
 
 def config(**kw: object) -> LaunchConfig:
@@ -26,6 +28,7 @@ def config(**kw: object) -> LaunchConfig:
         threads=3,
         engine_flags=("--page-size", "32"),
         log_dir=Path("/tmp/x"),
+        cluster_key_file="/tmp/x/cluster.key",
         backend="tcp",
     )
     return LaunchConfig(**{**base, **kw})  # type: ignore[arg-type]
@@ -46,6 +49,7 @@ def test_worker_and_router_argv_follow_the_topology():
         ("--served-model-name", "tiny"),
         ("--page-size", "32"),
         ("--host", "127.0.0.1"),
+        ("--cluster-key-file", "/tmp/x/cluster.key"),
     ]:
         assert p[p.index(flag) + 1] == value, flag
     assert plan["decode-1"][plan["decode-1"].index("--role") + 1] == "decode"
@@ -56,6 +60,7 @@ def test_worker_and_router_argv_follow_the_topology():
     assert r[r.index("--decode") + 1 : r.index("--decode") + 3] == ["http://d0", "http://d1"]
     assert r[r.index("--prefill") + 1] == "http://p" and r[r.index("--policy") + 1] == "round-robin"
     assert "--prefill" not in router_argv(config(prefill=0), [], ["http://d0"])
+    assert r[r.index("--cluster-key-file") + 1] == "/tmp/x/cluster.key"  # to call the workers
     with pytest.raises(ValueError, match="--decode >= 1"):
         config(decode=0)
 
@@ -159,7 +164,9 @@ def clusters(
 ) -> Iterator[tuple[LaunchedCluster, LaunchedCluster]]:
     """Two one-worker clusters, started side by side: one to SIGTERM, one to SIGKILL."""
     logs = tmp_path_factory.mktemp("launch")
-    a = LaunchedCluster(["launch", "--prefill", "0", "--decode", "1", *flags(tiny_dir)], logs / "a")
+    a = LaunchedCluster(
+        ["launch", "--prefill", "0", "--decode", "1", *flags(tiny_dir)], logs / "a", own_key=True
+    )
     b = LaunchedCluster(["launch", "--prefill", "0", "--decode", "1", *flags(tiny_dir)], logs / "b")
     try:
         a.start()
@@ -168,6 +175,23 @@ def clusters(
     finally:
         a.__exit__()
         b.__exit__()
+
+
+def test_launch_makes_a_cluster_key_that_its_workers_require(clusters):
+    c = clusters[0]
+    key_file = c.log_dir / "cluster.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = ClusterKey.load(key_file)
+    worker = c.processes["colocated-0"]["url"]
+    assert http("GET", worker + "/debug/state", auth=False)[0] == 401
+    assert http("GET", worker + "/debug/state")[0] == 401  # the test run's key is another one
+    req = urllib.request.Request(worker + "/debug/state", headers=key.http_headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+    assert http("GET", worker + "/health", auth=False)[0] == 200  # liveness stays open
+    router = c.url
+    # The router came up: its startup read the workers' /info, which needs the key.
+    assert http("GET", router + "/v1/models", auth=False)[0] == 200
 
 
 def test_sigterm_stops_every_child(clusters):

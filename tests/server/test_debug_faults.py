@@ -10,7 +10,9 @@ import pytest
 import zmq
 
 from pdserve.protocol.messages import Ping, Pong, decode, encode
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.launcher import LaunchConfig, worker_argvs
+from pdserve.transfer.frame_auth import FrameAuth
 from tests.procs import ServerProcess, http, worker_args
 
 
@@ -36,11 +38,16 @@ def ping(control: str, nonce: int, timeout_ms: int = 1000) -> bool:
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.IDENTITY, f"pinger-{nonce}".encode())  # P answers by identity
     s.connect(control)
+    key = ClusterKey.from_env(None)
+    assert key is not None  # tests/conftest.py gives the run a key
+    auth = FrameAuth(key, f"pinger-{nonce}")
     try:
-        s.send(encode(Ping(nonce=nonce)))
+        s.send_multipart(auth.sign([encode(Ping(nonce=nonce))]))
         if not s.poll(timeout_ms):
             return False
-        reply = decode(s.recv())
+        parts = s.recv_multipart()
+        assert auth.check(None, parts) is None  # P signs its answers too
+        reply = decode(parts[1])
         return isinstance(reply, Pong) and reply.nonce == nonce
     finally:
         s.close(0)
@@ -99,6 +106,7 @@ def test_launch_passes_debug_faults_to_every_worker():
             threads=1,
             engine_flags=(),
             log_dir=Path("/tmp/x"),
+            cluster_key_file="/tmp/x/cluster.key",
             debug_faults=debug_faults,
         )
         return [argv for _, argv in worker_argvs(cfg)]

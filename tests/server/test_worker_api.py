@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from tests.procs import http
+from tests.procs import auth_headers, http
 
 
 def ndjson(url: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(url, json.dumps(body).encode(), auth_headers())
     with urllib.request.urlopen(req, timeout=60) as r:
         return [json.loads(line) for line in r if line.strip()]
 

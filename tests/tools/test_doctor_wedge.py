@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ServerProcess, http, worker_args
+from tests.procs import ServerProcess, auth_headers, http, worker_args
 
 STALL = "thread.control=delay:60"  # far past the test; the worker is stopped before it ticks
 
@@ -74,9 +74,7 @@ def generate_in_background(d_url: str, control: str, rid: str) -> None:
         "timeout_s": 30,
         "params": {"max_tokens": 4, "temperature": 0},
     }
-    req = urllib.request.Request(
-        d_url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(d_url + "/generate", json.dumps(body).encode(), auth_headers())
 
     def run() -> None:
         try:

@@ -8,6 +8,7 @@ same pool to check bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import select
 import sys
@@ -30,7 +31,7 @@ def main() -> None:
         "PEER "
         + json.dumps(
             {
-                "shm": str(pool.shm_path),
+                "shm": dataclasses.asdict(pool.shm),
                 "md": d.agent_md.hex(),
                 "base": d.base,
                 "device_id": d.device_id,

@@ -3,6 +3,7 @@ over loopback ZMQ, each ticked by a supervised thread as in a worker."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdserve.protocol.messages import Message, Msg, Ping, Pong
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.transfer import control
@@ -58,9 +60,10 @@ def pair() -> Iterator[Pair]:
     def on_message(inbound: Inbound) -> None:
         got.append(inbound.msg)
 
-    p = Control("p-test", on_message, never_fails)
+    key = ClusterKey(secrets.token_bytes(32))
+    p = Control("p-test", on_message, never_fails, key)
     p.bind("127.0.0.1", 0)
-    d = Control("d-test", lambda inbound: None, never_fails)
+    d = Control("d-test", lambda inbound: None, never_fails, key)
     sup.spawn("control-p", p.tick)
     sup.spawn("control-d", d.tick)
     try:

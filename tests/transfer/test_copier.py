@@ -67,8 +67,8 @@ def test_shm_writer_through_the_worker_lands_the_pages():
     dst = KVPool(layout, 8, torch.device("cpu"), shared=True)
     c = Copier()
     try:
-        assert dst.shm_path is not None
-        w = ShmWriter(str(dst.shm_path), layout, 8, c)
+        assert dst.shm is not None
+        w = ShmWriter(dst.shm, layout, 8, c)
         x = w.write(1, 1, src, [5, 0], [7, 2], far())
         assert not dst.data.any()  # not yet: the worker has not run
         c.tick()

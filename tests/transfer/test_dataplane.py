@@ -36,8 +36,8 @@ SRC, DST = [7, 0, 3, 9], [11, 2, 5, 0]  # scattered, out of order, page 0 includ
 def test_shm_writes_scattered_pages_exactly(dtype):
     src, dst = pools(dtype, shared=True)
     try:
-        assert dst.shm_path is not None
-        writer = ShmWriter(str(dst.shm_path), dst.layout, dst.num_pages)
+        assert dst.shm is not None
+        writer = ShmWriter(dst.shm, dst.layout, dst.num_pages)
         done = writer.write(1, 1, src, SRC, DST, deadline=0.0)
         assert done.poll(), "shm completes inside write()"
         assert done.nbytes == len(SRC) * src.layout.bytes_per_page_all_layers

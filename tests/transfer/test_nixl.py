@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import KVPool, map_shared
+from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.protocol.messages import NixlPool
 from pdserve.transfer.dataplane import PeerGone, WriteError
 from pdserve.transfer.nixl import (
@@ -56,7 +56,7 @@ class Peer:
         threading.Thread(target=self._pump, daemon=True).start()
         info = json.loads(self.readline())
         self.layout = KVLayout(dtype, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
-        self.pool = map_shared(Path(info["shm"]), self.layout, DST_PAGES)
+        self.pool = map_shared(ShmRef(**info["shm"]), self.layout, DST_PAGES)
         self.descriptor = NixlPool(
             bytes.fromhex(info["md"]), info["base"], info["device_id"], info["mem"]
         )

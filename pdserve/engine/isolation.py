@@ -1,0 +1,88 @@
+"""Isolating a failure inside a batched step to the requests it belongs to (LESSONS #16).
+
+A step runs one forward over every scheduled chunk and samples every row at once. When
+either raises, the engine does not fail the whole batch: it runs the forward again one chunk
+at a time, or samples one row at a time, and fails only the requests that raise alone. The
+others go on with the tokens they would have had: a chunk's KV and logits do not depend on
+the other chunks of its batch, and a seeded row draws from its own generator.
+
+Rerunning a chunk rewrites the KV slots the failed forward may have written, with the same
+values, so nothing half-written survives. Both paths cost a forward or a sample per chunk:
+they are for the rare failure, never the normal step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Chunk
+
+log = logging.getLogger(__name__)
+
+Fail = Callable[[Request, str], None]
+Sampler = Callable[[torch.Tensor, Sequence[Request]], tuple[list[int], list[TokenLogprob | None]]]
+
+
+def forward_each(
+    runner: ModelRunner, chunks: Sequence[Chunk], fail: Fail
+) -> tuple[torch.Tensor, list[Chunk]]:
+    """Run each chunk alone; fail those that raise. Returns the survivors' logits (one row per
+    survivor that samples, in order) and the surviving chunks."""
+    rows: list[torch.Tensor] = []
+    kept: list[Chunk] = []
+    for c in chunks:
+        try:
+            logits = runner.forward([c])
+        except Exception as e:  # noqa: BLE001 - this chunk is at fault: its request fails
+            log.warning("request %s: its chunk fails alone: %s", c.request.request_id, e)
+            fail(c.request, f"the model failed on this request: {type(e).__name__}: {e}")
+            continue
+        kept.append(c)
+        rows.append(logits)
+    vocab = runner.model.arch.vocab_size
+    if not rows:
+        return torch.empty(0, vocab, dtype=torch.float32, device=runner.device), kept
+    return torch.cat(rows), kept
+
+
+Picks = list[tuple[Request, int, TokenLogprob | None]]
+
+
+def sample_rows(
+    sample: Sampler, logits: torch.Tensor, reqs: Sequence[Request], fail: Fail
+) -> tuple[Picks, bool]:
+    """Sample the batch; if that raises, each row alone (see sample_each). Returns the picks
+    and whether the batch had to be split.
+
+    A seeded row's generator may have advanced inside the failed batch: its state is put back
+    first, so that its token is the one it would have drawn in a clean batch."""
+    seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
+    try:
+        ids, lps = sample(logits, reqs)
+        return list(zip(reqs, ids, lps, strict=True)), False
+    except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
+        log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
+    for gen, state in seeded:
+        gen.set_state(state)
+    return sample_each(sample, logits, reqs, fail), True
+
+
+def sample_each(
+    sample: Sampler, logits: torch.Tensor, reqs: Sequence[Request], fail: Fail
+) -> Picks:
+    """Sample each row alone; fail the requests whose row raises. Returns the others' picks."""
+    picked: Picks = []
+    for i, req in enumerate(reqs):
+        try:
+            (tok,), (lp,) = sample(logits[i : i + 1], [req])
+        except Exception as e:  # noqa: BLE001 - this row is at fault: its request fails
+            log.warning("request %s: its row fails to sample alone: %s", req.request_id, e)
+            fail(req, f"sampling failed for this request: {type(e).__name__}: {e}")
+            continue
+        picked.append((req, tok, lp))
+    return picked

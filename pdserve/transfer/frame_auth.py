@@ -1,0 +1,121 @@
+"""Authenticated control frames: an HMAC over every message, with replay protection.
+
+A control message on the wire is `[auth, body, *extra frames]` (extra frames: KV page bytes
+on the tcp backend). The auth frame is:
+
+    magic "PDA1" (4) | session (16) | seq (8, big-endian) | time (8, float64 unix) | mac (32)
+    | sender identity (the rest, at most 255 bytes)
+
+`session` is random per sending process and `seq` counts that process's frames (one I/O thread
+sends them all, so it only grows). `mac` = HMAC-SHA256(control sub-key, sender identity |
+session | seq | time | every frame with its length). The receiver checks, in this order and
+before anything parses the body (LESSONS #15: a stranger's frame is never read):
+1. the auth frame has the right size and magic, the sender it names is the ZMQ routing
+   identity where there is one (P's ROUTER socket), and the MAC matches (constant time);
+2. the frame is recent: |time - now| <= MAX_SKEW_S (so a captured frame is useless later);
+3. `seq` is above the last one seen from that (sender, session) (so it is useless now too).
+The receiver remembers at most MAX_SESSIONS senders' sessions; one not heard from for longer
+than the skew window is forgotten (its frames would fail check 2 anyway).
+
+Clock assumption: the hosts' clocks agree within MAX_SKEW_S (the fence margin of
+worker/decode.py asks for much less; docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from enum import Enum
+
+from pdserve.runtime.cluster_key import ClusterKey
+
+MAGIC = b"PDA1"
+_HEAD = struct.Struct(">4s16sQd")  # magic, session, seq, time
+MAC_LEN = 32
+MAX_IDENTITY = 255
+MAX_SKEW_S = 30.0
+MAX_SESSIONS = 4096
+
+
+class Refusal(Enum):
+    """Why a frame was dropped unread (counted per kind in the control stats)."""
+
+    MISSING = "auth_missing"  # no frame at all, or the auth frame has the wrong size or magic
+    WRONG_SENDER = "auth_wrong_sender"  # it names another sender than its routing identity
+    BAD_MAC = "auth_bad_mac"  # not signed with this cluster's key (or altered)
+    STALE = "auth_stale"  # outside the clock window
+    REPLAY = "auth_replay"  # a sequence number already seen from that sender
+    SESSIONS_FULL = "auth_sessions_full"  # too many live senders to remember another
+
+
+class FrameAuth:
+    """Signs outgoing frames and checks incoming ones; used by the control I/O thread only."""
+
+    def __init__(self, key: ClusterKey, identity: str) -> None:
+        self._mac_key = key.derive("control")
+        self._identity = identity.encode()
+        if len(self._identity) > MAX_IDENTITY:
+            raise ValueError(f"a control identity is at most {MAX_IDENTITY} bytes")
+        self._session = secrets.token_bytes(16)
+        self._seq = 0
+        # (sender, session) -> (last seq, last time heard), least recently heard first.
+        self._seen: OrderedDict[tuple[bytes, bytes], tuple[int, float]] = OrderedDict()
+
+    def _mac(self, sender: bytes, head: bytes, frames: Sequence[bytes]) -> bytes:
+        h = hmac.new(self._mac_key, digestmod=hashlib.sha256)
+        h.update(struct.pack(">H", len(sender)) + sender + head)
+        for f in frames:
+            h.update(struct.pack(">Q", len(f)))
+            h.update(f)
+        return h.digest()
+
+    def sign(self, frames: Sequence[bytes]) -> list[bytes]:
+        """`[auth, *frames]` for sending as one multipart message."""
+        self._seq += 1
+        head = _HEAD.pack(MAGIC, self._session, self._seq, time.time())
+        return [head + self._mac(self._identity, head, frames) + self._identity, *frames]
+
+    def check(self, routing_id: str | None, parts: Sequence[bytes]) -> Refusal | None:
+        """None if `parts` ([auth, *frames]) is a fresh frame signed by a member of this cluster.
+
+        `routing_id`: the sender's ZMQ identity where the socket reports one (a ROUTER); the
+        frame must name the same sender."""
+        fixed = _HEAD.size + MAC_LEN
+        if not parts or not fixed <= len(parts[0]) <= fixed + MAX_IDENTITY:
+            return Refusal.MISSING
+        auth = parts[0]
+        head, mac = auth[: _HEAD.size], auth[_HEAD.size : _HEAD.size + MAC_LEN]
+        sender = auth[_HEAD.size + MAC_LEN :]
+        magic, session, seq, sent_at = _HEAD.unpack(head)
+        if magic != MAGIC:
+            return Refusal.MISSING
+        if routing_id is not None and sender != routing_id.encode():
+            return Refusal.WRONG_SENDER
+        if not hmac.compare_digest(mac, self._mac(sender, head, parts[1:])):
+            return Refusal.BAD_MAC
+        now = time.time()
+        if not abs(now - sent_at) <= MAX_SKEW_S:  # `not <=` also refuses NaN
+            return Refusal.STALE
+        key = (sender, session)
+        last = self._seen.get(key)
+        if last is not None and seq <= last[0]:
+            return Refusal.REPLAY
+        if last is None and not self._make_room(now):
+            return Refusal.SESSIONS_FULL
+        self._seen[key] = (seq, now)
+        self._seen.move_to_end(key)
+        return None
+
+    def _make_room(self, now: float) -> bool:
+        """Forget sessions silent for longer than the skew window; False if still full."""
+        while self._seen:
+            _, (_, heard) = next(iter(self._seen.items()))
+            if now - heard <= 2 * MAX_SKEW_S:
+                break
+            self._seen.popitem(last=False)
+        return len(self._seen) < MAX_SESSIONS

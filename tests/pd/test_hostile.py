@@ -1,0 +1,245 @@
+"""Issue 17's reproductions against a live prefill/decode pair: nothing stops the cluster.
+
+A stranger on P's control port cannot make P touch a file (or a live decode pool); a member
+with the key can name only a pdserve pool; the requests that used to kill a worker's control
+or engine thread are refused, and afterwards the pair serves the same tokens as before, with
+every thread alive and never restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pdserve.protocol import messages as m
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.transfer.control import Control, Inbound
+from tests.pd.conftest import CHUNK, PD, tokens
+from tests.procs import ServerProcess, http, worker_args
+
+PROMPT = list(range(5, 5 + CHUNK + 7))
+REPEAT = 8  # more than the supervisor's restart budget (5): a dying thread would show
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_dir, tmp_path_factory) -> Iterator[PD]:
+    logs = tmp_path_factory.mktemp("pd-hostile")
+    common = worker_args(tiny_dir, "shm", CHUNK)
+    with (
+        ServerProcess(["serve", "--role", "prefill", *common], logs / "p.log") as p,
+        ServerProcess(["serve", "--role", "decode", *common], logs / "d.log") as d,
+    ):
+        control = http("GET", p.url + "/info")[1]["control"]
+        yield PD(p, d, control, "shm")
+
+
+@pytest.fixture(scope="module")
+def baseline(pd: PD) -> list[int]:
+    return tokens(pd.generate("baseline", PROMPT))
+
+
+class Member:
+    """A client of P's control port that holds the cluster key (an insider, or a test)."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.address = address
+        self.got: list[m.Msg] = []
+        key = ClusterKey.from_env(None)
+        assert key is not None  # tests/conftest.py gives the run a key
+        self.control = Control(name, self._on, lambda *a: None, key)
+
+    def _on(self, inbound: Inbound) -> None:
+        self.got.append(inbound.msg)
+
+    def ask(self, msg: m.Msg, want: type, n: int = 1, timeout_s: float = 10.0) -> list:
+        self.control.send(self.address, msg)
+        deadline = time.monotonic() + timeout_s
+        while len([x for x in self.got if isinstance(x, want)]) < n:
+            assert time.monotonic() < deadline, f"no {want.__name__} from P: {self.got}"
+            self.control.tick()
+        return [x for x in self.got if isinstance(x, want)]
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def threads_unhurt(url: str) -> None:
+    state = http("GET", url + "/debug/state", timeout=10)[1]
+    assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
+    assert http("GET", url + "/health")[0] == 200
+
+
+def serving_as_before(pd: PD, baseline: list[int]) -> None:
+    assert tokens(pd.generate(f"after-{time.monotonic_ns()}", PROMPT)) == baseline
+    pd.wait_quiet()
+    threads_unhurt(pd.p.url)
+    threads_unhurt(pd.d.url)
+
+
+def p_role(pd: PD) -> dict:
+    return http("GET", pd.p.url + "/debug/state", timeout=10)[1]["engine"]["role"]
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    path = tmp_path / "victim"
+    path.write_bytes(b"precious" * 4096)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        yield path, fd
+    finally:
+        os.close(fd)
+
+
+def layout_of(pd: PD) -> dict:
+    return http("GET", pd.p.url + "/info")[1]["layout"]
+
+
+def test_a_stranger_cannot_make_p_write_a_file(pd, baseline, victim):
+    path, fd = victim
+    before = p_role(pd)["control"]["dropped"].get("auth_missing", 0)
+    evil = zmq.Context.instance().socket(zmq.DEALER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.setsockopt(zmq.IDENTITY, b"stranger")
+    evil.connect(pd.control)
+    try:
+        ref = m.ShmPool(pid=os.getpid(), fd=fd, token="0" * 32)
+        register = m.Register(layout=layout_of(pd), backend="shm", shm=ref, num_pages=64)
+        request = m.PrefillRequest(
+            room=1, prompt_ids=[1, 2, 3], dst_pages=[0], params={}, write_deadline=time.time() + 30
+        )
+        for msg in (register, request):
+            evil.send_multipart([m.encode(msg)])
+        deadline = time.monotonic() + 10
+        while p_role(pd)["control"]["dropped"].get("auth_missing", 0) < before + 2:
+            assert time.monotonic() < deadline, p_role(pd)["control"]
+            time.sleep(0.05)
+    finally:
+        evil.close(0)
+    role = p_role(pd)
+    assert "stranger" not in [p["identity"] for p in role["peers"]]
+    assert path.read_bytes() == b"precious" * 4096
+    serving_as_before(pd, baseline)
+
+
+def test_a_member_can_name_only_a_pdserve_pool(pd, baseline, victim):
+    path, fd = victim
+    d_pid = http("GET", pd.d.url + "/info")[1]["pid"]
+    member = Member(pd.control, "member-" + secrets.token_hex(3))
+    try:
+        layout = layout_of(pd)
+        refs = [
+            m.ShmPool(pid=os.getpid(), fd=fd, token="0" * 32),  # any file of ours
+            *(m.ShmPool(pid=d_pid, fd=n, token="0" * 32) for n in range(3, 20)),  # D's pool?
+        ]
+        for i, ref in enumerate(refs):
+            acks = member.ask(
+                m.Register(layout=layout, backend="shm", shm=ref, num_pages=64),
+                m.RegisterAck,
+                i + 1,
+            )
+            assert not acks[-1].ok and str(path) not in (acks[-1].error or "")
+        rejects = member.ask(
+            m.PrefillRequest(
+                room=7,
+                prompt_ids=PROMPT,
+                dst_pages=list(range(8)),
+                params={},
+                write_deadline=time.time() + 30,
+            ),
+            m.PrefillReject,
+        )
+        assert rejects[0].unregistered
+    finally:
+        member.close()
+    refused = p_role(pd)["registrations_refused"]
+    assert len(refused) >= 1 and all(str(path) not in r["why"] for r in refused)
+    assert "pdserve KV pool" in refused[-1]["why"]
+    assert path.read_bytes() == b"precious" * 4096
+    serving_as_before(pd, baseline)
+
+
+def _generate_raw(pd: PD, body: dict) -> tuple[int, object]:
+    return http("POST", pd.d.url + "/generate", body, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill": [1]},
+        {"prefill": "file:///etc/passwd"},
+        {"params": {"max_tokens": 4, "stop_token_ids": [1180591620717411303424]}},
+        {"params": {"max_tokens": 4, "top_k": 2**64}},
+        {"params": {"max_tokens": 4, "seed": "x"}},
+        {"params": {"max_tokens": 4, "temperature": float("nan")}},
+        {"timeout_s": float("nan")},
+        {"timeout_s": -1},
+    ],
+    ids=lambda c: str(c)[:40],
+)
+def test_hostile_generate_bodies_are_refused(pd, baseline, change):
+    for i in range(REPEAT):
+        body = {
+            "request_id": f"hostile-{i}-{time.monotonic_ns()}",
+            "prompt_ids": [3, 4, 5],
+            "params": {"max_tokens": 4},
+            "prefill": pd.control,
+            **change,
+        }
+        status, reply = _generate_raw(pd, body)
+        assert status == 400, reply
+        assert isinstance(reply, dict) and reply["error"]["type"] == "invalid_request_error"
+    serving_as_before(pd, baseline)
+
+
+def test_hostile_prefill_requests_are_rejected(pd, baseline):
+    member = Member(pd.control, "member-" + secrets.token_hex(3))
+    try:
+        acks = member.ask(
+            m.Register(layout=layout_of(pd), backend="tcp", num_pages=64), m.RegisterAck
+        )
+        assert acks[0].ok, acks
+        soon = time.time() + 30
+        bad = [
+            {"params": {"seed": "x"}},
+            {"params": {"top_k": 2**63}},
+            {"params": {"temperature": "hot"}},
+            {"params": {"stop_token_ids": [-1]}},
+            {"prompt_ids": [10**6]},
+            {"prompt_ids": []},
+            {"dst_pages": [10**9]},
+            {"write_deadline": float("nan")},
+            {"write_deadline": float("inf")},
+        ]
+        for i, change in enumerate(bad * 1):
+            fields = {
+                "room": 100 + i,
+                "prompt_ids": PROMPT,
+                "dst_pages": list(range(8)),
+                "params": {"max_tokens": 1},
+                "write_deadline": soon,
+                **change,
+            }
+            rejects = member.ask(m.PrefillRequest(**fields), m.PrefillReject, i + 1)
+            assert rejects[-1].room == 100 + i, (change, rejects[-1])
+        for i in range(REPEAT):  # the seed that used to kill P's engine thread, past its budget
+            member.ask(
+                m.PrefillRequest(
+                    room=200 + i,
+                    prompt_ids=PROMPT,
+                    dst_pages=list(range(8)),
+                    params={"seed": "x"},
+                    write_deadline=soon,
+                ),
+                m.PrefillReject,
+                len(bad) + i + 1,
+            )
+    finally:
+        member.close()
+    serving_as_before(pd, baseline)

@@ -1,0 +1,120 @@
+"""The control plane against strangers and bad messages: dropped unread, threads unhurt."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.protocol.messages import Msg, Ping, Register, encode
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.supervisor import Supervisor
+from pdserve.transfer.control import Control, Inbound
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class Side:
+    def __init__(self, name: str, key: ClusterKey, raise_on: int | None = None) -> None:
+        self.got: list[Msg] = []
+        self.failed: list[tuple[str, str]] = []
+        self.raise_on = raise_on
+        self.control = Control(name, self.on_message, self.on_failed, key)
+
+    def on_message(self, inbound: Inbound) -> None:
+        if isinstance(inbound.msg, Ping) and inbound.msg.nonce == self.raise_on:
+            raise RuntimeError("a handler bug")
+        self.got.append(inbound.msg)
+
+    def on_failed(self, peer: str, msg: Msg, why: str) -> None:
+        self.failed.append((type(msg).__name__, why))
+
+    def nonces(self) -> list[int]:
+        return [m.nonce for m in self.got if isinstance(m, Ping)]
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[Side, Side, Supervisor]]:
+    key = ClusterKey(secrets.token_bytes(32))
+    p, d = Side("p-test", key, raise_on=13), Side("d-test", key)
+    p.control.bind("127.0.0.1", 0)
+    sup = Supervisor(restart_budget=0)
+    sup.spawn("control-p", p.control.tick)
+    sup.spawn("control-d", d.control.tick)
+    try:
+        yield p, d, sup
+    finally:
+        assert sup.stop(2.0) == []
+        p.control.close()
+        d.control.close()
+
+
+def unhurt(sup: Supervisor) -> bool:
+    return all(t["alive"] and t["crashes"] == 0 for t in sup.snapshot())
+
+
+def test_a_stranger_s_frames_are_dropped_unread(sides):
+    p, d, sup = sides
+    ctx = zmq.Context.instance()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.IDENTITY, b"d-stranger")
+    stranger.connect(p.control.address)
+    evil = Register(layout={}, backend="shm")
+    try:
+        stranger.send_multipart([encode(evil)])  # no auth frame at all
+        stranger.send_multipart([b"\x00" * 80, encode(evil)])  # a forged one
+        other = Side("d-stranger", ClusterKey(secrets.token_bytes(32)))  # another cluster's key
+        stranger.send_multipart(other.control.auth.sign([encode(evil)]))
+        other.control.close()
+        wait_until(lambda: sum(dict(p.control.stats.dropped).values()) == 3)
+        assert p.control.stats.dropped == {"auth_missing": 2, "auth_bad_mac": 1}
+        assert p.got == [] and p.control.stats.received == {}
+        d.control.send(p.control.address, Ping(nonce=1))  # a member still gets through
+        wait_until(lambda: p.nonces() == [1])
+        assert unhurt(sup)
+    finally:
+        stranger.close(0)
+
+
+def test_a_message_that_cannot_be_encoded_fails_alone(sides):
+    p, d, sup = sides
+    d.control.send(p.control.address, Ping(nonce=2**70))  # msgpack has no such integer
+    d.control.send(p.control.address, Ping(nonce=2))
+    wait_until(lambda: p.nonces() == [2])
+    assert d.failed and d.failed[0][0] == "Ping" and "cannot encode" in d.failed[0][1]
+    assert d.control.stats.encode_failed == 1 and unhurt(sup)
+
+
+def test_a_handler_that_raises_costs_one_message(sides):
+    p, d, sup = sides
+    for n in (12, 13, 14):
+        d.control.send(p.control.address, Ping(nonce=n))
+    wait_until(lambda: p.nonces() == [12, 14])
+    assert p.control.stats.handler_errors == 1 and unhurt(sup)
+
+
+def test_a_replayed_member_frame_is_dropped(sides):
+    p, d, sup = sides
+    signed = d.control.auth.sign([msgspec.msgpack.encode(Ping(nonce=7))])
+    ctx = zmq.Context.instance()
+    replayer = ctx.socket(zmq.DEALER)
+    replayer.setsockopt(zmq.LINGER, 0)
+    replayer.setsockopt(zmq.IDENTITY, b"d-test")  # d itself has not connected: no clash
+    replayer.connect(p.control.address)
+    try:
+        replayer.send_multipart(signed)
+        replayer.send_multipart(signed)  # captured and sent again
+        wait_until(lambda: p.control.stats.dropped.get("auth_replay") == 1)
+        assert p.nonces() == [7] and unhurt(sup)
+    finally:
+        replayer.close(0)
