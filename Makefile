@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean lint
+.PHONY: run test test-fast setup clean lint
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: $(STAMP)
 
 test: $(STAMP) lint
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q --durations=15 tests
+
+# The fast tier for a developer's loop: every test that starts no process (tests/conftest.py
+# marks the others `process`), well under a minute, no lint.
+test-fast: $(STAMP)
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -m "not process" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks

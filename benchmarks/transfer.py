@@ -39,7 +39,7 @@ from pdserve.protocol.messages import NixlPool  # noqa: E402
 from pdserve.transfer.dataplane import ShmWriter  # noqa: E402
 from pdserve.transfer.nixl import NixlAgent, NixlWriter  # noqa: E402
 
-LAYOUT = KVLayout("bfloat16", page_size=16, num_layers=24, num_kv_heads=2, head_dim=64)
+LAYOUT = KVLayout.llama("bfloat16", page_size=16, num_layers=24, num_kv_heads=2, head_dim=64)
 
 
 def peer_main(num_pages: int, raw_bytes: int, device: str) -> None:
@@ -69,7 +69,7 @@ def peer_main(num_pages: int, raw_bytes: int, device: str) -> None:
 
 
 def checksum(pool: KVPool, pages: list[int]) -> int:
-    return sum(int(pool.page(p).view(torch.uint8).long().sum()) for p in pages)
+    return sum(int(pool.page(p).long().sum()) for p in pages)
 
 
 def timed(fn) -> float:
@@ -94,7 +94,7 @@ def main() -> None:
 
     pages = args.tokens // LAYOUT.page_size
     pool_pages = 4 * pages
-    nbytes = pages * LAYOUT.bytes_per_page_all_layers
+    nbytes = pages * LAYOUT.page_bytes
     g = torch.Generator().manual_seed(args.seed)
     src_pages = torch.randperm(pool_pages, generator=g)[:pages].tolist()
     dst_pages = torch.randperm(pool_pages, generator=g)[:pages].tolist()
@@ -114,7 +114,7 @@ def main() -> None:
                 raise SystemExit("the decode-side peer exited before it was ready")
         info = json.loads(line[5:])
         src = KVPool(LAYOUT, pool_pages, dev)
-        src.data.copy_(torch.randn(src.data.shape, generator=g).to(src.data.dtype))
+        src.data.copy_(torch.randint(0, 256, tuple(src.data.shape), dtype=torch.uint8, generator=g))
         agent = NixlAgent(f"bench-p-{os.getpid()}", src)
         remote = NixlPool(bytes.fromhex(info["md"]), info["base"], 0, info["mem"])
         mem = info["mem"]
@@ -169,7 +169,7 @@ def main() -> None:
             for name, fn in methods if i % 2 == 0 else methods[::-1]:  # no fixed order bias
                 results[name].append(timed(fn))
         # The bytes really landed (checked once, outside the timing).
-        src.data[src_pages[0]].fill_(1.5)  # so that a stale copy cannot pass
+        src.page(src_pages[0]).fill_(0xA5)  # so that a stale copy cannot pass
         pdserve_nixl()
         peer.stdin.write(f"check {json.dumps(dst_pages)}\n")
         peer.stdin.flush()
@@ -197,7 +197,7 @@ def main() -> None:
             "bytes": nbytes,
             "pages": pages,
             "descriptors_per_write": pages,
-            "descriptor_bytes": LAYOUT.bytes_per_page_all_layers,
+            "descriptor_bytes": LAYOUT.page_bytes,
         },
         "median_s": {k: round(v, 6) for k, v in med.items()},
         "GB_per_s": {k: round(v, 3) for k, v in gbps.items()},

@@ -18,7 +18,7 @@ from pdserve.config import (
     resolve_device,
 )
 from pdserve.launch import add_launch_command
-from pdserve.router.cli import add_router_command
+from pdserve.router.cli import add_api_key_args, add_router_command
 from pdserve.tools.chaos import add_chaos_command
 from pdserve.tools.doctor import add_doctor_command
 
@@ -87,6 +87,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.app import run_server
+    from pdserve.server.auth import load_api_key
 
     if args.backend == "nixl" and args.role == "decode":
         from pdserve.transfer.nixl import INSTALL_HINT, nixl_available
@@ -107,6 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         debug_faults=args.debug_faults,
         cluster_key_file=args.cluster_key_file,
+        api_key=load_api_key(args.api_key, args.api_key_file),
+        protect_health=args.protect_health,
     )
     from pdserve.transfer.nixl import BackendUnavailable
 
@@ -183,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="let POST /debug/faults set fault points at run time (tests and chaos only)",
     )
     add_key_arg(sv)
+    add_api_key_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)

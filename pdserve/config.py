@@ -69,6 +69,8 @@ class ServerConfig:
     # Prefill and decode workers need one; a co-located server without one leaves its
     # worker API and /debug/* open (it then should listen on loopback only).
     cluster_key_file: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
+    protect_health: bool = False  # /health and /metrics need a key too
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

@@ -45,6 +45,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def add_launch_command(sub: Any) -> None:
     """Register `launch` on the subparsers object of `pdserve`'s top-level parser."""
     from pdserve.cli import add_engine_args  # not at the top: pdserve.cli imports us
+    from pdserve.router.cli import add_api_key_args
     from pdserve.router.policy import POLICIES
 
     p: argparse.ArgumentParser = sub.add_parser(
@@ -77,6 +78,7 @@ def add_launch_command(sub: Any) -> None:
         help="torch threads per decode (or co-located) worker",
     )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
+    add_api_key_args(p)
     p.add_argument(
         "--cluster-key-file",
         default=None,
@@ -102,6 +104,7 @@ def add_launch_command(sub: Any) -> None:
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.model.builtin import resolve_model
     from pdserve.runtime.launcher import LaunchConfig, Launcher
+    from pdserve.server.auth import load_api_key
 
     workers = args.prefill + args.decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -115,6 +118,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         key_file = str(log_dir / "cluster.key")
         Path(key_file).unlink(missing_ok=True)  # a log dir used again: a new cluster, a new key
         generate(key_file)
+    api_key_file = None
+    api_key = load_api_key(args.api_key, args.api_key_file)
+    if api_key is not None:  # to the router in a 0600 file: never on a command line
+        api_key_file = log_dir / "api.key"
+        api_key_file.unlink(missing_ok=True)
+        fd = os.open(api_key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(api_key + "\n")
     cfg = LaunchConfig(
         model_path=str(resolve_model(args.model)),
         served_model_name=args.served_model_name or args.model,
@@ -126,6 +137,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         engine_flags=engine_flags(args),
         log_dir=log_dir,
         cluster_key_file=str(Path(key_file).resolve()),
+        api_key_file=str(api_key_file.resolve()) if api_key_file else None,
         host=args.host,
         port=args.port,
         backend=args.backend,

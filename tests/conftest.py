@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,3 +66,43 @@ def tiny_server(
         log,
     ) as srv:
         yield srv
+
+
+# -- the fast tier --------------------------------------------------------------------------
+# `make test-fast` runs what starts no process (`-m "not process"`). A test is marked
+# `process` when its own code or any fixture it uses (transitively) starts one; found by
+# reading their source at collection, so a new test cannot forget to say so.
+_STARTS_PROCESSES = re.compile(r"ServerProcess\(|LaunchedCluster\(|subprocess\.|Popen\(|\bPeer\(")
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """The test, the fixtures it uses, and the module-level functions either of them calls."""
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        for name in item.fixturenames:  # type: ignore[attr-defined]
+            funcs += [d.func for d in info.name2fixturedefs.get(name, ())]
+    for f in list(funcs):
+        code, scope = getattr(f, "__code__", None), getattr(f, "__globals__", {})
+        if code is not None:
+            funcs += [scope[n] for n in code.co_names if inspect.isfunction(scope.get(n))]
+    for f in funcs:
+        if f is None:
+            continue
+        try:
+            src = inspect.getsource(f)
+        except (OSError, TypeError):
+            continue
+        if _STARTS_PROCESSES.search(src):
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "process: starts real pdserve (or helper) processes")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.process)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -98,6 +99,9 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--out", default=None, help="write summary + per-request records (JSON)")
     p.add_argument("--plot", default=None, help="write latency CDFs and throughput (PNG)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY)"
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -113,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             model=args.model,
             ignore_eos=not args.no_ignore_eos,
             request_timeout_s=args.request_timeout,
+            api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
         ),
         dataset=DatasetConfig(
             name=args.dataset,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import aiohttp
@@ -28,6 +28,7 @@ class ClientConfig:
     ignore_eos: bool = True  # generate exactly the requested output length (vLLM extension)
     request_timeout_s: float = 600.0  # a whole request, first byte to [DONE]
     connect_timeout_s: float = 10.0
+    api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -40,6 +41,10 @@ class ClientConfig:
     @cached_property
     def timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.request_timeout_s, connect=self.connect_timeout_s)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def api_url(self) -> str:

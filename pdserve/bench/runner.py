@@ -75,7 +75,7 @@ async def run_workloads(
     # aiohttp's default pool of 100 connections would silently queue an uncapped run.
     limit = 0 if any(c is None for c in caps) else sum(c for c in caps if c is not None)
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=client.headers) as session:
         model = client.model or await discover_model(session, client.url)
         warm = await _warm_up(session, client, model, workloads, warmup)
         total = sum(len(w.requests) for w in workloads)

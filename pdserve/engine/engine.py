@@ -102,7 +102,7 @@ class Engine:
         dtype = getattr(torch, cfg.model.dtype)
         model = load_model(Path(cfg.model.path), dtype, device)
         arch = model.arch
-        layout = KVLayout(
+        layout = KVLayout.llama(
             dtype=cfg.model.dtype,
             page_size=cfg.cache.page_size,
             num_layers=arch.num_layers,
@@ -116,7 +116,7 @@ class Engine:
             num_pages,
             layout.page_size,
             pool.capacity_tokens,
-            pool.data.numel() * layout.itemsize / 2**20,
+            pool.data.numel() / 2**20,
         )
         return cls(cfg, model, pool, eos_token_ids)
 

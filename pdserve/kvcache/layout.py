@@ -1,92 +1,329 @@
-"""The KV layout descriptor: one description of a paged KV pool, derived from its real tensors.
+"""The KV layout descriptor: which typed buffers a paged KV pool holds, and where in a page.
 
-Everything that touches KV bytes (the pool, a host tier, a transfer backend) computes offsets
-from this descriptor, never from class constants. Two pools can exchange pages only if their
-descriptors agree field by field; `mismatch` names the first field that differs.
+A layer's KV is a set of named buffers, each with its own per-token shape and dtype, and a
+buffer may exist in some layers only (Llama: "k" and "v" [kv_heads, head_dim] in every layer;
+DeepSeek MLA: one "latent" [1, 576]; V3.2's indexer adds "index_k" in fp8 with a float32
+"index_k_scale" beside it). A page is ONE contiguous run of `page_bytes` bytes holding
+`page_size` tokens of every (layer, buffer), layer-major, each region starting on an `ALIGN`
+boundary so that a typed view of it is aligned for every dtype:
+
+    page = [layer 0: buf a | pad | buf b | pad] [layer 1: buf a | pad] ...   (page_bytes)
+
+Everything that touches KV bytes (the pool, a host tier, a transfer backend) takes offsets and
+sizes from this descriptor, never from class constants: a bf16 buffer is never moved as fp8.
+Two pools exchange pages only if their descriptors agree; `mismatch` names the buffer and the
+field that differ. `from_dict` reads a peer's descriptor and raises only ValueError.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
+
+ALIGN = 64  # bytes: every region starts on this boundary (a cache line; any dtype's alignment)
+# Bounds on a descriptor, so that a peer's cannot make us compute or allocate without end.
+MAX_BUFFERS = 32
+MAX_LAYERS = 1024
+MAX_PAGE_SIZE = 1 << 16
+MAX_NDIM = 4
+MAX_DIM = 1 << 20
+MAX_NAME = 64
+MAX_TP = 1 << 16
+MAX_PAGE_BYTES = 1 << 32
+
+# The dtypes a buffer may have: plain numeric types that a byte slice can be viewed as.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def _int(what: str, v: object, lo: int, hi: int) -> int:
+    """`v` as an int in [lo, hi], or ValueError (bools are not ints here)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{what} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        shown = v if v.bit_length() <= 64 else f"a {v.bit_length()}-bit int"  # not 4,000 digits
+        raise ValueError(f"{what} must be in [{lo}, {hi}], got {shown}")
+    return v
+
+
+def _ints(what: str, v: object, max_len: int, lo: int, hi: int) -> tuple[int, ...]:
+    if not isinstance(v, tuple):
+        raise ValueError(f"{what} must be a tuple of ints, got {type(v).__name__}")
+    if not 1 <= len(v) <= max_len:
+        raise ValueError(f"{what} must have 1 to {max_len} entries, got {len(v)}")
+    return tuple(_int(f"{what}[{i}]", x, lo, hi) for i, x in enumerate(v))
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One named KV buffer: `shape` per token, of `dtype`, in `layers` (None: every layer)."""
+
+    name: str
+    shape: tuple[int, ...]  # per token, e.g. (num_kv_heads, head_dim)
+    dtype: str  # a name in DTYPES, e.g. "bfloat16"
+    layers: tuple[int, ...] | None = None  # strictly increasing layer indices
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 1 <= len(self.name) <= MAX_NAME:
+            raise ValueError(f"buffer name must be a string of 1 to {MAX_NAME} characters")
+        if not (self.name.isascii() and self.name.replace("_", "").replace(".", "").isalnum()):
+            raise ValueError(f"buffer name {self.name!r}: use letters, digits, '_' and '.'")
+        what = f"buffer {self.name!r}"
+        _ints(f"{what} shape", self.shape, MAX_NDIM, 1, MAX_DIM)
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"{what} dtype must be a string, got {type(self.dtype).__name__}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{what} dtype {self.dtype[:32]!r} is not one of {sorted(DTYPES)}")
+        if self.layers is not None:
+            layers = _ints(f"{what} layers", self.layers, MAX_LAYERS, 0, MAX_LAYERS - 1)
+            if any(a >= b for a, b in zip(layers, layers[1:], strict=False)):
+                raise ValueError(f"{what} layers must be strictly increasing, got {layers}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token of this buffer occupies in one layer."""
+        return math.prod(self.shape) * self.itemsize
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "layers": None if self.layers is None else list(self.layers),
+        }
+
+    @classmethod
+    def from_dict(cls, d: object) -> BufferSpec:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a buffer must be a dict, got {type(d).__name__}")
+        # Any: __post_init__ checks every value's type (a peer's dict holds anything).
+        kw: dict[Any, Any] = {
+            k: tuple(v) if isinstance(v, list | tuple) else v for k, v in d.items()
+        }
+        try:
+            return cls(**kw)
+        except TypeError as e:  # missing or unknown keys, non-string keys
+            raise ValueError(f"buffer: {e}") from None
+
+
+class Region(NamedTuple):
+    """Where one (layer, buffer) lives inside a page."""
+
+    layer: int
+    spec: BufferSpec
+    offset: int  # bytes from the page's start, a multiple of ALIGN
+    nbytes: int  # page_size tokens of it: page_size * spec.token_bytes
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a paged pool: `num_pages` pages of `page_size` tokens for every layer and buffer.
+    """A paged pool's contents: `buffers` for `page_size` tokens, in each of `num_layers`."""
 
-    Each (layer, buffer) is a view [num_pages, page_size, num_kv_heads, head_dim]; one page
-    of all of them is [num_layers, buffers, page_size, num_kv_heads, head_dim], contiguous.
-    """
-
-    dtype: str  # torch dtype name, e.g. "float32"
+    buffers: tuple[BufferSpec, ...]
     page_size: int
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    buffers: tuple[str, ...] = ("k", "v")
     tp_rank: int = 0
     tp_size: int = 1
+    # Derived in __post_init__: every (layer, buffer) region in page order, and the page size.
+    regions: tuple[Region, ...] = field(init=False, repr=False, compare=False)
+    page_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"KVLayout.tp_rank {self.tp_rank} outside [0, {self.tp_size})")
-        if not self.buffers:
-            raise ValueError("KVLayout.buffers must name at least one buffer")
-        _ = self.torch_dtype  # validates the dtype name
+        _int("KVLayout.page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        _int("KVLayout.num_layers", self.num_layers, 1, MAX_LAYERS)
+        _int("KVLayout.tp_size", self.tp_size, 1, MAX_TP)
+        _int("KVLayout.tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        if not isinstance(self.buffers, tuple) or not 1 <= len(self.buffers) <= MAX_BUFFERS:
+            raise ValueError(f"KVLayout.buffers must be a tuple of 1 to {MAX_BUFFERS} buffers")
+        if not all(isinstance(b, BufferSpec) for b in self.buffers):
+            raise ValueError("KVLayout.buffers must hold BufferSpecs")
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"KVLayout.buffers: duplicate names in {names}")
+        for b in self.buffers:
+            if b.layers is not None and b.layers[-1] >= self.num_layers:
+                raise ValueError(
+                    f"KVLayout: buffer {b.name!r} names layer {b.layers[-1]}, "
+                    f"but there are {self.num_layers} layers"
+                )
+        present = [set(self.layers_of(b.name)) for b in self.buffers]
+        regions: list[Region] = []
+        offset = 0
+        for layer in range(self.num_layers):
+            for b, layers in zip(self.buffers, present, strict=True):
+                if layer in layers:
+                    nbytes = self.page_size * b.token_bytes
+                    regions.append(Region(layer, b, offset, nbytes))
+                    offset = _align(offset + nbytes)
+        if offset > MAX_PAGE_BYTES:
+            raise ValueError(f"KVLayout: a page of {offset} bytes exceeds {MAX_PAGE_BYTES}")
+        object.__setattr__(self, "regions", tuple(regions))
+        object.__setattr__(self, "page_bytes", offset)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not a torch dtype")
-        return dt
+    @classmethod
+    def llama(
+        cls,
+        dtype: str,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> KVLayout:
+        """The Llama family: "k" and "v", each [num_kv_heads, head_dim] of `dtype`, every layer."""
+        shape = (num_kv_heads, head_dim)
+        return cls(
+            (BufferSpec("k", shape, dtype), BufferSpec("v", shape, dtype)),
+            page_size,
+            num_layers,
+            tp_rank,
+            tp_size,
+        )
 
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+    # -- where things are -------------------------------------------------------------------
+    def buffer(self, name: str) -> BufferSpec:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(f"the KV layout has no buffer {name!r}")
 
-    @property
-    def token_bytes(self) -> int:
-        """Bytes one token occupies in one (layer, buffer)."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
+    def region(self, layer: int, name: str) -> Region:
+        """Where buffer `name` of `layer` lives in a page; KeyError if that layer lacks it."""
+        for r in self.regions:
+            if r.layer == layer and r.spec.name == name:
+                return r
+        raise KeyError(f"layer {layer} of the KV layout has no buffer {name!r}")
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page in one (layer, buffer)."""
-        return self.page_size * self.token_bytes
+    def layers_of(self, name: str) -> tuple[int, ...]:
+        b = self.buffer(name)
+        return tuple(range(self.num_layers)) if b.layers is None else b.layers
 
     @property
     def bytes_per_page_all_layers(self) -> int:
-        return self.page_bytes * self.num_layers * len(self.buffers)
+        """The same as page_bytes (its name before layouts had typed buffers)."""
+        return self.page_bytes
 
-    def mismatch(self, other: KVLayout) -> str | None:
-        """The first differing field as 'name: ours vs theirs', or None when compatible."""
-        for f in fields(self):
-            if f.name == "tp_rank":
-                continue
-            a, b = getattr(self, f.name), getattr(other, f.name)
+    # -- the Llama family's fields, for code written for one dtype and one K/V shape ----------
+    @property
+    def dtype(self) -> str:
+        """The dtype every buffer shares; ValueError if they differ."""
+        dtypes = {b.dtype for b in self.buffers}
+        if len(dtypes) != 1:
+            raise ValueError(f"the KV layout's buffers have several dtypes: {sorted(dtypes)}")
+        return dtypes.pop()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._kv_shape()[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self._kv_shape()[1]
+
+    def _kv_shape(self) -> tuple[int, int]:
+        k = self.buffer("k")
+        if len(k.shape) != 2:
+            raise ValueError(f"buffer 'k' is {k.shape} per token, not [kv_heads, head_dim]")
+        return k.shape[0], k.shape[1]
+
+    # -- comparing and shipping -------------------------------------------------------------
+    def mismatch(self, other: KVLayout, ours: str = "ours", theirs: str = "theirs") -> str | None:
+        """What differs, as 'field: ours vs theirs' or "buffer 'x' field: ours vs theirs"; None
+        when pages can move between the two. `ours`/`theirs` name the sides in the message."""
+        for name in ("page_size", "num_layers", "tp_size"):
+            a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                return f"{f.name}: {a!r} vs {b!r}"
+                return f"{name}: {a!r} vs {b!r}"
+        mine = {b.name: b for b in self.buffers}
+        yours = {b.name: b for b in other.buffers}
+        for name, a in mine.items():
+            if name not in yours:
+                return f"buffer {name!r} missing on {theirs}"
+            b = yours[name]
+            for f in ("dtype", "shape"):
+                if getattr(a, f) != getattr(b, f):
+                    return f"buffer {name!r} {f}: {getattr(a, f)!r} vs {getattr(b, f)!r}"
+            if self.layers_of(name) != other.layers_of(name):
+                return f"buffer {name!r} layers: {self._show_layers(a)} vs {other._show_layers(b)}"
+        for name in yours:
+            if name not in mine:
+                return f"buffer {name!r} missing on {ours}"
+        if list(mine) != list(yours):
+            return f"buffer order: {list(mine)} vs {list(yours)}"
+        if self.page_bytes != other.page_bytes:  # the same buffers placed differently
+            return f"page_bytes: {self.page_bytes} vs {other.page_bytes}"
         return None
 
+    def _show_layers(self, b: BufferSpec) -> str:
+        return "all" if len(self.layers_of(b.name)) == self.num_layers else repr(b.layers)
+
     def to_dict(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            "buffers": [b.to_dict() for b in self.buffers],
+            "page_size": self.page_size,
+            "num_layers": self.num_layers,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> KVLayout:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+    def from_dict(cls, d: object) -> KVLayout:
+        """A peer's descriptor (as `to_dict` wrote it); ValueError, never anything else, if it
+        is not a valid one."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"KVLayout: a dict expected, got {type(d).__name__}")
+        known = {"buffers", "page_size", "num_layers", "tp_rank", "tp_size"}
+        unknown = [k for k in d if k not in known]
         if unknown:
-            raise ValueError(f"KVLayout: unknown fields {sorted(unknown)}")
-        kw = dict(d)
+            raise ValueError(f"KVLayout: unknown fields {sorted(map(repr, unknown))[:8]}")
+        bufs = d.get("buffers")
+        if not isinstance(bufs, list | tuple) or len(bufs) > MAX_BUFFERS:
+            raise ValueError(f"KVLayout: buffers must be a list of at most {MAX_BUFFERS}")
         try:
-            if "buffers" in kw:
-                kw["buffers"] = tuple(kw["buffers"])  # type: ignore[arg-type]
-            return cls(**kw)  # type: ignore[arg-type]
-        except TypeError as e:  # missing fields or wrong types: the peer's fault
-            raise ValueError(f"KVLayout: {e}") from e
+            buffers = tuple(BufferSpec.from_dict(b) for b in bufs)
+        except ValueError as e:
+            raise ValueError(f"KVLayout: {e}") from None
+        try:
+            return cls(**{**d, "buffers": buffers})  # it validates every field
+        except TypeError as e:  # missing fields: the peer's fault
+            raise ValueError(f"KVLayout: {e}") from None

@@ -1,11 +1,12 @@
-"""The paged KV pool: the tensors, their layout descriptor, and the page allocator.
+"""The paged KV pool: its bytes, typed views of them, and the page allocator.
 
-The pool is one contiguous tensor [num_pages, num_layers, num_buffers, page_size, kv_heads,
-head_dim] so that a transfer backend can register or map it as one region, and so that one
-page of every layer is one contiguous run of bytes: a transfer moves a page as a single
-descriptor (NIXL, tcp frames) instead of one per layer and buffer. Per-layer views
-[num_pages, page_size, kv_heads, head_dim] (strided across pages) are handed to the model.
-The layout descriptor is derived from that tensor.
+The pool is one byte tensor [num_pages, page_bytes] (uint8) so that a transfer backend can
+register or map it as one region, and so that one page of every layer and buffer is one
+contiguous run: a transfer moves a page as a single descriptor (NIXL, tcp frames) instead of
+one per layer and buffer, and never needs to know the buffers' dtypes. The layout descriptor
+(kvcache/layout.py) says where each (layer, buffer) lives in a page; `view` turns that region
+of every page into a strided tensor of the buffer's dtype [num_pages, page_size, *shape] that
+aliases the pool's bytes, which is what the model reads and writes.
 """
 
 from __future__ import annotations
@@ -46,18 +47,12 @@ class ShmRef:
 
 
 def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
-    return budget_bytes // layout.bytes_per_page_all_layers
+    return budget_bytes // layout.page_bytes
 
 
-def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
-    return (
-        num_pages,
-        layout.num_layers,
-        len(layout.buffers),
-        layout.page_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+def _pages(buf: mmap.mmap, layout: KVLayout, num_pages: int) -> torch.Tensor:
+    """A mapping as the pool's bytes [num_pages, page_bytes]."""
+    return torch.frombuffer(buf, dtype=torch.uint8).view(num_pages, layout.page_bytes)
 
 
 def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, ShmRef]:
@@ -66,9 +61,9 @@ def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, ShmRe
     The file is unlinked as soon as it is mapped; peers open it through
     /proc/<our pid>/fd/<fd>, so the memory goes away with the last process that maps it,
     even when this one is SIGKILLed. Its name carries a random token that peers must
-    present (ShmRef). Returns the tensor and its ShmRef.
+    present (ShmRef). Returns the bytes [num_pages, page_bytes] and the ShmRef.
     """
-    nbytes = num_pages * layout.bytes_per_page_all_layers
+    nbytes = num_pages * layout.page_bytes
     token = secrets.token_hex(16)
     path = SHM_DIR / f"{SHM_PREFIX}{token}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -77,12 +72,12 @@ def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, ShmRe
         buf = mmap.mmap(fd, nbytes)
     finally:
         path.unlink()
-    tensor = torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages))
-    return tensor, ShmRef(os.getpid(), fd, token)
+    return _pages(buf, layout, num_pages), ShmRef(os.getpid(), fd, token)
 
 
 def map_shared(ref: ShmRef, layout: KVLayout, num_pages: int) -> torch.Tensor:
-    """Attach a peer's shared pool; PoolRefused unless `ref` names a pdserve pool of that size.
+    """Attach a peer's shared pool, as its bytes [num_pages, page_bytes]; PoolRefused unless
+    `ref` names a pdserve pool of that size.
 
     What was opened is checked, not what was named (no race between a check and the open):
     a regular file with no name left, whose deleted name is /dev/shm/pdserve-kv-<token>."""
@@ -112,13 +107,13 @@ def map_shared(ref: ShmRef, layout: KVLayout, num_pages: int) -> torch.Tensor:
             or opened != f"{SHM_DIR}/{SHM_PREFIX}{ref.token} (deleted)"
         ):
             raise refused
-        nbytes = num_pages * layout.bytes_per_page_all_layers
+        nbytes = num_pages * layout.page_bytes
         if st.st_size != nbytes:
             raise PoolRefused("the shm pool's size does not match the layout and page count")
         buf = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    return torch.frombuffer(buf, dtype=layout.torch_dtype).view(pool_shape(layout, num_pages))
+    return _pages(buf, layout, num_pages)
 
 
 class KVPool:
@@ -127,9 +122,7 @@ class KVPool:
     ) -> None:
         """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it."""
         if num_pages < 1:
-            raise ValueError(
-                f"KV budget fits no page: one page needs {layout.bytes_per_page_all_layers} bytes"
-            )
+            raise ValueError(f"KV budget fits no page: one page needs {layout.page_bytes} bytes")
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
@@ -137,10 +130,10 @@ class KVPool:
         if shared:
             if device.type != "cpu":
                 raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
-            self.data, self.shm = create_shared(layout, num_pages)
+            self.data, self.shm = create_shared(layout, num_pages)  # [num_pages, page_bytes] uint8
         else:
             self.data = torch.zeros(
-                pool_shape(layout, num_pages), dtype=layout.torch_dtype, device=device
+                (num_pages, layout.page_bytes), dtype=torch.uint8, device=device
             )
         self.allocator = PageAllocator(num_pages)
 
@@ -158,12 +151,24 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.layout.page_size
 
+    def view(self, layer: int, name: str) -> torch.Tensor:
+        """Buffer `name` of `layer` in every page: [num_pages, page_size, *shape] of its dtype,
+        strided across pages, aliasing the pool's bytes (writes through it land in the pool).
+        KeyError if that layer has no such buffer."""
+        r = self.layout.region(layer, name)
+        raw = self.data[:, r.offset : r.offset + r.nbytes]  # [num_pages, nbytes] uint8
+        # Legal as a view: the region's offset and page_bytes are multiples of ALIGN, so
+        # every page's slice starts aligned for the dtype and the page stride divides evenly.
+        typed = raw.view(r.spec.torch_dtype)  # [num_pages, page_size * prod(shape)]
+        return typed.view(self.num_pages, self.layout.page_size, *r.spec.shape)
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) views of layer i, each [num_pages, page_size, kv_heads, head_dim]."""
-        return self.data[:, i, 0], self.data[:, i, 1]
+        """(k, v) views of layer i, each [num_pages, page_size, kv_heads, head_dim] (a Llama
+        family layout: KVLayout.llama)."""
+        return self.view(i, "k"), self.view(i, "v")
 
     def page(self, p: int) -> torch.Tensor:
-        """Every layer's and buffer's slice of page p: one contiguous run of bytes."""
+        """Page p's bytes, every layer and buffer: uint8 [page_bytes], one contiguous run."""
         return self.data[p]
 
     def pages_needed(self, num_tokens: int) -> int:

@@ -1,27 +1,56 @@
 """Load an HF checkpoint directory (single or sharded safetensors) into a CausalLM.
 
-The model is built on the meta device and materialised empty on the target device, so a
-large checkpoint costs one copy of its weights, not a random init followed by a copy.
+Peak memory is the model in its final dtype plus one read chunk (CHUNK_BYTES):
+  * the model is built on the meta device and each parameter is then created empty, in the
+    target dtype, on the target device; tied parameters are tied first, so they get one tensor;
+  * weight_map.plan() pairs checkpoint tensors with parameters and checks every name and shape
+    before a byte is read;
+  * each tensor is read from its file in chunks into one reused buffer and copied (cast on the
+    way) into its destination.
+We read the files with plain reads rather than safetensors' safe_open: safe_open maps the whole
+file, and every page a tensor touches stays resident, counted in the process's RSS, until the
+handle closes: about 600 MiB over the model for qwen2-0.5b-shape's first shard (see
+benchmarks/load_memory.py). The safetensors format is an
+8-byte little-endian header length, a JSON header (dtype, shape, data_offsets per tensor) and
+the raw little-endian bytes of each tensor in C order.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
 from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.llama import CausalLM, rope_inv_freq
+from pdserve.model.weight_map import Placement, plan, rules_for
 
 log = logging.getLogger(__name__)
 
-# Checkpoint entries that some exporters write and that we derive ourselves.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+CHUNK_BYTES = 16 << 20
 
 
 def resolve_dtype(name: str, arch: ModelArch) -> torch.dtype:
@@ -50,53 +79,146 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    arch = ModelArch.from_dir(path)
-    files = weight_files(path)
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a checkpoint tensor's bytes are: `offset` is absolute within `file`."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_header(file: Path) -> dict[str, StoredTensor]:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > min(size - 8, MAX_HEADER_BYTES):
+            raise ModelConfigError(f"{file}: not a safetensors file (header of {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{file}: safetensors header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ModelConfigError(f"{file}: safetensors header is not a JSON object")
+    out: dict[str, StoredTensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelConfigError(f"{file.name}: tensor {name}: bad header entry {entry}") from e
+        if code not in SAFETENSORS_DTYPES:
+            raise ModelConfigError(
+                f"{file.name}: tensor {name} has dtype {code}; "
+                f"supported: {list(SAFETENSORS_DTYPES)}"
+            )
+        dtype = SAFETENSORS_DTYPES[code]
+        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0 or 8 + n + end > size:
+            raise ModelConfigError(
+                f"{file.name}: tensor {name} ({code}, shape {shape}) has byte range "
+                f"[{begin}, {end}) that does not fit its shape or the {size}-byte file"
+            )
+        out[name] = StoredTensor(file, 8 + n + begin, dtype, shape)
+    return out
+
+
+def checkpoint_tensors(files: list[Path]) -> dict[str, StoredTensor]:
+    out: dict[str, StoredTensor] = {}
+    for f in files:
+        for name, t in read_header(f).items():
+            if name in out:
+                raise ModelConfigError(f"tensor {name} is in both {out[name].file} and {f}")
+            out[name] = t
+    return out
+
+
+def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with uninitialised parameters, each allocated once in `dtype` on `device`
+    (tied parameters share one tensor), and its derived buffers computed."""
     with torch.device("meta"):
         model = CausalLM(arch)
-    model = model.to_empty(device=device)
-    model.to(dtype)
-    # The RoPE table is computed, not loaded; keep it in float32 like the reference.
-    model.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
-    params = dict(model.named_parameters())
-    if arch.tie_word_embeddings:
-        params.pop("lm_head.weight")
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if arch.tie_word_embeddings and name == "lm_head.weight":
-                    continue
-                target = params.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                tensor = st.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelConfigError(
-                        f"{f.name}: tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor.to(dtype))
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ModelConfigError(
-            f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
-        )
-    if unexpected:
-        raise ModelConfigError(
-            f"{path}: checkpoint has {len(unexpected)} tensors this architecture does not use, "
-            f"e.g. {unexpected[:3]}"
-        )
     model.tie_weights()
+    # Module.to_empty would untie (one new tensor per module), so replace parameters here.
+    made: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) not in made:
+            data = torch.empty(p.shape, dtype=dtype, device=device)
+            made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, made[id(p)])
+    # Derived buffers, never in a checkpoint. The RoPE table stays float32 like the reference.
+    model.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
+    left = [name for name, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"the loader does not compute buffers {left} of {type(model).__name__}")
+    return model
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    arch = ModelArch.from_dir(path)
+    rules = rules_for(arch.architecture)
+    stored = checkpoint_tensors(weight_files(path))
+    model = empty_model(arch, dtype, device)
+    params = dict(model.named_parameters())  # one name per tensor: a tied lm_head is not here
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    placements = plan(
+        {name: t.shape for name, t in stored.items()},
+        {name: tuple(p.shape) for name, p in params.items()},
+        rules,
+        aliases,
+        where=str(path),
+    )
+    copy_placements(stored, placements, params)
     model.eval()
     log.info(
         "loaded %s (%s) from %s on %s as %s", arch.architecture, arch.family, path, device, dtype
     )
     return model
+
+
+def copy_placements(
+    stored: dict[str, StoredTensor],
+    placements: list[Placement],
+    params: dict[str, nn.Parameter],
+) -> None:
+    """Fill each placement's destination from its file, one file open at a time, in file order."""
+    by_file: dict[Path, list[Placement]] = defaultdict(list)
+    for p in placements:
+        by_file[stored[p.source].file].append(p)
+    bounce = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    with torch.no_grad():
+        for file, group in sorted(by_file.items()):
+            with open(file, "rb", buffering=0) as f:
+                for p in sorted(group, key=lambda p: stored[p.source].offset):
+                    dst = p.destination(params[p.target])
+                    bounce = _copy_tensor(f, stored[p.source], dst, bounce)
+
+
+def _copy_tensor(
+    f: io.FileIO, t: StoredTensor, dst: torch.Tensor, bounce: torch.Tensor
+) -> torch.Tensor:
+    """Read `t` into `dst` (same shape, any dtype, device or strides) in chunks of whole rows
+    through `bounce`; returns the buffer, grown if one row did not fit."""
+    if dst.numel() == 0:
+        return bounce
+    rows = dst if dst.dim() > 0 else dst.unsqueeze(0)  # [R, ...]
+    row_bytes = math.prod(rows.shape[1:]) * t.dtype.itemsize
+    if row_bytes > bounce.numel():
+        bounce = torch.empty(row_bytes, dtype=torch.uint8)
+    per_chunk = bounce.numel() // row_bytes
+    f.seek(t.offset)
+    for r0 in range(0, rows.shape[0], per_chunk):
+        n = min(per_chunk, rows.shape[0] - r0)
+        chunk = bounce[: n * row_bytes]
+        view = chunk.numpy().data  # a writable memoryview of the chunk
+        got = 0
+        while got < len(view):
+            k = f.readinto(view[got:])
+            if not k:
+                raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
+            got += k
+        rows[r0 : r0 + n].copy_(chunk.view(t.dtype).view(n, *rows.shape[1:]))
+    return bounce

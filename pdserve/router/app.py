@@ -31,6 +31,7 @@ from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.ready import announce_ready
+from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.openai_api import OpenAIApi
 
@@ -147,7 +148,14 @@ class Router:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20, middlewares=[error_middleware()])
+        gate = Gate(
+            self.cfg.api_key,
+            ClusterKey.from_env(self.cfg.cluster_key_file),
+            self.cfg.protect_health,
+        )
+        app = web.Application(
+            client_max_size=64 * 2**20, middlewares=[error_middleware(), gate.middleware()]
+        )
         app.add_routes(self.api.routes())
         app.add_routes(
             [

@@ -8,6 +8,22 @@ from typing import Any
 from pdserve.router.policy import POLICIES
 
 
+def add_api_key_args(p: argparse.ArgumentParser) -> None:
+    """The clients' key, for `router` and `serve` (co-located): see pdserve/server/auth.py."""
+    g = p.add_argument_group("client authentication")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send Authorization: Bearer KEY on /v1/* (default: $PDSERVE_API_KEY)",
+    )
+    g.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    g.add_argument(
+        "--protect-health",
+        action="store_true",
+        help="/health and /metrics need a key too (default: open, for probes and Prometheus)",
+    )
+
+
 def add_router_command(sub: Any) -> None:
     """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
     r: argparse.ArgumentParser = sub.add_parser(
@@ -58,6 +74,7 @@ def add_router_command(sub: Any) -> None:
         metavar="FILE",
         help="the workers' cluster key (default: $PDSERVE_CLUSTER_KEY_FILE)",
     )
+    add_api_key_args(r)
     r.set_defaults(func=cmd_router)
 
 
@@ -66,6 +83,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from pdserve.model.builtin import resolve_model
     from pdserve.router.app import run_router
     from pdserve.router.config import RouterConfig
+    from pdserve.server.auth import load_api_key
 
     cfg = RouterConfig(
         decode_urls=tuple(u.rstrip("/") for u in args.decode),
@@ -78,5 +96,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,
         cluster_key_file=args.cluster_key_file,
+        api_key=load_api_key(args.api_key, args.api_key_file),
+        protect_health=args.protect_health,
     )
     return run_router(cfg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.router.policy import POLICIES
 
@@ -27,6 +27,8 @@ class RouterConfig:
     debug_timeout_s: float = 3.0  # fetching one worker's /debug/state
     drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
     cluster_key_file: str | None = None  # None: $PDSERVE_CLUSTER_KEY_FILE, or no key
+    api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
+    protect_health: bool = False  # /health and /metrics need a key too
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

@@ -45,6 +45,7 @@ class LaunchConfig:
     engine_flags: tuple[str, ...]  # the `serve` engine flags to pass on, --model excluded
     log_dir: Path
     cluster_key_file: str  # the secret every process of the cluster shares (0600)
+    api_key_file: str | None = None  # the router's clients' key (0600), if any
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "shm"
@@ -119,6 +120,7 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
             "--request-timeout": str(cfg.request_timeout_s),
             "--startup-timeout": str(cfg.startup_timeout_s),
             "--cluster-key-file": cfg.cluster_key_file,
+            **({"--api-key-file": cfg.api_key_file} if cfg.api_key_file else {}),
         }
     )
 

@@ -27,6 +27,7 @@ from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
+from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.openai_api import OpenAIApi, error_response, read_json
 from pdserve.server.openai_protocol import ApiError
@@ -38,8 +39,6 @@ from pdserve.worker.prefill import PrefillEngine
 from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
-
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the cluster key
 
 
 class Server:
@@ -202,32 +201,11 @@ class Server:
             return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
         return web.json_response(FAULTS.snapshot())
 
-    @web.middleware
-    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """With a cluster key, everything but /health, /metrics and a co-located server's
-        OpenAI API (/v1/...) needs the cluster's bearer token: /generate, /abort, /info and
-        /debug/* are for the router and the operator, not for clients."""
-        key = self.key
-        if (
-            key is None
-            or request.path in OPEN_PATHS
-            or (self.cfg.role == "colocated" and request.path.startswith("/v1/"))
-            or key.http_ok(request.headers.get("Authorization"))
-        ):
-            return await handler(request)
-        return error_response(
-            ApiError(
-                401,
-                "this endpoint needs the cluster key (Authorization: Bearer <token>)",
-                type_="authentication_error",
-                code="cluster_key_required",
-            )
-        )
-
     def app(self) -> web.Application:
-        # The error middleware is the outer one: the 401 below passes through it unchanged.
+        # The error middleware is the outer one: a 401 passes through it unchanged.
+        gate = Gate(self.cfg.api_key, self.key, self.cfg.protect_health)
         app = web.Application(
-            client_max_size=64 * 2**20, middlewares=[error_middleware(), self._authenticate]
+            client_max_size=64 * 2**20, middlewares=[error_middleware(), gate.middleware()]
         )
         if self.cfg.role == "colocated":
             app.add_routes(self.api.routes())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ def add_doctor_command(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=15.0, help="seconds for /debug/cluster")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--save", default=None, help="also write the fetched document here")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the router's API key, if it has one (default: $PDSERVE_API_KEY; the cluster key "
+        "from $PDSERVE_CLUSTER_KEY_FILE works too)",
+    )
     p.set_defaults(func=cmd_doctor)
 
 
@@ -47,6 +54,9 @@ def fetch(url: str, timeout_s: float) -> dict[str, Any]:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     source = args.url or args.file
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    if api_key:
+        httpcall.use_bearer(api_key)
     try:
         doc = fetch(args.url, args.timeout) if args.url else json.loads(Path(args.file).read_text())
     except (ValueError, OSError) as e:

@@ -28,6 +28,12 @@ def use_key(key: ClusterKey | None) -> None:
     _auth = key.http_headers if key is not None else {}
 
 
+def use_bearer(token: str) -> None:
+    """Send `Authorization: Bearer <token>` (an API key) with every call from now on."""
+    global _auth
+    _auth = {"Authorization": f"Bearer {token}"}
+
+
 def _headers() -> dict[str, str]:
     if _auth is None:
         use_key(ClusterKey.from_env(None))

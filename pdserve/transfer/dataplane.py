@@ -9,8 +9,9 @@ progress. Either way the engine computes the next chunk while the last one's pag
 * `tcp` — P copies the pages out into frames that follow a KVChunk message on the control
   socket; D's engine copies them into the pool if the room still holds those pages.
 * `nixl` — P WRITEs into D's NIXL-registered pool; notifications tell D what landed.
-A page is one contiguous run [layers, buffers, page_size, kv_heads, head_dim] in the pool, the
-same for both sides because the layouts were compared at registration.
+A page is one contiguous run of `layout.page_bytes` bytes in the pool (every layer's typed
+buffers, kvcache/layout.py), the same on both sides because the layouts were compared at
+registration. Backends move pages as raw bytes and never look at the buffers' dtypes.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class PeerWriter(Protocol):
     def close(self) -> None: ...
 
 
+def source_pages(src: KVPool, pages: Sequence[int]) -> list[torch.Tensor]:
+    """The bytes of `pages` on the CPU, each uint8 [page_bytes]: views of the pool on the CPU;
+    from a CUDA pool, one gather and one device-to-host copy."""
+    if src.data.is_cuda:
+        idx = torch.tensor(list(pages), dtype=torch.long, device=src.data.device)
+        return list(src.data.index_select(0, idx).cpu())  # [n, page_bytes]
+    return [src.page(p) for p in pages]
+
+
 def post(copier: Copier | None, nbytes: int, copy: Callable[[], None], deadline: float) -> Pending:
     """Run `copy` on the data-plane worker if there is one, else here and now."""
     if copier is not None:
@@ -95,7 +105,7 @@ class ShmWriter:
     ) -> None:
         """Raises PoolRefused unless `ref` is a pdserve pool of `num_pages` pages."""
         self.num_pages = num_pages
-        self.dst = map_shared(ref, layout, num_pages)
+        self.dst = map_shared(ref, layout, num_pages)  # [num_pages, page_bytes] uint8
         self.copier = copier
 
     def write(
@@ -110,17 +120,12 @@ class ShmWriter:
         src_pages, dst_pages = list(src_pages), list(dst_pages)
 
         def copy() -> None:
-            if src.data.is_cuda:  # one gather and one device-to-host copy, then page by page
-                s = torch.tensor(src_pages, dtype=torch.long, device=src.data.device)
-                pages = list(src.data.index_select(0, s).cpu())
-            else:
-                pages = [src.page(p) for p in src_pages]
             # A page is one contiguous run on both sides: a plain copy per page is the
             # fastest path (faster than index_copy_ into the mapping).
-            for page, d in zip(pages, dst_pages, strict=True):
+            for page, d in zip(source_pages(src, src_pages), dst_pages, strict=True):
                 self.dst[d].copy_(page)
 
-        nbytes = len(src_pages) * src.layout.bytes_per_page_all_layers
+        nbytes = len(src_pages) * src.layout.page_bytes
         return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
@@ -146,16 +151,16 @@ class TcpWriter:
         src_pages, dst_pages = list(src_pages), list(dst_pages)
 
         def copy() -> None:
-            # Raw bytes via a uint8 view: numpy has no bfloat16. The send only queues the
-            # frames on the control outbox, ahead of the PrefillDone that follows this write.
-            frames = tuple(src.page(p).view(torch.uint8).cpu().numpy().tobytes() for p in src_pages)
+            # One frame per page, its raw bytes. The send only queues the frames on the
+            # control outbox, ahead of the PrefillDone that follows this write.
+            frames = tuple(page.numpy().tobytes() for page in source_pages(src, src_pages))
             self.control.send(
                 self.peer,
                 KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=dst_pages),
                 frames,
             )
 
-        nbytes = len(src_pages) * src.layout.bytes_per_page_all_layers
+        nbytes = len(src_pages) * src.layout.page_bytes
         return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
@@ -164,22 +169,18 @@ class TcpWriter:
 
 def receive_chunk(pool: KVPool, dst_pages: Sequence[int], frames: Sequence[bytes]) -> int:
     """D side of tcp: copy page frames into the pool; raises ValueError on a size mismatch."""
-    layout = pool.layout
-    per_page = layout.bytes_per_page_all_layers
+    per_page = pool.layout.page_bytes
     if len(frames) != len(dst_pages) or any(len(f) != per_page for f in frames):
         raise ValueError(
             f"KVChunk: {len(frames)} frames for {len(dst_pages)} pages, "
             f"{per_page} bytes each expected"
         )
-    shape = (
-        layout.num_layers,
-        len(layout.buffers),
-        layout.page_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
-    for page, frame in zip(dst_pages, frames, strict=True):
-        pool.page(page).copy_(
-            torch.frombuffer(bytearray(frame), dtype=layout.torch_dtype).view(shape)
-        )
+    if not frames:
+        return 0
+    # One writable copy of every frame (frombuffer of bytes would be read-only), moved to the
+    # pool's device at once; then a plain copy per page, as the shm writer does.
+    host = torch.frombuffer(bytearray().join(frames), dtype=torch.uint8)
+    rows = host.view(len(frames), per_page).to(pool.data.device)  # [n, page_bytes]
+    for page, row in zip(dst_pages, rows, strict=True):
+        pool.page(page).copy_(row)
     return per_page * len(frames)

@@ -18,10 +18,11 @@ The engine also drives UCX's progress as it polls (see PROGRESS_THREAD_ENV); on 
 copies through CMA while the write is posted, over RDMA the NIC moves the bytes while the
 engine computes the next chunk.
 
-Descriptors: the pool is [pages, layers, buffers, page_size, heads, head_dim], so one page of
-every layer is one contiguous run (`bytes_per_page_all_layers`). Both sides prepare the list
-of their pages once; a write picks rows by index, one descriptor per page (NIXL merges pages
-that happen to be adjacent on both sides).
+Descriptors: the pool is bytes [pages, page_bytes] (kvcache/pool.py), so one page of every
+layer and buffer is one contiguous run of `layout.page_bytes` at `base + page * page_bytes`,
+whatever the buffers' dtypes. Both sides prepare the list of their pages once; a write picks
+rows by index, one descriptor per page (NIXL merges pages that happen to be adjacent on both
+sides).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def write_error(what: str, e: Exception) -> WriteError:
 
 def page_runs(layout: KVLayout, base: int, num_pages: int, device_id: int) -> np.ndarray:
     """Every page of a pool at `base` as one run: an Nx3 (address, length, device) array."""
-    size = layout.bytes_per_page_all_layers
+    size = layout.page_bytes
     out = np.empty((num_pages, 3), dtype=np.uint64)
     out[:, 0] = base + np.arange(num_pages, dtype=np.uint64) * np.uint64(size)
     out[:, 1] = size
@@ -265,7 +266,7 @@ class NixlWriter:
         dst_pages: Sequence[int],
         deadline: float,
     ) -> NixlTransfer:
-        nbytes = len(src_pages) * self.layout.bytes_per_page_all_layers
+        nbytes = len(src_pages) * self.layout.page_bytes
         a = self.agent
         try:
             handle = a.agent.make_prepped_xfer(

@@ -62,7 +62,7 @@ class DecodePeers:
         """Pair with a decode worker; raises (ValueError, OSError, NIXL's errors) saying why not."""
         ours = self.pool.layout
         theirs = KVLayout.from_dict(dict(msg.layout))
-        diff = ours.mismatch(theirs)
+        diff = ours.mismatch(theirs, ours="prefill", theirs="decode")
         if diff is not None:
             raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")
         writer: PeerWriter

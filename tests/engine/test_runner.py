@@ -62,7 +62,9 @@ def test_attention_matches_row_by_row_reference(tiny_dir: Path, page_size: int):
     engine = make_engine(tiny_dir, page_size=page_size, chunk=512, kv_mb=8.0)
     pool = engine.pool
     gen = torch.Generator().manual_seed(page_size)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    for i in range(pool.layout.num_layers):  # the pool is bytes: fill its typed K/V views
+        for cache in pool.layer(i):
+            cache.copy_(torch.randn(cache.shape, generator=gen))
     free = (torch.randperm(pool.num_pages - 1, generator=gen) + 1).tolist()  # page 0: padding
 
     def request(num_tokens: int) -> Request:

@@ -3,7 +3,6 @@ import random
 import pytest
 
 from pdserve.kvcache.allocator import PageAllocator, PageAllocError
-from pdserve.kvcache.layout import KVLayout
 
 
 def test_allocate_free_roundtrip():
@@ -51,14 +50,3 @@ def test_random_sequences_never_leak_or_share():
     for owner, pages in held.items():
         a.free(pages, owner)
     assert a.num_free == 64
-
-
-def test_layout_mismatch_names_field():
-    a = KVLayout("float32", 16, 4, 4, 32)
-    assert a.mismatch(KVLayout("float32", 16, 4, 4, 32)) is None
-    assert a.mismatch(KVLayout("bfloat16", 16, 4, 4, 32)).startswith("dtype")
-    assert a.mismatch(KVLayout("float32", 8, 4, 4, 32)).startswith("page_size")
-    assert a.mismatch(KVLayout("float32", 16, 4, 4, 64)).startswith("head_dim")
-    assert KVLayout.from_dict(a.to_dict()) == a
-    with pytest.raises(ValueError, match="not a torch dtype"):
-        KVLayout("floaty", 16, 4, 4, 32)

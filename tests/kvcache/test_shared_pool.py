@@ -12,7 +12,7 @@ import torch
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, PoolRefused, ShmRef, map_shared
 
-LAYOUT = KVLayout("float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+LAYOUT = KVLayout.llama("float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
 
 @pytest.fixture
@@ -24,9 +24,15 @@ def pool():
 
 def test_the_owner_s_pool_maps_and_shares_bytes(pool):
     assert pool.shm is not None and re.fullmatch(r"[0-9a-f]{32}", pool.shm.token)
-    peer = map_shared(pool.shm, LAYOUT, 6)
-    peer[3].fill_(2.5)
-    assert torch.equal(pool.page(3), torch.full_like(pool.page(3), 2.5))
+    peer = map_shared(pool.shm, LAYOUT, 6)  # the peer sees bytes [pages, page_bytes]
+    assert peer.dtype == torch.uint8 and peer.shape == (6, LAYOUT.page_bytes)
+    k, v = pool.layer(1)
+    v[3].fill_(2.5)  # the owner writes through a typed view ...
+    r = LAYOUT.region(1, "v")
+    assert torch.equal(peer[3, r.offset : r.offset + r.nbytes].view(torch.float32), v[3].flatten())
+    peer[4].fill_(7)  # ... and the peer's bytes show through the owner's views
+    assert torch.equal(pool.page(4), torch.full_like(pool.page(4), 7))
+    assert bool((k[4].view(torch.uint8) == 7).all())
 
 
 def test_any_other_file_is_refused_and_left_untouched(pool, tmp_path):
@@ -35,7 +41,7 @@ def test_any_other_file_is_refused_and_left_untouched(pool, tmp_path):
     fd = os.open(victim, os.O_RDWR)
     try:
         # The same size as the pool would not help either: it is not a pdserve pool.
-        os.truncate(victim, 6 * LAYOUT.bytes_per_page_all_layers)
+        os.truncate(victim, 6 * LAYOUT.page_bytes)
         ref = ShmRef(os.getpid(), fd, pool.shm.token)
         with pytest.raises(PoolRefused) as e:
             map_shared(ref, LAYOUT, 6)

@@ -1,6 +1,7 @@
 """A decode-side NIXL peer in its own process, for the nixl conformance tests.
 
-It registers a shared-memory KV pool with a NIXL agent, prints one JSON line (its pool path
+It registers a shared-memory KV pool of the given layout (argv: the layout's descriptor as
+JSON, the page count, a tag) with a NIXL agent, prints one JSON line (its pool path
 and its NIXL descriptor, hex-encoded), then answers stdin commands: `landed` prints the
 notifications that arrived since the last `landed` as JSON, `quit` exits. The test maps the
 same pool to check bytes.
@@ -22,8 +23,7 @@ from pdserve.transfer.nixl import NixlAgent
 
 
 def main() -> None:
-    dtype, num_pages = sys.argv[1], int(sys.argv[2])
-    layout = KVLayout(dtype, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    layout, num_pages = KVLayout.from_dict(json.loads(sys.argv[1])), int(sys.argv[2])
     pool = KVPool(layout, num_pages, torch.device("cpu"), shared=True)
     agent = NixlAgent(f"peer-{sys.argv[3]}", pool)
     d = agent.descriptor()

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import ShmWriter, WriteError
+from tests.kvcache.layouts import dsa, fill_random
 
 
 def far() -> float:
@@ -61,9 +61,9 @@ def test_a_copy_not_run_by_its_deadline_fails_and_is_cancelled():
 
 
 def test_shm_writer_through_the_worker_lands_the_pages():
-    layout = KVLayout("bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    layout = dsa()  # typed buffers of three dtypes: the copy moves bytes
     src = KVPool(layout, 6, torch.device("cpu"))
-    src.data.copy_(torch.randn(src.data.shape).to(src.data.dtype))
+    fill_random(src, seed=3)
     dst = KVPool(layout, 8, torch.device("cpu"), shared=True)
     c = Copier()
     try:
@@ -72,7 +72,7 @@ def test_shm_writer_through_the_worker_lands_the_pages():
         x = w.write(1, 1, src, [5, 0], [7, 2], far())
         assert not dst.data.any()  # not yet: the worker has not run
         c.tick()
-        assert x.poll() and x.nbytes == 2 * layout.bytes_per_page_all_layers
-        assert torch.equal(dst.data[7], src.data[5]) and torch.equal(dst.data[2], src.data[0])
+        assert x.poll() and x.nbytes == 2 * layout.page_bytes
+        assert torch.equal(dst.page(7), src.page(5)) and torch.equal(dst.page(2), src.page(0))
     finally:
         dst.close()

@@ -2,7 +2,8 @@
 
 P is this test process (a NixlAgent on a local pool); D is `nixl_peer.py` in a child process
 whose pool lives in shared memory, so the test can read what landed. Covers scattered page
-lists and page boundaries (per dtype), many rooms in flight, cancel mid-write, a peer that is
+lists and page boundaries per layout (the Llama family per dtype; typed buffers of several
+dtypes, fp8 among them; random bytes), many rooms in flight, cancel mid-write, a peer that is
 gone (SIGKILL) and a peer that is stopped (SIGSTOP: NIXL waits for ever, our deadline does not).
 """
 
@@ -17,12 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.protocol.messages import NixlPool
 from pdserve.transfer.dataplane import PeerGone, WriteError
@@ -35,6 +36,7 @@ from pdserve.transfer.nixl import (
     parse_notif,
     run_indices,
 )
+from tests.kvcache.layouts import NAMES, dsa, fill_random, layout
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 
@@ -43,9 +45,10 @@ DST_PAGES = 12
 
 
 class Peer:
-    def __init__(self, dtype: str, tag: str) -> None:
+    def __init__(self, layout_name: str, tag: str) -> None:
+        self.layout = layout(layout_name)
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), dtype, str(DST_PAGES), tag],
+            [sys.executable, str(PEER), json.dumps(self.layout.to_dict()), str(DST_PAGES), tag],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -55,7 +58,7 @@ class Peer:
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         info = json.loads(self.readline())
-        self.layout = KVLayout(dtype, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+        # The peer's pool as bytes [DST_PAGES, page_bytes]
         self.pool = map_shared(ShmRef(**info["shm"]), self.layout, DST_PAGES)
         self.descriptor = NixlPool(
             bytes.fromhex(info["md"]), info["base"], info["device_id"], info["mem"]
@@ -102,11 +105,11 @@ class Peer:
 
 @pytest.fixture
 def pair(request) -> Iterator[tuple[NixlWriter, KVPool, Peer]]:
-    dtype = getattr(request, "param", "float32")
-    peer = Peer(dtype, request.node.name[-24:].replace("[", "-").replace("]", ""))
+    name = getattr(request, "param", "float32")
+    peer = Peer(name, request.node.name[-24:].replace("[", "-").replace("]", ""))
     try:
         src = KVPool(peer.layout, 10, torch.device("cpu"))
-        src.data.copy_(torch.randn(src.data.shape).to(src.data.dtype))
+        fill_random(src, seed=len(name))
         agent = NixlAgent(f"p-{os.getpid()}-{time.monotonic_ns()}", src)
         writer = NixlWriter(agent, peer.descriptor, peer.layout, DST_PAGES)
         try:
@@ -130,14 +133,30 @@ def far() -> float:
     return time.monotonic() + 30.0
 
 
-def test_one_descriptor_per_page_covers_the_pool():
-    layout = KVLayout("float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=2)
-    pool = KVPool(layout, 5, torch.device("cpu"))
-    runs = page_runs(layout, pool.data.data_ptr(), 5, 0)
+@pytest.mark.parametrize("name", NAMES)
+def test_one_descriptor_per_page_covers_the_pool(name):
+    lay = layout(name)
+    pool = KVPool(lay, 5, torch.device("cpu"))
+    runs = page_runs(lay, pool.data.data_ptr(), 5, 0)
+    assert runs.shape == (5, 3)
     for p in range(5):  # each row is exactly page p's bytes, every layer and buffer
-        assert runs[p, 0] == pool.page(p).data_ptr() and pool.page(p).is_contiguous()
-        assert runs[p, 1] == pool.page(p).numel() * 4 == layout.bytes_per_page_all_layers
+        assert runs[p, 0] == pool.page(p).data_ptr() == pool.data.data_ptr() + p * lay.page_bytes
+        assert runs[p, 1] == pool.page(p).numel() == lay.page_bytes
+        assert pool.page(p).is_contiguous()
+    for r in lay.regions:  # and every typed view lies inside its page's run
+        v = pool.view(r.layer, r.spec.name)
+        assert runs[1, 0] <= v[1].data_ptr() < v[1].data_ptr() + r.nbytes <= runs[1, 0] + runs[1, 1]
     assert run_indices([3, 0]).tolist() == [3, 0]
+
+
+def test_descriptors_follow_the_layout_not_a_dtype():
+    """A bf16 buffer is never moved as fp8: the run length comes from the layout's buffers."""
+    fp8 = dsa()
+    bf16 = replace(fp8, buffers=tuple(
+        replace(b, dtype="bfloat16") if b.name == "index_k" else b for b in fp8.buffers
+    ))  # fmt: skip
+    assert bf16.page_bytes - fp8.page_bytes == 2 * fp8.page_size * 128  # layers 0 and 2
+    assert page_runs(bf16, 0, 2, 0)[1, 0] == bf16.page_bytes
 
 
 def test_notifications_parse_or_are_refused():
@@ -149,14 +168,14 @@ def test_notifications_parse_or_are_refused():
 SRC, DST = [7, 0, 3, 9], [11, 2, 5, 0]  # scattered, out of order, first and last page
 
 
-@pytest.mark.parametrize("pair", ["float32", "bfloat16", "float16"], indirect=True)
+@pytest.mark.parametrize("pair", NAMES, indirect=True)
 def test_scattered_pages_land_exactly_with_a_notification(pair):
     writer, src, peer = pair
     x = writer.write(5, 2, src, SRC, DST, far())
     wait(x)
-    assert x.nbytes == len(SRC) * peer.layout.bytes_per_page_all_layers
+    assert x.nbytes == len(SRC) * peer.layout.page_bytes
     for s, d in zip(SRC, DST, strict=True):
-        assert torch.equal(peer.pool[d], src.data[s])
+        assert torch.equal(peer.pool[d], src.page(s))
     untouched = [p for p in range(DST_PAGES) if p not in DST]
     assert not peer.pool[untouched].any()
     assert peer.landed_until(x.nbytes) == [(5, 2, x.nbytes)]
@@ -170,7 +189,7 @@ def test_many_rooms_in_flight_at_once(pair):
     landed = peer.landed_until(sum(x.nbytes for x in xs))
     assert sorted(landed) == [(100 + i, 1, xs[i].nbytes) for i in range(10)]
     for i in range(10):
-        assert torch.equal(peer.pool[i], src.data[i])
+        assert torch.equal(peer.pool[i], src.page(i))
 
 
 def test_cancel_mid_write_releases_and_the_writer_goes_on(pair):
@@ -180,7 +199,7 @@ def test_cancel_mid_write_releases_and_the_writer_goes_on(pair):
     assert x.done and x.poll()
     y = writer.write(2, 1, src, [1], [1], far())
     wait(y)
-    assert torch.equal(peer.pool[1], src.data[1])
+    assert torch.equal(peer.pool[1], src.page(1))
     assert not writer.agent.unreleased
 
 

@@ -1,0 +1,279 @@
+"""Checkpoint tensor names -> model parameters: one rule table per architecture.
+
+`plan()` pairs every checkpoint tensor with its destination before a byte is read. Each
+checkpoint name goes to the first rule (in table order) whose pattern fully matches it:
+  * Rename: the tensor is one whole parameter (the identity is Rename(r"(.*)", r"\\1"));
+  * Concat: N tensors fill consecutive slices of one parameter along `dim`, in the order of
+    the rule's patterns, each slice as wide as its tensor (a fused QKV or gate-up weight);
+  * Stack: per-expert tensors fill index `expert` of one parameter along `dim` (stacked MoE
+    experts);
+  * Ignore: tensors the model derives itself (RoPE tables that some exporters write).
+Targets are `re.Match.expand` templates over the pattern's groups.
+
+Invariant of a plan: every parameter is covered exactly once and completely, by tensors whose
+shapes fit their destinations; anything else is a ModelConfigError that names the tensor or
+parameter. The Llama family keeps the HF layout, so its table only renames, identically.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model.config import ModelConfigError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rename:
+    source: str  # regex, full match
+    target: str  # expand template
+
+
+@dataclass(frozen=True)
+class Concat:
+    sources: tuple[str, ...]  # one regex per slice, in slice order
+    target: str  # expand template over each source's own match; equal targets form one group
+    dim: int
+
+
+@dataclass(frozen=True)
+class Stack:
+    source: str  # regex with a group named "expert": the index along `dim`
+    target: str
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if "expert" not in re.compile(self.source).groupindex:
+            raise ValueError(f"Stack pattern {self.source!r} has no (?P<expert>...) group")
+
+
+@dataclass(frozen=True)
+class Ignore:
+    source: str
+
+
+Rule = Rename | Concat | Stack | Ignore
+
+# The Llama family (Llama, Mistral, Qwen2, Qwen3) loads HF names as they are.
+_HF_LAYOUT: tuple[Rule, ...] = (Ignore(r".*rotary_emb\.inv_freq"), Rename(r"(.*)", r"\1"))
+
+WEIGHT_MAP: dict[str, tuple[Rule, ...]] = {
+    "LlamaForCausalLM": _HF_LAYOUT,
+    "MistralForCausalLM": _HF_LAYOUT,
+    "Qwen2ForCausalLM": _HF_LAYOUT,
+    "Qwen3ForCausalLM": _HF_LAYOUT,
+}
+
+
+def rules_for(architecture: str) -> tuple[Rule, ...]:
+    if architecture not in WEIGHT_MAP:
+        raise ModelConfigError(
+            f"no checkpoint weight map for architecture {architecture!r}; "
+            f"known: {sorted(WEIGHT_MAP)}"
+        )
+    return WEIGHT_MAP[architecture]
+
+
+# ---------------------------------------------------------------- destinations
+
+
+@dataclass(frozen=True)
+class Whole:
+    pass
+
+
+@dataclass(frozen=True)
+class Slice:
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Index:
+    dim: int
+    index: int
+
+
+Region = Whole | Slice | Index
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Checkpoint tensor `source` is copied into `region` of parameter `target`."""
+
+    source: str
+    target: str
+    region: Region
+
+    def destination(self, param: torch.Tensor) -> torch.Tensor:
+        """The view of `param` that the source tensor fills (aliases param's storage)."""
+        match self.region:
+            case Slice(dim, start, length):
+                return param.narrow(dim, start, length)
+            case Index(dim, index):
+                return param.select(dim, index)
+            case _:
+                return param
+
+
+def region_shape(region: Region, param: Shape) -> Shape:
+    match region:
+        case Slice(dim, _, length):
+            return param[:dim] + (length,) + param[dim + 1 :]
+        case Index(dim, _):
+            return param[:dim] + param[dim + 1 :]
+        case _:
+            return param
+
+
+def _examples(names: Collection[str]) -> str:
+    listed = sorted(names)
+    more = f" and {len(listed) - 5} more" if len(listed) > 5 else ""
+    return ", ".join(listed[:5]) + more
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan(
+    checkpoint: Mapping[str, Shape],
+    params: Mapping[str, Shape],
+    rules: Sequence[Rule],
+    aliases: Collection[str] = (),
+    where: str = "checkpoint",
+) -> list[Placement]:
+    """Where each checkpoint tensor goes. `aliases`: names of tied parameters (lm_head.weight
+    when tied to embed_tokens); a checkpoint tensor that maps to one is a copy and is skipped.
+    Raises ModelConfigError for a tensor with no parameter, a parameter with no tensor, a
+    parameter covered twice or partly, and a shape that does not fit."""
+    placements: list[Placement] = []
+    unexpected: list[str] = []
+    # (rule index, target) -> the Concat rule and {slice position: checkpoint name}
+    groups: dict[tuple[int, str], tuple[Concat, dict[int, str]]] = {}
+    for name in sorted(checkpoint):
+        hit = _first_match(rules, name)
+        if hit is None:
+            unexpected.append(name)
+            continue
+        k, rule, m, pos = hit
+        if isinstance(rule, Ignore):
+            continue
+        target = m.expand(rule.target)
+        if target in aliases:
+            continue
+        if target not in params:
+            unexpected.append(name)
+        elif isinstance(rule, Concat):
+            members = groups.setdefault((k, target), (rule, {}))[1]
+            if pos in members:
+                raise ModelConfigError(
+                    f"{where}: parameter {target} is loaded more than once: both "
+                    f"{members[pos]} and {name} match {rule.sources[pos]}"
+                )
+            members[pos] = name
+        elif isinstance(rule, Stack):
+            placements.append(Placement(name, target, Index(rule.dim, pos)))
+        else:
+            placements.append(Placement(name, target, Whole()))
+    if unexpected:
+        raise ModelConfigError(
+            f"{where}: {len(unexpected)} tensors match no parameter of this model: "
+            f"{_examples(unexpected)}"
+        )
+    for (_, target), (concat, members) in sorted(groups.items(), key=lambda kv: kv[0]):
+        placements.extend(_concat(concat, target, members, checkpoint, where))
+    for p in placements:
+        want = region_shape(p.region, params[p.target])
+        if tuple(checkpoint[p.source]) != want:
+            raise ModelConfigError(
+                f"{where}: tensor {p.source} has shape {tuple(checkpoint[p.source])}, "
+                f"but parameter {p.target} needs {want} there (from config.json)"
+            )
+    _check_coverage(placements, params, where)
+    return placements
+
+
+def _first_match(rules: Sequence[Rule], name: str) -> tuple[int, Rule, re.Match[str], int] | None:
+    """(rule index, rule, match, position): position is the slice for Concat, the expert
+    for Stack, 0 otherwise."""
+    for k, rule in enumerate(rules):
+        if isinstance(rule, Concat):
+            for pos, pattern in enumerate(rule.sources):
+                m = re.fullmatch(pattern, name)
+                if m:
+                    return k, rule, m, pos
+            continue
+        m = re.fullmatch(rule.source, name)
+        if m is not None:
+            return k, rule, m, int(m.group("expert")) if isinstance(rule, Stack) else 0
+    return None
+
+
+def _concat(
+    rule: Concat,
+    target: str,
+    members: dict[int, str],
+    checkpoint: Mapping[str, Shape],
+    where: str,
+) -> list[Placement]:
+    absent = [rule.sources[i] for i in range(len(rule.sources)) if i not in members]
+    if absent:
+        raise ModelConfigError(
+            f"{where}: parameter {target} is fused from {len(rule.sources)} tensors, but no "
+            f"tensor matches {' or '.join(absent)}; found {', '.join(sorted(members.values()))}"
+        )
+    out, start = [], 0
+    for pos in range(len(rule.sources)):
+        name = members[pos]
+        shape = tuple(checkpoint[name])
+        if not 0 <= rule.dim < len(shape):
+            raise ModelConfigError(
+                f"{where}: tensor {name} has shape {shape}, no dim {rule.dim} to fuse along"
+            )
+        out.append(Placement(name, target, Slice(rule.dim, start, shape[rule.dim])))
+        start += shape[rule.dim]
+    return out
+
+
+def _check_coverage(placements: list[Placement], params: Mapping[str, Shape], where: str) -> None:
+    by_target: dict[str, list[Placement]] = defaultdict(list)
+    for p in placements:
+        by_target[p.target].append(p)
+    missing = sorted(set(params) - set(by_target))
+    if missing:
+        raise ModelConfigError(
+            f"{where}: checkpoint lacks {len(missing)} tensors for parameters {_examples(missing)}"
+        )
+    for target, ps in sorted(by_target.items()):
+        sources = [p.source for p in ps]
+        kinds = {type(p.region) for p in ps}
+        dims = {p.region.dim for p in ps if not isinstance(p.region, Whole)}
+        if len(kinds) > 1 or len(dims) > 1 or (kinds == {Whole} and len(ps) > 1):
+            raise ModelConfigError(
+                f"{where}: parameter {target} is loaded more than once, from {sources}"
+            )
+        if kinds == {Whole}:
+            continue
+        (dim,) = dims
+        size = params[target][dim]
+        if kinds == {Index}:
+            got = sorted(p.region.index for p in ps if isinstance(p.region, Index))
+            covered = got == list(range(size))
+        else:
+            spans = sorted(
+                (p.region.start, p.region.length) for p in ps if isinstance(p.region, Slice)
+            )
+            ends = [s + n for s, n in spans]
+            covered = [s for s, _ in spans] == [0, *ends[:-1]] and ends[-1] == size
+        if not covered:
+            raise ModelConfigError(
+                f"{where}: tensors {sorted(sources)} do not tile parameter {target} "
+                f"(size {size} along dim {dim}) exactly once"
+            )

@@ -1,0 +1,93 @@
+"""Client and cluster authentication (issue 17 part 5): who may call which endpoint."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.server.auth import Gate, load_api_key
+from tests.procs import ServerProcess, http
+
+API_KEY = "sk-test-" + secrets.token_hex(8)
+CLUSTER = ClusterKey(secrets.token_bytes(32))
+BEARER_API = f"Bearer {API_KEY}"
+BEARER_CLUSTER = f"Bearer {CLUSTER.http_token}"
+
+
+@pytest.mark.parametrize(
+    ("gate", "path", "header", "allowed"),
+    [
+        # No key at all: everything is open (a loopback-only server).
+        (Gate(), "/v1/completions", None, True),
+        (Gate(), "/debug/state", None, True),
+        # An API key guards /v1 and /debug, not liveness.
+        (Gate(API_KEY), "/v1/completions", None, False),
+        (Gate(API_KEY), "/v1/completions", "Bearer wrong-key-123", False),
+        (Gate(API_KEY), "/v1/completions", API_KEY, False),  # no Bearer scheme
+        (Gate(API_KEY), "/v1/completions", BEARER_API, True),
+        (Gate(API_KEY), "/health", None, True),
+        (Gate(API_KEY), "/metrics", None, True),
+        (Gate(API_KEY), "/debug/cluster", None, False),
+        (Gate(API_KEY), "/debug/cluster", BEARER_API, True),
+        # --protect-health closes liveness and metrics too.
+        (Gate(API_KEY, protect_health=True), "/health", None, False),
+        (Gate(API_KEY, protect_health=True), "/health", BEARER_API, True),
+        # The cluster key opens the cluster's endpoints, never the clients' API.
+        (Gate(API_KEY, CLUSTER), "/generate", BEARER_CLUSTER, True),
+        (Gate(API_KEY, CLUSTER), "/generate", None, False),
+        (Gate(API_KEY, CLUSTER), "/v1/completions", BEARER_CLUSTER, False),
+        (Gate(None, CLUSTER), "/v1/completions", None, True),  # no API key: /v1 is open
+        (Gate(None, CLUSTER), "/debug/state", None, False),
+        (Gate(None, CLUSTER), "/debug/state", BEARER_CLUSTER, True),
+        (Gate(None, CLUSTER), "/debug/state", BEARER_API, False),
+    ],
+)
+def test_gate(gate, path, header, allowed):
+    refused = gate.refusal(path, header)
+    assert (refused is None) == allowed
+    if refused is not None:
+        assert refused.status == 401 and refused.type == "authentication_error"
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert load_api_key(None, None) is None
+    f = tmp_path / "k"
+    f.write_text("from-a-file-123\n")
+    assert load_api_key(None, str(f)) == "from-a-file-123"
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-the-env-123")
+    assert load_api_key(None, None) == "from-the-env-123"
+    assert load_api_key("given-on-argv-1", None) == "given-on-argv-1"
+    with pytest.raises(ValueError, match="8 characters"):
+        load_api_key("short", None)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("auth") / "serve.log"
+    args = ["serve", "--model", str(tiny_dir), "--served-model-name", "tiny"]
+    args += ["--kv-budget-mb", "8", "--max-model-len", "512", "--api-key-file"]
+    key_file = tmp_path_factory.mktemp("auth-key") / "api.key"
+    key_file.write_text(API_KEY)
+    with ServerProcess([*args, str(key_file)], log) as srv:
+        yield srv
+
+
+def test_a_server_with_an_api_key(keyed_server):
+    url = keyed_server.url
+    status, body = http("GET", url + "/v1/models", auth=False)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert http("GET", url + "/health", auth=False)[0] == 200
+    assert http("GET", url + "/debug/state", auth=False)[0] == 401  # live request ids
+    # The run's cluster key (tests/conftest.py) opens the operator's endpoints.
+    assert http("GET", url + "/debug/state")[0] == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="hello", max_tokens=3)
