@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m pdserve.tools.demo
+	$(BIN)/python -m pdserve.demo
 
 test: $(STAMP) lint
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q --durations=15 tests

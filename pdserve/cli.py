@@ -1,13 +1,13 @@
-"""`pdserve` command line: make-model, serve (more subcommands arrive with their issues)."""
+"""`pdserve`: serve, launch, router, bench, chaos, doctor, keygen, make-model."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from pdserve.bench.cli import add_bench_command
+from pdserve.chaos.cli import add_chaos_command
 from pdserve.config import (
     BACKENDS,
     CacheConfig,
@@ -17,10 +17,10 @@ from pdserve.config import (
     ServerConfig,
     resolve_device,
 )
+from pdserve.doctor.cli import add_doctor_command
 from pdserve.launch import add_launch_command
-from pdserve.router.cli import add_api_key_args, add_router_command
-from pdserve.tools.chaos import add_chaos_command
-from pdserve.tools.doctor import add_doctor_command
+from pdserve.router.cli import add_front_end_args, add_router_command
+from pdserve.runtime import logs
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cluster_key_file=args.cluster_key_file,
         api_key=load_api_key(args.api_key, args.api_key_file),
         protect_health=args.protect_health,
+        max_queue=args.max_queue,
     )
     from pdserve.transfer.nixl import BackendUnavailable
 
@@ -147,7 +148,13 @@ def add_key_arg(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="log level of every process (default: INFO)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a built-in model as an HF directory")
@@ -186,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="let POST /debug/faults set fault points at run time (tests and chaos only)",
     )
     add_key_arg(sv)
-    add_api_key_args(sv)
+    add_front_end_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)
@@ -197,11 +204,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def raise_fd_limit(want: int = 65536) -> None:
+    """Let a server hold many connections: the soft descriptor limit up to the hard one (a
+    flood of connections then meets --max-queue and timeouts, not EMFILE in accept)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(args.log_level)
+    if args.command in ("serve", "router", "launch"):
+        raise_fd_limit()
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:

@@ -71,6 +71,7 @@ class ServerConfig:
     cluster_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
     protect_health: bool = False  # /health and /metrics need a key too
+    max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

@@ -45,7 +45,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def add_launch_command(sub: Any) -> None:
     """Register `launch` on the subparsers object of `pdserve`'s top-level parser."""
     from pdserve.cli import add_engine_args  # not at the top: pdserve.cli imports us
-    from pdserve.router.cli import add_api_key_args
+    from pdserve.router.cli import add_front_end_args
     from pdserve.router.policy import POLICIES
 
     p: argparse.ArgumentParser = sub.add_parser(
@@ -78,7 +78,7 @@ def add_launch_command(sub: Any) -> None:
         help="torch threads per decode (or co-located) worker",
     )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
-    add_api_key_args(p)
+    add_front_end_args(p)
     p.add_argument(
         "--cluster-key-file",
         default=None,
@@ -138,6 +138,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         log_dir=log_dir,
         cluster_key_file=str(Path(key_file).resolve()),
         api_key_file=str(api_key_file.resolve()) if api_key_file else None,
+        protect_health=args.protect_health,
+        max_queue=args.max_queue,
         host=args.host,
         port=args.port,
         backend=args.backend,

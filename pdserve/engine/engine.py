@@ -36,6 +36,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import load_model
@@ -81,7 +82,8 @@ class Engine:
         self.max_model_len = min(
             cfg.scheduler.max_model_len, model.arch.max_position_embeddings, pool.capacity_tokens
         )
-        self.scheduler = Scheduler(cfg.scheduler, pool.allocator, pool.page_size)
+        self.leases = Leases(pool.allocator)  # every page taken from the pool is leased
+        self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size)
         self.runner = ModelRunner(model, pool)
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
@@ -424,6 +426,8 @@ class Engine:
                 "page_size": self.pool.page_size,
                 "pages_free": self.pool.allocator.num_free,
                 "pages_used": self.pool.allocator.num_used,
+                "leases": len(self.leases),
+                "lease_violations": self.leases.violations(),
                 "layout": self.pool.layout.to_dict(),
             },
             "requests": [

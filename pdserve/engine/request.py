@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.params import SamplingParams
+from pdserve.kvcache.lease import Lease, LeaseError
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.outputs import TokenLogprob as TokenLogprob  # re-exported
 
 
 class Status(enum.Enum):
@@ -72,25 +75,6 @@ FINISH_REASON = {
 }
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What the engine emits for a request: new tokens, and the end when it comes."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str | None = None  # stop | length | abort | error
-    error: str | None = None
-    num_prompt_tokens: int = 0
-
-
 OutputSink = Callable[[RequestOutput], None]
 
 
@@ -105,7 +89,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    # Its pages, while it holds any: only the scheduler opens, grows and ends this lease.
+    lease: Lease | None = None
+    unleased_pages: list[int] = field(default_factory=list, repr=False)  # see `pages`
     num_computed: int = 0  # tokens whose K/V is in the pool
     num_preemptions: int = 0
     first_token_at: float | None = None
@@ -118,6 +104,23 @@ class Request:
         if self.params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed)
+
+    @property
+    def pages(self) -> list[int]:
+        """Its page table in token order, a copy: the runner builds attention metadata from it."""
+        return list(self.lease.pages) if self.lease is not None else list(self.unleased_pages)
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        """A page table built by hand, outside any pool's accounting (tests and tools only);
+        leased pages change only through the lease."""
+        if self.lease is not None:
+            raise LeaseError(f"request {self.request_id}: its pages belong to {self.lease!r}")
+        self.unleased_pages = list(pages)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.lease) if self.lease is not None else len(self.unleased_pages)
 
     @property
     def all_ids(self) -> list[int]:

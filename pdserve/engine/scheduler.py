@@ -3,10 +3,14 @@
 Sans-I/O and engine-thread-only. One step spends a token budget: running requests first
 (decodes cost one token, unfinished prefills continue in chunks), then new requests from the
 waiting queue. When a running request needs a page and none is free, the most recently
-admitted request is preempted by recompute: its pages are freed and it waits again at the
+admitted request is preempted by recompute: its pages are released and it waits again at the
 front of the queue, keeping the tokens it generated. A *pinned* request (its pages are being
 read by a KV transfer still in flight) is never preempted; if only pinned requests could give
 way, the request that needs a page waits a step instead.
+
+A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
+given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
+its caller (`hand_over`, adopt). Nothing else here takes or gives back a page.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Event, Request
-from pdserve.kvcache.allocator import PageAllocator
+from pdserve.kvcache.lease import Lease, Leases
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, leases: Leases, page_size: int) -> None:
         self.cfg = cfg
-        self.allocator = allocator
+        self.leases = leases
+        self.allocator = leases.allocator
         self.page_size = page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -57,9 +62,13 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def adopt(self, req: Request) -> None:
-        """Add a request whose prompt KV is already in its pages (computed elsewhere)."""
+    def adopt(self, req: Request, lease: Lease) -> None:
+        """Add a request whose prompt KV is already in `lease`'s pages (computed elsewhere);
+        the lease is the request's from now on."""
+        if req.lease is not None:
+            raise ValueError(f"request {req.request_id} adopted while it holds {req.lease!r}")
         req.transition(Event.SCHEDULE)
+        req.lease = lease
         self.running.append(req)
 
     def get(self, request_id: str) -> Request | None:
@@ -72,13 +81,23 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, event: Event) -> None:
-        """Move `req` to a finished state and release its pages (exactly once)."""
+        """Move `req` to a finished state and release its pages (its lease ends here)."""
+        self._remove(req, event)
+        self._release(req)
+
+    def hand_over(self, req: Request, event: Event, owner: str) -> Lease | None:
+        """Finish `req` but keep its pages: its lease passes to `owner` (a prefill room whose
+        writes still read them), who releases it. None if it held no pages."""
+        self._remove(req, event)
+        lease, req.lease = req.lease, None
+        return lease.hand_over(owner) if lease is not None else None
+
+    def _remove(self, req: Request, event: Event) -> None:
         req.transition(event)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,11 +120,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
             n = min(req.num_uncomputed, budget)
-            need = self._pages_for(req.num_computed + n) - len(req.pages)
+            need = self._pages_for(req.num_computed + n) - req.num_pages
             if not self.allocator.can_allocate(need):
                 break  # no preemption to admit new work
             self.waiting.popleft()
-            req.pages += self.allocator.allocate(need, req.request_id)
+            self._grow(req, need)
             req.transition(Event.SCHEDULE)
             self.running.append(req)
             plan.chunks.append(Chunk(req, req.num_computed, n))
@@ -116,16 +135,18 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""
-        need = self._pages_for(req.num_computed + n) - len(req.pages)
+        need = self._pages_for(req.num_computed + n) - req.num_pages
         while not self.allocator.can_allocate(need):
-            victim = next((r for r in reversed(self.running) if not self.pinned(r)), None)
+            # Never a request already planned this step (those before `req`): its chunk would
+            # run on released pages.
+            later = self.running[self.running.index(req) :]
+            victim = next((r for r in reversed(later) if not self.pinned(r)), None)
             if victim is None:
                 return False
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        if need > 0:
-            req.pages += self.allocator.allocate(need, req.request_id)
+        self._grow(req, need)
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
@@ -137,10 +158,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         plan.preempted.append(req)
 
+    def _grow(self, req: Request, need: int) -> None:
+        if need <= 0:
+            return
+        if req.lease is None:
+            req.lease = self.leases.open(req.request_id, need)
+        else:
+            req.lease.extend(need)
+
     def _release(self, req: Request) -> None:
-        if req.pages:
-            self.allocator.free(req.pages, req.request_id)
-            req.pages = []
+        """The one place a request's pages go back: finish and preemption."""
+        if req.lease is not None:
+            req.lease.release()
+            req.lease = None
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

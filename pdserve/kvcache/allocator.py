@@ -1,18 +1,21 @@
-"""Page allocator: which pages of the pool are free, and who holds the others.
+"""Page allocator: which pages of the pool are free, and how many references each other has.
 
-Invariant: every page is either in the free list or owned by exactly one holder. `free`
-refuses a page that is already free or held by someone else, so a double free or a free by
-the wrong owner is a loud error at the call site, not silent KV corruption later.
+Invariant: a page is in the free list exactly when its reference count is 0. `allocate` hands
+out pages with count 1, `retain` adds a reference to a page someone holds (a shared prefix),
+`release` drops one, and a page whose count reaches 0 goes back to the free list. Every verb
+checks all its pages before it changes anything, so a double release or a release of a free
+page is a loud error at the call site, with nothing half done, not silent KV corruption later.
+Who holds the references is kvcache/lease.py's business; this file only counts them.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Sequence
+from collections import Counter, deque
+from collections.abc import Sequence
 
 
 class PageAllocError(RuntimeError):
-    """A local bookkeeping error: double free, foreign free, or over-allocation."""
+    """A local bookkeeping error: a double release, a release of a free page, over-allocation."""
 
 
 class PageAllocator:
@@ -21,7 +24,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._owner: dict[int, Hashable] = {}
+        self._refs: list[int] = [0] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -29,33 +32,65 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._owner)
+        """Pages with at least one reference (a shared page counts once)."""
+        return self.num_pages - len(self._free)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int, owner: Hashable) -> list[int]:
+    def refcount(self, page: int) -> int:
+        self._check_range(page, "read")
+        return self._refs[page]
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free pages, each with reference count 1."""
+        if n < 0:
+            raise PageAllocError(f"asked for {n} pages")
         if n > len(self._free):
-            raise PageAllocError(f"asked for {n} pages, {len(self._free)} free (owner {owner!r})")
+            raise PageAllocError(f"asked for {n} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
-            self._owner[p] = owner
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: Sequence[int], owner: Hashable) -> None:
+    def retain(self, pages: Sequence[int]) -> None:
+        """One more reference on each page; every one must already be held (count > 0)."""
         for p in pages:
-            held_by = self._owner.get(p)
-            if held_by is None:
-                raise PageAllocError(f"page {p} freed by {owner!r} but it is not allocated")
-            if held_by != owner:
-                raise PageAllocError(f"page {p} freed by {owner!r} but held by {held_by!r}")
+            self._check_range(p, "retained")
+            if self._refs[p] == 0:
+                raise PageAllocError(f"page {p} retained but it is free")
         for p in pages:
-            del self._owner[p]
-            self._free.append(p)
+            self._refs[p] += 1
 
-    def owners(self) -> dict[Hashable, int]:
-        """Pages held per owner (for /debug/state and invariant checks)."""
-        counts: dict[Hashable, int] = {}
-        for o in self._owner.values():
-            counts[o] = counts.get(o, 0) + 1
-        return counts
+    def release(self, pages: Sequence[int]) -> None:
+        """One reference less on each page (a page listed twice loses two); a page left with
+        none is free again."""
+        for p, times in Counter(pages).items():
+            self._check_range(p, "released")
+            if self._refs[p] == 0:
+                raise PageAllocError(f"page {p} released but it is free")
+            if times > self._refs[p]:
+                raise PageAllocError(
+                    f"page {p} released {times} times but it has {self._refs[p]} references"
+                )
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def violations(self) -> list[str]:
+        """The allocator's own consistency (for /debug/invariants): the free list holds each
+        page with count 0 exactly once, and nothing else. O(num_pages)."""
+        out = []
+        in_free = Counter(self._free)
+        for p in range(self.num_pages):
+            listed, refs = in_free.get(p, 0), self._refs[p]
+            if refs < 0 or listed != (1 if refs == 0 else 0):
+                out.append(f"page {p}: refcount {refs}, in the free list {listed} times")
+        return out
+
+    def _check_range(self, page: int, verb: str) -> None:
+        if not 0 <= page < self.num_pages:
+            raise PageAllocError(
+                f"page {page} {verb} but the pool has pages 0..{self.num_pages - 1}"
+            )

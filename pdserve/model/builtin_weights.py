@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
-    from pdserve.model.builtin import BuiltinSpec
+    from pdserve.model.builtin_specs import BuiltinSpec
 
 
 def write_json(path: Path, obj: dict[str, object]) -> None:

@@ -21,7 +21,8 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.backend import RemoteBackend, validate_request
+from pdserve.protocol.sampling import validate_prompt
+from pdserve.router.backend import RemoteBackend
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Fleet, discover
@@ -31,6 +32,7 @@ from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.ready import announce_ready
+from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.openai_api import OpenAIApi
@@ -69,7 +71,7 @@ class Router:
             cfg, self.registry, self.clients, self.metrics, fleet.vocab_size, fleet.max_model_len
         )
         canary = self.tokenizer.encode(CANARY_TEXT)
-        validate_request(canary, CANARY_PARAMS, fleet.vocab_size, fleet.max_model_len)
+        validate_prompt(canary, CANARY_PARAMS, fleet.vocab_size, fleet.max_model_len)
         self.monitor = HealthMonitor(cfg, self.registry, self.clients, self.metrics, canary)
         self.api = OpenAIApi(
             self.backend,
@@ -154,7 +156,12 @@ class Router:
             self.cfg.protect_health,
         )
         app = web.Application(
-            client_max_size=64 * 2**20, middlewares=[error_middleware(), gate.middleware()]
+            client_max_size=64 * 2**20,
+            middlewares=[
+                error_middleware(),
+                gate.middleware(),
+                Admission(self.cfg.max_queue).middleware(),
+            ],
         )
         app.add_routes(self.api.routes())
         app.add_routes(

@@ -22,30 +22,18 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.params import SamplingParams, validate_prompt
-from pdserve.engine.request import RequestOutput
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import NoRoute, Registry, Route
-from pdserve.worker.api import params_to_json
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # past a request's own timeout: D's final word may take a moment to arrive
 
 Sink = Callable[[RequestOutput], None]
-
-
-def validate_request(
-    prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
-) -> None:
-    """Engine.validate's checks (the same function) against the fleet's limits.
-
-    The router must refuse exactly what a worker would, with the same message: the router
-    tests compare the 400 bodies of the router and of a co-located server.
-    """
-    validate_prompt(prompt_ids, params, vocab_size, max_model_len)
 
 
 def generate_body(
@@ -55,7 +43,7 @@ def generate_body(
     body: dict[str, Any] = {
         "request_id": request_id,
         "prompt_ids": list(prompt_ids),
-        "params": params_to_json(params),
+        "params": params.to_builtins(),
         "timeout_s": timeout_s,
     }
     if route.prefill is not None:
@@ -100,7 +88,9 @@ class RemoteBackend:
         return len(self._live)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        """Engine.validate's checks (the same function) against the fleet's limits: the
+        router refuses exactly what a worker would, with the same message."""
+        validate_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     def submit(
         self,

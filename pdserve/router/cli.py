@@ -8,7 +8,7 @@ from typing import Any
 from pdserve.router.policy import POLICIES
 
 
-def add_api_key_args(p: argparse.ArgumentParser) -> None:
+def add_front_end_args(p: argparse.ArgumentParser) -> None:
     """The clients' key, for `router` and `serve` (co-located): see pdserve/server/auth.py."""
     g = p.add_argument_group("client authentication")
     g.add_argument(
@@ -21,6 +21,12 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
         "--protect-health",
         action="store_true",
         help="/health and /metrics need a key too (default: open, for probes and Prometheus)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=4096,
+        help="completion calls in flight at most; past it 429 with Retry-After (default: 4096)",
     )
 
 
@@ -74,21 +80,27 @@ def add_router_command(sub: Any) -> None:
         metavar="FILE",
         help="the workers' cluster key (default: $PDSERVE_CLUSTER_KEY_FILE)",
     )
-    add_api_key_args(r)
+    add_front_end_args(r)
     r.set_defaults(func=cmd_router)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     # Imported here so that `pdserve --help` does not pay for aiohttp and the tokenizer.
-    from pdserve.model.builtin import resolve_model
     from pdserve.router.app import run_router
     from pdserve.router.config import RouterConfig
     from pdserve.server.auth import load_api_key
 
+    # A model directory (what `pdserve launch` passes) is read as it is. Only a builtin: name
+    # imports model.builtin, which loads torch (to build the model); the router never does.
+    model_path = args.model
+    if model_path.startswith("builtin:"):
+        from pdserve.model.builtin import resolve_model
+
+        model_path = str(resolve_model(model_path))
     cfg = RouterConfig(
         decode_urls=tuple(u.rstrip("/") for u in args.decode),
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill),
-        model_path=str(resolve_model(args.model)),
+        model_path=model_path,
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -98,5 +110,6 @@ def cmd_router(args: argparse.Namespace) -> int:
         cluster_key_file=args.cluster_key_file,
         api_key=load_api_key(args.api_key, args.api_key_file),
         protect_health=args.protect_health,
+        max_queue=args.max_queue,
     )
     return run_router(cfg)

@@ -14,9 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.engine.request import RequestOutput, TokenLogprob
+from pdserve.protocol.outputs import RequestOutput, decode_line
 
-FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 ERROR_BODY_LIMIT = 2000  # characters of a worker's error body worth quoting
 
 
@@ -24,34 +23,6 @@ class WorkerError(Exception):
     def __init__(self, url: str, what: str, connect: bool = False) -> None:
         super().__init__(f"worker {url}: {what}")
         self.url, self.what, self.connect = url, what, connect
-
-
-def output_from_json(request_id: str, d: Any) -> RequestOutput:
-    """The inverse of worker.api.output_to_json; ValueError on anything malformed."""
-    try:
-        finish = d["finish_reason"]
-        if finish is not None and finish not in FINISH_REASONS:
-            raise ValueError(f"unknown finish_reason {finish!r}")
-        error = d.get("error")
-        return RequestOutput(
-            request_id,
-            tuple(_int(t) for t in d["token_ids"]),
-            tuple(
-                TokenLogprob(_int(tid), float(lp), tuple((_int(t), float(v)) for t, v in top))
-                for tid, lp, top in d.get("logprobs") or ()
-            ),
-            finish,
-            None if error is None else str(error),
-            _int(d.get("num_prompt_tokens") or 0),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed output line {str(d)[:200]!r}: {e!r}") from e
-
-
-def _int(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
-    return v
 
 
 class WorkerClient:
@@ -128,7 +99,7 @@ class WorkerClient:
                 async for raw in r.content:
                     if not raw.strip():
                         continue
-                    out = output_from_json(rid, json.loads(raw))
+                    out = decode_line(raw, rid)
                     yield out
                     if out.finish_reason is not None:
                         return
@@ -141,7 +112,7 @@ class WorkerClient:
             ) from e
         except aiohttp.ClientError as e:
             raise WorkerError(self.url, f"POST /generate: the connection failed: {e!r}") from e
-        except ValueError as e:  # json.JSONDecodeError, a malformed line, a line over the limit
+        except ValueError as e:  # a malformed line (decode_line), a line over aiohttp's limit
             raise WorkerError(self.url, f"POST /generate sent a bad stream: {e}") from e
 
 

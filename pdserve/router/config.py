@@ -29,6 +29,7 @@ class RouterConfig:
     cluster_key_file: str | None = None  # None: $PDSERVE_CLUSTER_KEY_FILE, or no key
     api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
     protect_health: bool = False  # /health and /metrics need a key too
+    max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

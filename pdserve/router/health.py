@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from pdserve.engine.params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.backend import generate_body
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig

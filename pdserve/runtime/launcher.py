@@ -46,6 +46,8 @@ class LaunchConfig:
     log_dir: Path
     cluster_key_file: str  # the secret every process of the cluster shares (0600)
     api_key_file: str | None = None  # the router's clients' key (0600), if any
+    protect_health: bool = False  # the router's /health and /metrics need a key too
+    max_queue: int = 4096  # the router's completion calls in flight at most
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "shm"
@@ -121,8 +123,9 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
             "--startup-timeout": str(cfg.startup_timeout_s),
             "--cluster-key-file": cfg.cluster_key_file,
             **({"--api-key-file": cfg.api_key_file} if cfg.api_key_file else {}),
+            "--max-queue": str(cfg.max_queue),
         }
-    )
+    ) + (["--protect-health"] if cfg.protect_health else [])
 
 
 class Launcher:

@@ -27,6 +27,7 @@ from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
+from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.openai_api import OpenAIApi, error_response, read_json
@@ -93,6 +94,7 @@ class Server:
             cfg.engine.model.name,
             {"layout": self.engine.pool.layout.to_dict(), **info},
         )
+        self.admission = Admission(cfg.max_queue)
         self.started = time.monotonic()
 
     def _to_engine(self, inbound: Inbound) -> None:
@@ -147,7 +149,8 @@ class Server:
         return web.json_response(state)
 
     async def debug_invariants(self, request: web.Request) -> web.Response:
-        """At quiescence: no live request, every page free, every thread alive and fresh."""
+        """At quiescence: no live request, every page free, every thread alive and fresh. At any
+        time: every page's reference count equals the number of live leases holding it."""
         try:
             eng = await asyncio.to_thread(self.engine.snapshot, 2.0)
         except TimeoutError:
@@ -163,6 +166,9 @@ class Server:
             violations.append(f"{role['admitting']} requests still waiting for pages")
         if pool["pages_free"] != pool["pages_total"]:
             violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
+        if pool["leases"]:
+            violations.append(f"{pool['leases']} page leases still live")
+        violations += [f"lease check: {v}" for v in pool["lease_violations"]]
         # KV bytes are conserved: nothing is reported (P) or decoded on (D) that was not
         # written (P) or received (D, when the pages pass through it: tcp, nixl).
         stats = role.get("stats") or {}
@@ -205,7 +211,8 @@ class Server:
         # The error middleware is the outer one: a 401 passes through it unchanged.
         gate = Gate(self.cfg.api_key, self.key, self.cfg.protect_health)
         app = web.Application(
-            client_max_size=64 * 2**20, middlewares=[error_middleware(), gate.middleware()]
+            client_max_size=64 * 2**20,
+            middlewares=[error_middleware(), gate.middleware(), self.admission.middleware()],
         )
         if self.cfg.role == "colocated":
             app.add_routes(self.api.routes())

@@ -12,11 +12,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.params import SamplingParams
-from pdserve.engine.request import RequestOutput, TokenLogprob
+from pdserve.protocol.outputs import RequestOutput, TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.server.textstream import Detokenizer, TextStream
 
 GRACE_S = 10.0  # how long past the engine's own deadline we wait for its final word
@@ -91,7 +91,7 @@ class Generation:
         for c in self.choices:
             params = self.params
             if params.seed is not None and c.index:
-                params = replace(params, seed=params.seed + c.index)
+                params = params.replace(seed=params.seed + c.index)
 
             def sink(out: RequestOutput, i: int = c.index) -> None:
                 loop.call_soon_threadsafe(self._queue.put_nowait, (i, out))

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.engine.params import InvalidParams
+from pdserve.protocol.sampling import InvalidParams
 from pdserve.server.generation import Backend, Delta, Generation
 from pdserve.server.openai_protocol import (
     ApiError,
@@ -113,11 +113,11 @@ class OpenAIApi:
         self, request: web.Request, spec: GenerationSpec, prompts: list[list[int]]
     ) -> web.StreamResponse:
         params = spec.params
-        if not spec.max_tokens_given and spec.kind == "chat":
-            # Chat without max_tokens: generate until EOS or the end of the context.
-            room = self.max_model_len - max(len(p) for p in prompts)
-            params = params.__class__(**{**params.__dict__, "max_tokens": max(room, 1)})
         try:
+            if not spec.max_tokens_given and spec.kind == "chat":
+                # Chat without max_tokens: generate until EOS or the end of the context.
+                room = self.max_model_len - max(len(p) for p in prompts)
+                params = params.replace(max_tokens=max(room, 1))  # min_tokens may not fit
             for p in prompts:
                 self.backend.validate(p, params)
         except InvalidParams as e:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.params import (
+from pdserve.protocol.sampling import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,

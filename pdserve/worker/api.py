@@ -1,9 +1,10 @@
 """The worker-facing HTTP API: what a router calls on a worker that owns requests.
 
     POST /generate   {"request_id", "prompt_ids", "params": {SamplingParams fields},
-                      "timeout_s"?, "prefill"?}  ->  NDJSON stream, one RequestOutput per line:
-                     {"token_ids": [...], "logprobs": [[id, lp, [[id, lp], ...]], ...],
-                      "finish_reason": null | "stop" | "length" | "abort" | "error", "error": ...}
+                      "timeout_s"?, "prefill"?}  ->  NDJSON stream, one RequestOutput per line
+                     (pdserve/protocol/outputs.py): {"request_id", "token_ids": [...],
+                      "logprobs": [[id, lp, [[id, lp], ...]], ...], "finish_reason": null |
+                      "stop" | "length" | "abort" | "error", "error", "num_prompt_tokens"}
     POST /abort      {"request_id"}  ->  {"ok": true}
     GET  /info       role, model, max_model_len, vocab size, layout
 
@@ -11,22 +12,22 @@ The stream's last line always carries a finish_reason. A client that disconnects
 request. Served by co-located workers and decode workers alike. Every field of a body is
 checked before the engine sees it (the engine thread would fail on a string seed or a list
 for an address): the same body and SamplingParams checks as the OpenAI API, plus the
-request id, the timeout and the prefill address.
+request id, the timeout and the prefill address. The params are SamplingParams' wire form
+(`SamplingParams.from_builtins`), as in a PrefillRequest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import re
 import time
 from typing import Any
 
 from aiohttp import web
 
-from pdserve.engine.params import InvalidParams, SamplingParams, is_int, show
-from pdserve.engine.request import RequestOutput
+from pdserve.protocol.outputs import RequestOutput, encode_line
+from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.server.openai_api import read_json
 from pdserve.server.openai_protocol import ApiError, bad, check_timeout
 
@@ -40,45 +41,18 @@ _ADDRESS = re.compile(
 )
 
 
-def output_to_json(o: RequestOutput) -> dict[str, Any]:
-    return {
-        "token_ids": list(o.token_ids),
-        "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.logprobs],
-        "finish_reason": o.finish_reason,
-        "error": o.error,
-        "num_prompt_tokens": o.num_prompt_tokens,
-    }
-
-
 def params_from_json(d: Any) -> SamplingParams:
-    """A router's or a peer's params dict -> SamplingParams; anything wrong is ApiError 400.
-
-    The prefill worker uses it on a PrefillRequest's params too, so it raises nothing else,
-    whatever the dict holds.
-    """
-    if not isinstance(d, dict):
-        raise bad("'params' must be an object", "params")
-    fields = set(SamplingParams.__dataclass_fields__)
-    unknown = [k for k in d if k not in fields]
-    if unknown:
-        raise bad(f"unknown sampling params {show(sorted(map(str, unknown)))}", "params")
-    kw = dict(d)
-    if "stop_token_ids" in kw:
-        if not isinstance(kw["stop_token_ids"], list):
-            raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-        kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+    """A router's or a peer's params -> SamplingParams (`SamplingParams.from_builtins`);
+    anything wrong is ApiError 400 naming the field, and nothing else is raised."""
     try:
-        return SamplingParams(**kw)
+        return SamplingParams.from_builtins(d)
     except InvalidParams as e:
         raise bad(str(e), e.param) from e
-    except (TypeError, ValueError, OverflowError) as e:  # a bug in SamplingParams' checks
-        raise bad(f"bad sampling params: {e}", "params") from e
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
-    d = {k: getattr(p, k) for k in SamplingParams.__dataclass_fields__}
-    d["stop_token_ids"] = list(p.stop_token_ids)
-    return d
+    """SamplingParams' wire form (`to_builtins`), for a /generate body or a PrefillRequest."""
+    return p.to_builtins()
 
 
 def check_request_id(v: Any) -> str:
@@ -194,7 +168,7 @@ class WorkerApi:
                         rid, (), (), "error", "worker timed out waiting for its engine"
                     )
                 finished = out.finish_reason is not None
-                await resp.write(json.dumps(output_to_json(out)).encode() + b"\n")
+                await resp.write(encode_line(out))
             await resp.write_eof()
         finally:
             if not finished:

@@ -1,11 +1,12 @@
 """The decode role: owns each request, its destination pages, and the room with its P.
 
-A request with a prefill address gets pages for its prompt, a room (63-bit id, never reused)
-and a PrefillRequest to that P; it joins the decode batch only on PrefillDone, when its KV is
-complete. Every room moves through the D table of `protocol/rooms.py`; its pages are freed
-only on a transition that carries FREE_PAGES (P confirmed it stopped writing, or the fence
-expired). P workers are pinged every second; one silent for PEER_TIMEOUT_S is declared dead
-and its rooms fenced (LESSONS #7, #8, #9).
+A request with a prefill address gets a room (63-bit id, never reused) holding a lease on
+pages for its prompt, and a PrefillRequest to that P; it joins the decode batch only on
+PrefillDone, when its KV is complete, and takes the room's lease with it. Every room moves
+through the D table of `protocol/rooms.py`; its lease is released only on a transition that
+carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). P workers are
+pinged every second; one silent for PEER_TIMEOUT_S is declared dead and its rooms fenced
+(LESSONS #7, #8, #9).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class DecodeEngine(Engine):
                 self._try_done(room)
 
     def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...]) -> None:
-        if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.request.pages):
+        if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.lease.pages):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
         try:
@@ -222,24 +223,24 @@ class DecodeEngine(Engine):
         if room is not None:  # the room exists: end it through the table (it owns the pages)
             self._apply(room, DEvent.LOCAL_FAIL, why)
             return
-        if sub.request.pages:
-            self.pool.allocator.free(sub.request.pages, sub.request.request_id)
-            sub.request.pages = []
-        self._end_detached(sub.request, Event.FAIL, why)
+        self._end_detached(sub.request, Event.FAIL, why)  # no room, so no pages were leased
 
     def _open_room(self, sub: RemoteSubmit, need: int) -> None:
         """Destination pages, a room, and its PrefillRequest (or a Register first)."""
         req = sub.request
-        req.pages = self.pool.allocator.allocate(need, req.request_id)
         left = PREFILL_TIMEOUT_S
         if req.deadline is not None:
             left = min(left, req.deadline - time.monotonic())
+        rid = next(self._room_ids)
+        # The lease is opened last and the room registered at once: nothing between can raise,
+        # so a failed admission either has a room that owns the pages or holds none.
         room = DRoom(
-            next(self._room_ids),
+            rid,
             1,
             req,
             sub.prefill,
             time.monotonic() + left,
+            self.leases.open(f"room {rid}", need),
             write_deadline=time.time() + left,
         )
         self.rooms[room.room] = room
@@ -294,7 +295,7 @@ class DecodeEngine(Engine):
                 room=room.room,
                 epoch=room.epoch,
                 prompt_ids=req.prompt_ids,
-                dst_pages=req.pages,
+                dst_pages=list(room.lease.pages),
                 params=params_to_json(req.params),
                 write_deadline=room.write_deadline,
             ),
@@ -322,10 +323,8 @@ class DecodeEngine(Engine):
         match c:
             case Cmd.SEND_ABORT:
                 self._send(room.peer, m.Abort(room=room.room, epoch=room.epoch))
-            case Cmd.FREE_PAGES:
-                if req.pages:
-                    self.pool.allocator.free(req.pages, req.request_id)
-                    req.pages = []
+            case Cmd.FREE_PAGES:  # the one release of a room's pages: ack, failure or fence
+                room.lease.release()
             case Cmd.FAIL_REQUEST:
                 self._end_detached(req, Event.FAIL, room.reason or "prefill failed")
             case Cmd.START_DECODE:
@@ -333,7 +332,7 @@ class DecodeEngine(Engine):
                 FAULTS.hit("d.start_decode")
                 self.stats.done += 1
                 req.num_computed = len(req.prompt_ids)
-                self.scheduler.adopt(req)
+                self.scheduler.adopt(req, room.lease.hand_over(req.request_id))
                 self.on_token(
                     req,
                     room.first_token,

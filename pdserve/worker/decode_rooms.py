@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, TokenLogprob
+from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState
 
@@ -37,6 +38,9 @@ class DRoom:
     request: Request
     peer: str
     deadline: float
+    # The destination pages. Released only by FREE_PAGES; on START_DECODE handed over to the
+    # request (LESSONS #7).
+    lease: Lease
     state: DState = DState.PENDING
     since: float = field(default_factory=time.monotonic)
     first_token: int | None = None

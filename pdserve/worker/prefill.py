@@ -3,11 +3,11 @@
 The engine thread owns every room (one decode worker's request) and drives it through the P
 table of `protocol/rooms.py`. A room's pages are written as soon as the chunk that fills
 them is computed; PrefillDone follows only after the last write completed. While a write is
-in flight (nixl completes in the background) the room holds its source pages: the scheduler
-never preempts it, and an abort drops it from the batch but frees the pages only once no
-write reads them (LESSONS #7). Anything a peer sends is
-answered or counted and dropped: ABORT for an unknown or finished room gets an AbortAck with
-known=False, never an assert (LESSONS #1, #3).
+in flight (nixl completes in the background) the scheduler never preempts the request. When
+it leaves the batch (its prompt computed, or STOP_COMPUTE) its lease passes to the room, which
+releases it in one place, FREE_PAGES, once no write reads the pages (LESSONS #7). Anything a
+peer sends is answered or counted and dropped: ABORT for an unknown or finished room gets an
+AbortAck with known=False, never an assert (LESSONS #1, #3).
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.params import InvalidParams
+from pdserve.engine.params import InvalidParams, SamplingParams
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.scheduler import StepPlan
+from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
@@ -32,7 +33,6 @@ from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import PeerGone, Pending, WriteError
 from pdserve.transfer.nixl import NixlAgent
-from pdserve.worker.api import params_from_json
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import prefill_snapshot
@@ -61,7 +61,9 @@ class PRoom:
     since: float = field(default_factory=time.monotonic)
     write_deadline: float = 0.0  # unix time; no write into dst_pages after it
     inflight: list[Pending] = field(default_factory=list)  # writes not yet complete
-    held_pages: list[int] = field(default_factory=list)  # source pages kept for inflight
+    # The source pages once the request left the batch, kept while writes read them; released
+    # only by FREE_PAGES.
+    lease: Lease | None = None
     writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
 
     @property
@@ -184,11 +186,9 @@ class PrefillEngine(Engine):
         if len(msg.dst_pages) < need or any(not 0 <= p < peer.num_pages for p in msg.dst_pages):
             return reject(f"dst_pages invalid: {need} pages in [0, {peer.num_pages}) needed")
         try:
-            params = replace(params_from_json(msg.params), max_tokens=1, min_tokens=0)
+            params = SamplingParams.from_builtins(msg.params).replace(max_tokens=1, min_tokens=0)
             self.validate(msg.prompt_ids, params)
-        except (InvalidParams, ValueError) as e:
-            return reject(f"bad request: {e}")
-        except Exception as e:  # noqa: BLE001 - ApiError from params parsing
+        except InvalidParams as e:  # the one converter raises nothing else
             return reject(f"bad request: {e}")
         left = msg.write_deadline - time.time()
         if not math.isfinite(left):  # NaN would keep the room open for ever
@@ -233,19 +233,14 @@ class PrefillEngine(Engine):
             self.by_request.pop(room.request.request_id, None)
 
     def _run_command(self, room: PRoom, c: Cmd) -> None:
-        req = room.request
         match c:
             case Cmd.STOP_COMPUTE:
-                if self.scheduler.get(req.request_id) is not None:
-                    if room.inflight:  # writes still read these pages: keep them
-                        room.held_pages, req.pages = req.pages, []
-                    self.scheduler.finish(req, Event.ABORT)
-            case Cmd.FREE_PAGES:
-                if self.scheduler.get(req.request_id) is not None:
-                    self.scheduler.finish(req, Event.STOP)
-                if room.held_pages:
-                    self.pool.allocator.free(room.held_pages, req.request_id)
-                    room.held_pages = []
+                self._leave_batch(room, Event.ABORT)  # writes may still read its pages
+            case Cmd.FREE_PAGES:  # the one release of a room's pages: no write reads them
+                self._leave_batch(room, Event.STOP)  # a no-op: every path left the batch
+                if room.lease is not None:
+                    room.lease.release()
+                    room.lease = None
             case Cmd.SEND_DONE:
                 assert room.first_token is not None  # COMPUTED set it; not input-dependent
                 lp = room.first_logprob
@@ -343,10 +338,17 @@ class PrefillEngine(Engine):
             return
         room.first_token, room.first_logprob = tok, lp
         self.metrics.generated_tokens.inc()
-        # The prompt is computed: leave the batch, keep the pages until the writes complete.
-        room.held_pages, req.pages = req.pages, []
-        self.scheduler.finish(req, Event.STOP)
+        self._leave_batch(room, Event.STOP)  # the prompt is computed; writes still read it
         self._apply(room, PEvent.COMPUTED)
+
+    def _leave_batch(self, room: PRoom, event: Event) -> None:
+        """Finish the room's request if it is still scheduled, its lease passing to the room."""
+        req = room.request
+        if self.scheduler.get(req.request_id) is None:
+            return
+        lease = self.scheduler.hand_over(req, event, f"room {room.room}")
+        if lease is not None:  # the request leaves the batch once, so the room had none
+            room.lease = lease
 
     def abort_role(self, request_id: str) -> bool:
         room = self.by_request.get(request_id)

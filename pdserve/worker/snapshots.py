@@ -1,6 +1,6 @@
 """What /debug/state shows of a PD role: its peers, its open rooms and its counters.
 
-`pdserve doctor` reads these documents (tools/diagnosis.py); keep the keys stable.
+`pdserve doctor` reads these documents (doctor/diagnosis.py); keep the keys stable.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def decode_snapshot(e: DecodeEngine) -> dict[str, Any]:
                 "peer": r.peer,
                 "state": r.state.value,
                 "request_id": r.request.request_id,
-                "pages": len(r.request.pages),
+                "pages": len(r.lease),
                 "time_in_state_s": round(now - r.since, 3),
                 "deadline_in_s": round(r.deadline - now, 3),
                 "kv_bytes_received": r.bytes_received,
@@ -60,6 +60,7 @@ def prefill_snapshot(e: PrefillEngine) -> dict[str, Any]:
                 "state": r.state.value,
                 "time_in_state_s": round(now - r.since, 3),
                 "deadline_in_s": round(r.deadline - now, 3),
+                "pages": len(r.lease) if r.lease is not None else 0,  # kept for its writes
                 "pages_written": r.pages_written,
                 "writes_in_flight": len(r.inflight),
             }

@@ -2,6 +2,8 @@ import pytest
 
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import FINISHED, TRANSITIONS, Event, IllegalTransition, Request, Status
+from pdserve.kvcache.allocator import PageAllocator
+from pdserve.kvcache.lease import Leases
 
 
 def make() -> Request:
@@ -48,3 +50,15 @@ def test_bad_params_name_the_parameter(kw, param):
     with pytest.raises(InvalidParams) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_pages_come_from_the_lease_and_are_a_copy():
+    req = make()
+    assert req.pages == [] and req.num_pages == 0
+    req.pages = [5, 2]  # a table built by hand (no pool): the runner's tests do this
+    assert req.pages == [5, 2] and req.num_pages == 2
+    req.pages = []
+    req.lease = Leases(PageAllocator(4)).open("r", 3)
+    table = req.pages
+    table.append(9)  # a copy: the lease is unchanged
+    assert req.pages == [0, 1, 2] and req.num_pages == 3 and list(req.lease.pages) == [0, 1, 2]

@@ -1,12 +1,22 @@
+import random
+
+import pytest
+
 from pdserve.config import SchedulerConfig
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.allocator import PageAllocator
+from pdserve.kvcache.lease import LeaseError, Leases, LeaseState
 
 
-def req(rid: str, n: int) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100), sink=lambda o: None)
+def req(rid: str, n: int, max_tokens: int = 100) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(rid, list(range(1, n + 1)), params, sink=lambda o: None)
+
+
+def sched(num_pages: int, page_size: int = 4, **cfg: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), Leases(PageAllocator(num_pages)), page_size)
 
 
 def finish_step(plan) -> None:
@@ -18,7 +28,7 @@ def finish_step(plan) -> None:
 
 
 def test_chunked_prefill_respects_budget_then_decodes():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=8, max_running=4), PageAllocator(32), 4)
+    s = sched(32, max_batched_tokens=8, max_running=4)
     r = req("a", 20)
     s.add(r)
     sizes = []
@@ -29,10 +39,12 @@ def test_chunked_prefill_respects_budget_then_decodes():
     assert sizes[:3] == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
     assert sizes[3] == [(20, 1, True)]
     assert len(r.pages) == 6  # 22 tokens of KV needed by now -> ceil(21/4)
+    assert r.pages == list(range(6)) and r.lease is not None and r.lease.owner == "a"
+    assert s.leases.live() == [r.lease]  # one lease, grown step by step
 
 
 def test_decodes_come_first_and_budget_shared():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=6, max_running=4), PageAllocator(32), 4)
+    s = sched(32, max_batched_tokens=6, max_running=4)
     a, b = req("a", 3), req("b", 10)
     s.add(a)
     finish_step(s.schedule())  # a prefilled, now decoding
@@ -42,24 +54,34 @@ def test_decodes_come_first_and_budget_shared():
 
 
 def full_pool_of_two():
-    alloc = PageAllocator(4)
-    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4), alloc, 4)
+    s = sched(4, max_batched_tokens=64, max_running=4)
     a, b = req("a", 7), req("b", 7)
     s.add(a)
     s.add(b)
     finish_step(s.schedule())  # both prefilled: 2 pages each, pool full
     finish_step(s.schedule())  # token 9 fits page 2 for both; both need a third next
-    return s, alloc, a, b
+    return s, s.allocator, a, b
 
 
-def test_preemption_by_recompute_frees_pages_and_requeues_first():
+def test_preemption_by_recompute_releases_the_lease_and_requeues_first():
     s, alloc, a, b = full_pool_of_two()
     assert alloc.num_free == 0
+    b_lease = b.lease
     plan = s.schedule()  # a needs a third page: b (latest) is preempted
     assert [c.request.request_id for c in plan.chunks] == ["a"]
     assert plan.preempted == [b] and b.status is Status.WAITING and b.num_computed == 0
     assert s.waiting[0] is b and b.pages == [] and b.output_ids == [7, 7]
-    assert alloc.num_used == 3
+    assert b.lease is None and b_lease is not None and b_lease.state is LeaseState.RELEASED
+    assert alloc.num_used == 3 and s.leases.live() == [a.lease] and s.leases.violations() == []
+
+
+def test_a_preempted_request_gets_a_new_lease_when_it_runs_again():
+    s, alloc, a, b = full_pool_of_two()
+    s.schedule()  # b preempted
+    s.finish(a, Event.STOP)
+    plan = s.schedule()
+    assert [c.request for c in plan.chunks] == [b] and b.lease is not None and b.lease.live
+    assert len(b.pages) == 3 and s.leases.live() == [b.lease]  # 9 tokens recomputed: 3 pages
 
 
 def test_a_pinned_request_is_never_the_victim():
@@ -81,19 +103,151 @@ def test_when_every_candidate_is_pinned_requests_wait_instead():
     assert plan.preempted == [b] and [c.request for c in plan.chunks] == [a]
 
 
+def test_a_request_planned_this_step_is_never_the_victim():
+    s = sched(5, max_batched_tokens=64, max_running=4)
+    a, b, c = req("a", 2), req("b", 7), req("c", 7)
+    for r in (a, b, c):
+        s.add(r)
+    finish_step(s.schedule())  # 1 + 2 + 2 pages: the pool is full
+    finish_step(s.schedule())
+    s.pinned = lambda r: r is not a  # b and c need a third page; only a could give way
+    plan = s.schedule()  # a is planned first (its page has room): it must not be preempted
+    assert [c.request for c in plan.chunks] == [a] and plan.preempted == []
+    assert s.running == [a, b, c] and a.lease is not None and a.lease.live
+    assert s.leases.violations() == []
+
+
 def test_finish_releases_pages_once():
-    alloc = PageAllocator(8)
-    s = Scheduler(SchedulerConfig(), alloc, 4)
+    s = sched(8)
     a = req("a", 5)
     s.add(a)
     finish_step(s.schedule())
+    lease = a.lease
     s.finish(a, Event.ABORT)
-    assert alloc.num_free == 8 and a.status is Status.FINISHED_ABORTED and not s.has_work()
+    assert s.allocator.num_free == 8 and a.status is Status.FINISHED_ABORTED and not s.has_work()
+    assert a.lease is None and lease is not None and lease.state is LeaseState.RELEASED
+    assert len(s.leases) == 0
+
+
+def test_finish_of_a_request_that_never_held_pages():
+    s = sched(8)
+    a = req("a", 5)
+    s.add(a)
+    s.finish(a, Event.ABORT)
+    assert a.status is Status.FINISHED_ABORTED and a.lease is None and len(s.leases) == 0
+
+
+def test_hand_over_finishes_the_request_and_gives_its_pages_to_the_caller():
+    s = sched(8)
+    a = req("a", 5)
+    s.add(a)
+    finish_step(s.schedule())
+    pages = a.pages
+    kept = s.hand_over(a, Event.STOP, "room 9")
+    assert kept is not None and kept.owner == "room 9" and list(kept.pages) == pages == [0, 1]
+    assert a.status is Status.FINISHED_STOPPED and a.lease is None and not s.has_work()
+    assert s.allocator.num_used == 2 and s.leases.live() == [kept]
+    kept.release()
+    assert s.allocator.num_free == 8 and len(s.leases) == 0
+
+
+def test_hand_over_of_a_waiting_request_gives_nothing():
+    s = sched(8)
+    a = req("a", 5)
+    s.add(a)
+    assert s.hand_over(a, Event.ABORT, "room 9") is None
+    assert a.status is Status.FINISHED_ABORTED and not s.has_work()
+
+
+def test_adopt_makes_the_lease_the_requests():
+    s = sched(8)
+    room = s.leases.open("room 1", 2)
+    a = req("a", 5)
+    a.num_computed = 5
+    s.adopt(a, room.hand_over("a"))
+    assert a.status is Status.RUNNING and a.pages == [0, 1] and s.running == [a]
+    s.finish(a, Event.STOP)
+    assert s.allocator.num_free == 8 and len(s.leases) == 0
+
+
+def test_adopt_refuses_a_request_that_holds_a_lease():
+    s = sched(8)
+    a = req("a", 5)
+    a.lease = s.leases.open("a", 1)
+    with pytest.raises(ValueError, match=r"^request a adopted while it holds Lease\('a', 1 pages"):
+        s.adopt(a, s.leases.open("room", 2))
+    assert a.status is Status.WAITING and s.running == []
+
+
+def test_leased_pages_cannot_be_set_by_hand():
+    s = sched(8)
+    a = req("a", 5)
+    s.add(a)
+    s.schedule()
+    with pytest.raises(LeaseError, match=r"^request a: its pages belong to Lease\('a', 2 pages"):
+        a.pages = []
+    assert a.pages == [0, 1]
 
 
 def test_max_running_caps_admission():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=100, max_running=2), PageAllocator(64), 4)
+    s = sched(64, max_batched_tokens=100, max_running=2)
     for i in range(3):
         s.add(req(f"r{i}", 3))
     plan = s.schedule()
     assert len(plan.chunks) == 2 and len(s.waiting) == 1
+
+
+def test_random_workloads_keep_leases_exact_and_leak_nothing():
+    """Admit, grow, preempt, pin, finish, abort and hand over in a seeded random order; after
+    every step each page's count is the number of live leases holding it, every chunk runs on
+    pages its request holds, a running request's lease covers exactly its computed tokens,
+    and a waiting one holds none."""
+    rng = random.Random(3)
+    s = sched(16, max_batched_tokens=16, max_running=6)
+    kept = []  # leases handed over to a "room", released some steps later
+    pinned: set[str] = set()
+    s.pinned = lambda r: r.request_id in pinned
+    preempted = 0
+    for step in range(2500):
+        op = rng.random()
+        live = s.running + list(s.waiting)
+        if op < 0.1:
+            s.add(req(f"r{step}", rng.randint(1, 16), max_tokens=rng.randint(1, 40)))
+        elif op < 0.13 and live:
+            s.finish(rng.choice(live), Event.ABORT)
+        elif op < 0.16 and live:
+            r = rng.choice(live)
+            event = Event.STOP if r.status is Status.RUNNING else Event.ABORT
+            lease = s.hand_over(r, event, f"room {step}")
+            if lease is not None:
+                kept.append(lease)
+        elif op < 0.2 and kept:
+            kept.pop(rng.randrange(len(kept))).release()
+        elif op < 0.25:
+            pinned = {r.request_id for r in s.running if rng.random() < 0.3}
+        else:
+            plan = s.schedule()
+            preempted += len(plan.preempted)
+            for c in plan.chunks:  # every chunk runs on pages its request holds
+                assert c.request.status is Status.RUNNING, step
+                assert c.request.num_pages * 4 >= c.start + c.length, step
+            finish_step(plan)
+            for r in list(s.running):
+                if len(r.output_ids) >= r.params.max_tokens:
+                    s.finish(r, Event.LENGTH)
+            for r in s.running:
+                assert r.lease is not None and r.lease.live
+                assert r.num_pages == -(-r.num_computed // 4)
+        for r in s.waiting:
+            assert r.lease is None
+        held = [lease.owner for lease in s.leases.live()]
+        assert sorted(held) == sorted(
+            [r.request_id for r in s.running] + [lease.owner for lease in kept]
+        )
+        assert s.leases.violations() == [], step
+    assert preempted > 50  # the pool was tight enough to exercise preemption
+    for r in s.running + list(s.waiting):
+        s.finish(r, Event.ABORT)
+    for lease in kept:
+        lease.release()
+    assert s.allocator.num_free == 16 and len(s.leases) == 0 and s.leases.violations() == []

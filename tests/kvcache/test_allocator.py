@@ -5,48 +5,112 @@ import pytest
 from pdserve.kvcache.allocator import PageAllocator, PageAllocError
 
 
-def test_allocate_free_roundtrip():
+def test_allocate_release_roundtrip():
     a = PageAllocator(8)
-    p = a.allocate(3, "r1")
-    assert len(set(p)) == 3 and a.num_free == 5 and a.num_used == 3
-    a.free(p, "r1")
-    assert a.num_free == 8 and a.num_used == 0
+    p = a.allocate(3)
+    assert p == [0, 1, 2] and [a.refcount(x) for x in p] == [1, 1, 1]
+    assert a.num_free == 5 and a.num_used == 3
+    a.release(p)
+    assert a.num_free == 8 and a.num_used == 0 and [a.refcount(x) for x in p] == [0, 0, 0]
+    assert a.allocate(8)[-3:] == [0, 1, 2]  # released pages go to the back of the free list
 
 
-def test_double_free_and_foreign_free_refused():
+def test_a_shared_page_is_free_only_after_its_last_reference():
     a = PageAllocator(4)
-    p = a.allocate(2, "r1")
-    with pytest.raises(PageAllocError, match="held by 'r1'"):
-        a.free(p, "r2")
-    a.free(p, "r1")
-    with pytest.raises(PageAllocError, match="not allocated"):
-        a.free(p, "r1")
-    assert a.num_free == 4
+    p = a.allocate(2)
+    a.retain(p)
+    a.retain([p[0]])
+    assert [a.refcount(x) for x in p] == [3, 2] and a.num_used == 2 and a.num_free == 2
+    a.release(p)
+    assert [a.refcount(x) for x in p] == [2, 1] and a.num_free == 2
+    a.release([p[0], p[1], p[0]])  # a page listed twice loses two references
+    assert [a.refcount(x) for x in p] == [0, 0] and a.num_free == 4 and a.violations() == []
+
+
+def test_release_of_a_free_page_names_it_and_changes_nothing():
+    a = PageAllocator(4)
+    p = a.allocate(2)
+    with pytest.raises(PageAllocError, match=r"^page 3 released but it is free$"):
+        a.release([p[0], 3])
+    assert a.refcount(p[0]) == 1 and a.num_free == 2
+    a.release(p)
+    with pytest.raises(PageAllocError, match=r"^page 0 released but it is free$"):
+        a.release(p)  # a double release
+    assert a.num_free == 4 and a.violations() == []
+
+
+def test_release_beyond_the_references_names_the_counts_and_changes_nothing():
+    a = PageAllocator(4)
+    p = a.allocate(2)
+    with pytest.raises(PageAllocError, match=r"^page 1 released 2 times but it has 1 references$"):
+        a.release([0, 1, 1])
+    assert [a.refcount(x) for x in p] == [1, 1] and a.num_free == 2
+
+
+def test_retain_of_a_free_page_names_it_and_changes_nothing():
+    a = PageAllocator(4)
+    p = a.allocate(1)
+    with pytest.raises(PageAllocError, match=r"^page 2 retained but it is free$"):
+        a.retain([p[0], 2])
+    assert a.refcount(p[0]) == 1 and a.refcount(2) == 0 and a.num_free == 3
+
+
+@pytest.mark.parametrize("page", [-1, 4])
+def test_pages_outside_the_pool_are_refused(page):
+    a = PageAllocator(4)
+    a.allocate(4)
+    for verb, call in (("retained", a.retain), ("released", a.release)):
+        with pytest.raises(PageAllocError, match=rf"^page {page} {verb} but the pool has pages"):
+            call([page])
+    assert a.num_used == 4 and a.violations() == []
 
 
 def test_over_allocation_refused():
     a = PageAllocator(2)
-    assert not a.can_allocate(3)
-    with pytest.raises(PageAllocError):
-        a.allocate(3, "r")
-    assert a.num_free == 2
+    assert a.can_allocate(2) and not a.can_allocate(3)
+    with pytest.raises(PageAllocError, match=r"^asked for 3 pages, 2 free$"):
+        a.allocate(3)
+    with pytest.raises(PageAllocError, match=r"^asked for -1 pages$"):
+        a.allocate(-1)
+    assert a.num_free == 2 and a.allocate(0) == []
 
 
-def test_random_sequences_never_leak_or_share():
+def test_violations_name_a_corrupted_page():
+    a = PageAllocator(3)
+    a.allocate(1)
+    a._refs[0] = 0  # a bug that dropped a count without freeing the page
+    a._free.append(2)  # and one that listed a free page twice
+    assert a.violations() == [
+        "page 0: refcount 0, in the free list 0 times",
+        "page 2: refcount 0, in the free list 2 times",
+    ]
+
+
+def test_random_sequences_keep_counts_and_never_leak():
     rng = random.Random(7)
     a = PageAllocator(64)
-    held: dict[str, list[int]] = {}
-    for step in range(2000):
-        if held and rng.random() < 0.45:
-            owner = rng.choice(sorted(held))
-            a.free(held.pop(owner), owner)
-        else:
-            n = rng.randint(1, 6)
+    refs = [0] * 64  # the model: references per page
+    for _ in range(3000):
+        held = [p for p in range(64) if refs[p]]
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(0, 6)
             if a.can_allocate(n):
-                held[f"r{step}"] = a.allocate(n, f"r{step}")
-        all_pages = [p for ps in held.values() for p in ps]
-        assert len(all_pages) == len(set(all_pages))
-        assert a.num_used == len(all_pages) and a.num_free + a.num_used == 64
-    for owner, pages in held.items():
-        a.free(pages, owner)
-    assert a.num_free == 64
+                for p in a.allocate(n):
+                    assert refs[p] == 0
+                    refs[p] = 1
+        elif op < 0.6 and held:
+            pages = rng.sample(held, rng.randint(1, min(3, len(held))))
+            a.retain(pages)
+            for p in pages:
+                refs[p] += 1
+        elif held:
+            pages = rng.sample(held, rng.randint(1, min(4, len(held))))
+            a.release(pages)
+            for p in pages:
+                refs[p] -= 1
+        assert [a.refcount(p) for p in range(64)] == refs
+        assert a.num_used == sum(1 for r in refs if r) and a.num_free + a.num_used == 64
+    for p in range(64):
+        a.release([p] * refs[p])
+    assert a.num_free == 64 and a.violations() == []

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.model import builtin, builtin_weights
-from pdserve.model.builtin import BUILTIN_NAMES, make_model, resolve_model
+from pdserve.model import builtin, builtin_specs, builtin_weights
+from pdserve.model.builtin import make_model, resolve_model
+from pdserve.model.builtin_specs import BUILTIN_NAMES
 
 SMALL = ("tiny", "qwen2-tiny", "qwen3-tiny")
 HF_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
@@ -43,7 +44,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_names_are_the_documented_ones() -> None:
     assert BUILTIN_NAMES == ("tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-0.5b-shape")
-    assert set(builtin.SPECS) == set(BUILTIN_NAMES)
+    assert set(builtin_specs.SPECS) == set(BUILTIN_NAMES)
 
 
 def test_unknown_name_lists_the_valid_ones(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_weights_match_the_pinned_digest(built: Path) -> None:
 
 @pytest.mark.parametrize("name", SMALL)
 def test_directory_holds_exactly_the_hf_files(built: Path, name: str) -> None:
-    spec = builtin.SPECS[name]
+    spec = builtin_specs.SPECS[name]
     path = built / name
     assert {f.name for f in path.iterdir()} == HF_FILES | {"model.safetensors"}
     config = json.loads((path / "config.json").read_text())
@@ -121,7 +122,7 @@ def test_transformers_loads_and_runs(built: Path, name: str) -> None:
     transformers = pytest.importorskip("transformers")
     path = built / name
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert type(model).__name__ == builtin.SPECS[name].architecture
+    assert type(model).__name__ == builtin_specs.SPECS[name].architecture
     ids = torch.tensor([[5, 17, 300, 4000]])
     with torch.no_grad():
         logits = model(ids).logits

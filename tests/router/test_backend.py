@@ -11,42 +11,29 @@ import json
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.engine.params import InvalidParams, SamplingParams
-from pdserve.engine.request import RequestOutput, TokenLogprob
+from pdserve.protocol.outputs import RequestOutput, encode_line
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router import backend as backend_mod
-from pdserve.router.backend import RemoteBackend, validate_request
-from pdserve.router.client import WorkerClient, output_from_json
+from pdserve.router.backend import RemoteBackend
+from pdserve.router.client import WorkerClient
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import RouterStartupError, check_fleet
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
-from pdserve.worker.api import output_to_json
 
 PARAMS = SamplingParams(max_tokens=3, temperature=0)
 Line = dict[str, Any]
 
 
-def line(tokens: list[int], finish: str | None = None) -> bytes:
-    return (
-        json.dumps(
-            {
-                "token_ids": tokens,
-                "logprobs": [],
-                "finish_reason": finish,
-                "error": None,
-                "num_prompt_tokens": 3,
-            }
-        ).encode()
-        + b"\n"
-    )
+def line(tokens: list[int], finish: str | None = None, rid: str = "r1") -> bytes:
+    return encode_line(RequestOutput(rid, tuple(tokens), (), finish, None, 3))
 
 
 class FakeWorker:
@@ -188,9 +175,13 @@ def test_pd_route_sends_the_prefill_workers_control_address():
         ((b"this is not json\n",), "bad stream"),
         ((line([5])[:-2] + b"\n",), "bad stream"),
         (
-            (json.dumps({"token_ids": [1], "finish_reason": "done"}).encode() + b"\n",),
-            "unknown finish_reason",
+            (
+                json.dumps({"request_id": "r1", "token_ids": [1], "finish_reason": "done"}).encode()
+                + b"\n",
+            ),
+            "unknown finish_reason 'done'",
         ),
+        ((line([5], "stop", rid="r2"),), "an output of request 'r2' in the stream of 'r1'"),
     ],
 )
 def test_broken_streams_end_in_one_error_naming_the_worker(chunks, expect):
@@ -307,39 +298,6 @@ def test_close_fails_live_requests_towards_the_client():
             assert await b.wait_idle(1.0) and [a[1] for a in w.aborts] == ["r1"]
 
     run(body())
-
-
-def test_validate_refuses_like_the_engine():
-    ok = SamplingParams(max_tokens=4)
-    validate_request([1, 2], ok, vocab_size=10, max_model_len=8)
-    cases = [
-        ([], ok, "prompt", "the prompt is empty"),
-        ([1, 10], ok, "prompt", "prompt token ids must be in [0, 10)"),
-        ([-1], ok, "prompt", "prompt token ids must be in [0, 10)"),
-        ([1] * 8, ok, "prompt", "the prompt has 8 tokens; this model's context is 8 tokens"),
-        ([1] * 5, ok, "max_tokens", "max_tokens 4 + 5 prompt tokens exceeds the context of 8"),
-        ([1], replace(ok, stop_token_ids=(9, 10)), "stop_token_ids", "[0, 10), got 10"),
-    ]
-    for prompt, params, param, msg in cases:
-        with pytest.raises(InvalidParams) as e:
-            validate_request(prompt, params, vocab_size=10, max_model_len=8)
-        assert e.value.param == param and msg in str(e.value)
-
-
-def test_output_json_round_trip_and_malformed_lines():
-    out = RequestOutput(
-        "r", (4, 5), (TokenLogprob(4, -0.5, ((4, -0.5), (9, -1.0))),), "stop", None, 7
-    )
-    assert output_from_json("r", json.loads(json.dumps(output_to_json(out)))) == out
-    for bad in (
-        {},
-        {"token_ids": ["a"], "finish_reason": None},
-        {"token_ids": [True], "finish_reason": None},
-        {"token_ids": [1], "finish_reason": "maybe"},
-        [1],
-    ):
-        with pytest.raises(ValueError, match="malformed output line"):
-            output_from_json("r", bad)
 
 
 def info(role: str, model: str = "m", max_len: int = 100, **kw: Any) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
-from pdserve.engine.params import (
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import (
     INT64_MAX,
     SEED_MAX,
     SEED_MIN,
@@ -29,7 +30,6 @@ from pdserve.engine.params import (
     SamplingParams,
     validate_prompt,
 )
-from pdserve.engine.request import RequestOutput
 from pdserve.server.errors import INTERNAL_ERROR, error_middleware
 from pdserve.server.openai_api import OpenAIApi
 from pdserve.server.openai_protocol import (
@@ -222,7 +222,7 @@ def test_validate_prompt_checks_stop_token_ids_against_the_vocab() -> None:
 
 def test_params_from_json_raises_only_api_errors_and_what_it_returns_is_usable() -> None:
     accepted = 0
-    for name in SamplingParams.__dataclass_fields__:
+    for name in SamplingParams.__struct_fields__:
         for v in HOSTILE:
             try:
                 p = params_from_json({name: v})
@@ -469,6 +469,13 @@ def test_openai_endpoints_serve_good_bodies_and_refuse_bad_ones() -> None:
     params = [r[1]["error"]["param"] for r in results[2:6]]
     assert params == ["messages", "chat_template_kwargs", "chat_template_kwargs", "stop_token_ids"]
     assert len(results[6][1]["choices"]) == 6
+
+
+def test_chat_without_max_tokens_whose_min_tokens_cannot_fit_is_400() -> None:
+    # max_tokens becomes the room left in the context (4 here), which min_tokens exceeds.
+    long_chat = {"messages": [{"role": "user", "content": "x" * 60}], "min_tokens": 10}
+    [(status, resp, _)] = exchange(make_app(), [("POST", "/v1/chat/completions", long_chat)])
+    assert status == 400 and resp["error"]["param"] == "min_tokens", resp
 
 
 @pytest.mark.parametrize(

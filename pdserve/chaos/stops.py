@@ -17,11 +17,12 @@ import signal
 import time
 from typing import Any
 
-from pdserve.tools import httpcall, probes
-from pdserve.tools.chaos_cluster import ClusterSpec, WorkerRef
-from pdserve.tools.kills import DEEP_BOUND_S, FRESH, WorkerKill, only_victim_fails
-from pdserve.tools.load import LoadProcess
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import ClusterSpec, WorkerRef
+from pdserve.chaos.kills import DEEP_BOUND_S, FRESH, WorkerKill, only_victim_fails
+from pdserve.chaos.load import LoadProcess
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
+from pdserve.runtime import httpcall
 
 AFTER_STOP_S = 8.0  # load keeps running this long after the stop: past D's 5 s P timeout
 FENCE_SLACK_S = 20.0  # D's fence: >= 10 s, and write deadline (<= request timeout) + 2 s

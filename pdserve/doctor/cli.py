@@ -5,7 +5,7 @@ every worker for its /debug/state, each bounded too), hands it to the pure
 `diagnosis.diagnose`, and prints the result. `--file` reads a saved document instead,
 so a document captured during an incident can be read again later.
 
-Exit code: 0 healthy, 1 degraded, 2 wedged (see pdserve/tools/diagnosis.py for exactly
+Exit code: 0 healthy, 1 degraded, 2 wedged (see pdserve/doctor/diagnosis.py for exactly
 which finding is which), 3 the document could not be read at all.
 """
 
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.tools import httpcall
-from pdserve.tools.diagnosis import Diagnosis, diagnose
+from pdserve.doctor.diagnosis import Diagnosis, diagnose
+from pdserve.runtime import httpcall
 
 UNREADABLE = 3
 

@@ -1,6 +1,6 @@
 """The chaos load: many concurrent streaming multi-turn chat sessions against a router.
 
-    python -m pdserve.tools.chaos_client --url ROUTER --sessions 60 --progress FILE
+    python -m pdserve.chaos.client --url ROUTER --sessions 60 --progress FILE
 
 Each session holds a conversation: every turn is a streaming /v1/chat/completions with the
 conversation so far and a small max_tokens; after `--turns` turns it starts a new one. It
@@ -226,7 +226,7 @@ async def main_async(cfg: LoadConfig, progress_path: Path) -> int:
 
 
 def parse_args(argv: list[str] | None) -> tuple[LoadConfig, Path]:
-    a = argparse.ArgumentParser(prog="python -m pdserve.tools.chaos_client", description=__doc__)
+    a = argparse.ArgumentParser(prog="python -m pdserve.chaos.client", description=__doc__)
     a.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
     a.add_argument("--sessions", type=int, default=60)
     a.add_argument("--turns", type=int, default=4, help="turns before a session starts over")

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.chaos.cluster import Cluster, ClusterError, ClusterSpec, new_cluster_key
 from pdserve.runtime.child import _die_with_parent
-from pdserve.tools.chaos_cluster import Cluster, ClusterError, ClusterSpec, new_cluster_key
 
 STOP_S = 15.0  # per group: a worker's drain and its supervisor's 5 s thread bound fit in it
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.tools import httpcall, probes
-from pdserve.tools.chaos_cluster import ClusterSpec, WorkerRef, pid_alive
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import ClusterSpec, WorkerRef, pid_alive
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
+from pdserve.runtime import httpcall
 
 FIRE_BOUND_S = 10.0  # a set fault fires on the thread's next tick (at most ~0.1 s away)
 HEALTH_BOUND_S = 6.0  # a restarted thread's heartbeat is fresh again (bound 5 s) by then

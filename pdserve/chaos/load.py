@@ -1,4 +1,4 @@
-"""The harness's handle on one chaos client process (pdserve/tools/chaos_client.py).
+"""The harness's handle on one chaos client process (pdserve/chaos/client.py).
 
 The client is a separate process so that the harness can SIGKILL it: that is the abort
 storm, every open stream dying at once the way a crashed frontend drops them. What it did
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.chaos.client import read_progress
 from pdserve.runtime.child import _die_with_parent
-from pdserve.tools.chaos_client import read_progress
 
 START_S = 30.0  # the client imports aiohttp and opens its sessions; generous on 2 busy cores
 
@@ -45,7 +45,7 @@ class LoadProcess:
     def start(self) -> LoadProcess:
         s = self.spec
         self.progress_path.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "pdserve.tools.chaos_client", "--url", self.url]
+        argv = [sys.executable, "-m", "pdserve.chaos.client", "--url", self.url]
         argv += ["--sessions", str(s.sessions), "--seed", str(s.seed)]
         argv += ["--max-tokens", str(s.max_tokens), "--timeout", str(s.timeout_s)]
         argv += ["--abandon", str(s.abandon), "--progress", str(self.progress_path)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from pdserve.cli import main
-from pdserve.tools.diagnosis import Severity, diagnose
-from tests.tools.clusterdocs import (
+from pdserve.doctor.diagnosis import Severity, diagnose
+from tests.doctor.clusterdocs import (
     D2_URL,
     D_IDENTITY,
     D_URL,

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.runtime import httpcall
 from pdserve.runtime.child import _die_with_parent
 from pdserve.runtime.cluster_key import generate as generate_key
-from pdserve.tools import httpcall
 
 DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
 STOP_S = 45.0  # the launcher stops its router, then its workers, 30 s each at worst

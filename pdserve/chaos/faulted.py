@@ -21,11 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.tools import httpcall, probes
-from pdserve.tools.chaos_cluster import Cluster, ClusterSpec, WorkerRef
-from pdserve.tools.kills import FRESH, GRACE_S, only_victim_fails
-from pdserve.tools.load import LoadProcess, LoadSpec
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import Cluster, ClusterSpec, WorkerRef
+from pdserve.chaos.kills import FRESH, GRACE_S, only_victim_fails
+from pdserve.chaos.load import LoadProcess, LoadSpec
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
+from pdserve.runtime import httpcall
 
 STALL = "thread.control=delay:30"
 WATCH_S = 40.0  # one whole stall cycle (30 s) and the 5 s heartbeat bound after it

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pdserve.tools.chaos_cluster import Cluster, ClusterError, ClusterSpec, WorkerRef
-from pdserve.tools.load import LoadSpec
+from pdserve.chaos.cluster import Cluster, ClusterError, ClusterSpec, WorkerRef
+from pdserve.chaos.load import LoadSpec
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class ChaosOptions:
     steady_s: float = 10.0  # abort-storm: a steady load this long before and after (0: off)
     # message-faults: the control messages dropped in turn, one cluster each
     messages: tuple[str, ...] = ("PrefillAccept", "PrefillDone", "AbortAck", "KVChunk")
+    requests: int = 2000  # fuzz: seeded cases per run
 
     def __post_init__(self) -> None:
         lo, hi = self.kill_after
@@ -54,6 +55,8 @@ class ChaosOptions:
             raise ValueError(f"--kill-after needs 0 < MIN <= MAX, got {lo}:{hi}")
         if not self.messages:
             raise ValueError("--messages needs at least one message type")
+        if self.requests < 1:
+            raise ValueError("need --requests >= 1")
         if self.rounds < 1 or self.sessions < 1 or self.prefill < 0 or self.decode < 1:
             raise ValueError("need --rounds >= 1, --sessions >= 1, --prefill >= 0, --decode >= 1")
 
@@ -124,7 +127,7 @@ class Context:
 
     def diagnose(self, cluster: Cluster | None = None) -> list[str]:
         """Doctor's reading of the cluster, for the report of a scenario that failed."""
-        from pdserve.tools.diagnosis import diagnose
+        from pdserve.doctor.diagnosis import diagnose
 
         try:
             return diagnose((cluster or self.cluster).document(), time.time()).lines()

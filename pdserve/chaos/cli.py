@@ -30,22 +30,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import BACKENDS
-from pdserve.tools.chaos_cluster import (
+from pdserve.chaos.cluster import (
     AttachedCluster,
     Cluster,
     ClusterError,
     ClusterSpec,
     LaunchedCluster,
 )
-from pdserve.tools.composed import ComposedCluster
-from pdserve.tools.disconnects import ClientDisconnect
-from pdserve.tools.faulted import DROPPABLE, MessageFaults, ThreadCrash
-from pdserve.tools.kills import WorkerKill
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, Scenario, scenario_rng
-from pdserve.tools.stops import PrefillStop
-from pdserve.tools.storm import AbortStorm
-from pdserve.tools.threadkill import ThreadKill
+from pdserve.chaos.composed import ComposedCluster
+from pdserve.chaos.disconnects import ClientDisconnect
+from pdserve.chaos.faulted import DROPPABLE, MessageFaults, ThreadCrash
+from pdserve.chaos.fuzz import Fuzz
+from pdserve.chaos.kills import WorkerKill
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome, Scenario, scenario_rng
+from pdserve.chaos.stops import PrefillStop
+from pdserve.chaos.storm import AbortStorm
+from pdserve.chaos.threadkill import ThreadKill
+from pdserve.config import BACKENDS
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -58,6 +59,7 @@ SCENARIOS: dict[str, Scenario] = {
         ThreadCrash(),
         ThreadKill(),
         MessageFaults(),
+        Fuzz(),
     )
 }
 
@@ -112,6 +114,9 @@ def add_chaos_command(sub: Any) -> None:
         default=",".join(d.messages),
         help="message-faults: the control messages to drop in turn, comma-separated",
     )
+    p.add_argument(
+        "--requests", type=int, default=d.requests, help="fuzz: how many seeded cases to send"
+    )
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--work-dir", default=None, help="logs and progress files (default: temp)")
     p.set_defaults(func=cmd_chaos)
@@ -145,6 +150,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         min_throughput_ratio=args.min_throughput_ratio,
         steady_s=args.steady_s,
         messages=messages,
+        requests=args.requests,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,11 @@ import os
 import time
 from typing import Any
 
-from pdserve.tools import httpcall, probes
-from pdserve.tools.chaos_cluster import ClusterSpec, WorkerRef
-from pdserve.tools.load import LoadProcess
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import ClusterSpec, WorkerRef
+from pdserve.chaos.load import LoadProcess
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
+from pdserve.runtime import httpcall
 
 AFTER_KILL_S = 8.0  # load keeps running this long after the kill: past D's 5 s P timeout
 DEEP_BOUND_S = 25.0  # a probe through a dead P ends when D declares it dead (5 s)

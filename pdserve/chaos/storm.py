@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.tools import probes
-from pdserve.tools.chaos_cluster import ClusterError, ClusterSpec, WorkerRef
-from pdserve.tools.load import LoadProcess
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, percentile
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import ClusterError, ClusterSpec, WorkerRef
+from pdserve.chaos.load import LoadProcess
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome, percentile
 
 WEDGE_BOUND_S = 30.0  # how long we keep polling deep health to tell slow from wedged
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.tools import httpcall
+from pdserve.runtime import httpcall
 
 POLL_S = 0.05
 DEEP_CALL_S = 15.0  # one /health/deep: the router bounds each probe by 10 s

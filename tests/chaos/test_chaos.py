@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.tools.chaos import kill_range, render_summary
-from pdserve.tools.scenarios import ChaosOptions, Outcome, percentile
-from pdserve.tools.storm import summarize
+from pdserve.chaos.cli import kill_range, render_summary
+from pdserve.chaos.scenarios import ChaosOptions, Outcome, percentile
+from pdserve.chaos.storm import summarize
 from tests.procs import pid_alive, wait_gone
 
 

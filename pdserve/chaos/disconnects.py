@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from pdserve.tools import httpcall, probes
-from pdserve.tools.chaos_cluster import ClusterSpec, WorkerRef
-from pdserve.tools.scenarios import ChaosOptions, Context, Outcome, percentile
+from pdserve.chaos import probes
+from pdserve.chaos.cluster import ClusterSpec, WorkerRef
+from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome, percentile
+from pdserve.runtime import httpcall
 
 HOLD_S = 1.5  # each fault point holds a request this long
 FAULTS = (

@@ -1,0 +1,252 @@
+"""The fuzzer's cases: seeded, hostile and valid OpenAI requests, each with what it may get.
+
+A case is one HTTP call (method, path, raw body bytes, headers) and an expectation:
+* `VALID`: built only from values the API must accept (small max_tokens, short prompts, each
+  parameter inside its documented range): it must answer 200 with a finished completion;
+* `ANY`: a valid body with one field replaced by a hostile value, a field dropped or an
+  unknown one added, a raw body that is not JSON or not UTF-8, deep nesting, a 5,000-digit
+  number, a wrong method or path: it may be refused (4xx with an OpenAI-style JSON body) or,
+  where the change happens to be harmless, served (200); never a 5xx, never a hang.
+The same seed gives the same cases, so a failure can be replayed: `pdserve chaos --scenario
+fuzz --seed S --requests N` (or tests/chaos/test_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Expect(Enum):
+    VALID = "valid"
+    ANY = "any"  # 200 or 4xx; never 5xx
+
+
+@dataclass(frozen=True)
+class Case:
+    index: int
+    kind: str  # what the generator did, for the report: "valid", "field:temperature", ...
+    method: str
+    path: str
+    body: bytes
+    expect: Expect
+    stream: bool = False
+    headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
+
+
+WORDS = ["the", "cat", "def", "main", "(", ")", ":", "hello", "world", "é", "日本", "🙂", "\n"]
+
+# Values that are wrong somewhere: types, ranges, sizes, the non-finite, the unprintable.
+HOSTILE: list[Any] = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    2**31,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    1180591620717411303424,
+    1e-40,
+    1e308,
+    -1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "",
+    "x",
+    "1",
+    "🙂",
+    "\ud800",  # a lone surrogate (json.dumps escapes it; the server must refuse it)
+    "\x00",
+    "a" * 5000,
+    [],
+    [1],
+    [-1],
+    [2**70],
+    ["a", 1],
+    [[]],
+    {},
+    {"a": 1},
+    {"self": 1},
+]
+
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stream",
+    "stream_options",
+    "timeout",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+]
+
+RAW_BODIES: list[bytes] = [
+    b"",
+    b"{",
+    b"[",
+    b"null",
+    b"1e999999",
+    b'"just a string"',
+    b"[" * 5000 + b"]" * 5000,
+    b'{"prompt": ' + b"[" * 200 + b"1" + b"]" * 200 + b"}",
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"prompt": "x", "max_tokens": NaN}',
+    b'{"prompt": "x", "temperature": Infinity}',
+    b'{"prompt": "\\ud800", "max_tokens": 2}',
+    b'{"prompt": "\xff\xfe bad utf-8", "max_tokens": 2}',
+    b'{"prompt": "x"' + b', "n": 16' * 50 + b"}",
+]
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def valid_completion(rng: random.Random, model: str, vocab: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(1, 6)}
+    if rng.random() < 0.7:
+        body["prompt"] = _text(rng, rng.randint(1, 12))
+    else:
+        body["prompt"] = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+    _sampling(rng, body, vocab)
+    if rng.random() < 0.2:
+        body["echo"] = True
+    if rng.random() < 0.2:
+        body["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 0.15:
+        body["n"] = 2
+    return body
+
+
+def valid_chat(rng: random.Random, model: str, vocab: int) -> dict[str, Any]:
+    turns = [{"role": "user", "content": _text(rng, rng.randint(1, 8))}]
+    if rng.random() < 0.3:
+        turns.insert(0, {"role": "system", "content": _text(rng, 4)})
+    body: dict[str, Any] = {"model": model, "messages": turns, "max_tokens": rng.randint(1, 6)}
+    _sampling(rng, body, vocab)
+    if rng.random() < 0.2:
+        body["logprobs"] = True
+        body["top_logprobs"] = rng.randint(0, 3)
+    return body
+
+
+def _sampling(rng: random.Random, body: dict[str, Any], vocab: int) -> None:
+    body["temperature"] = rng.choice([0, 0, 0.5, 1.0, 1.3])
+    if rng.random() < 0.3:
+        body["top_p"] = rng.choice([0.5, 0.9, 1.0])
+    if rng.random() < 0.3:
+        body["top_k"] = rng.choice([-1, 1, 5, 50])
+    if rng.random() < 0.2:
+        body["min_p"] = rng.choice([0.0, 0.05])
+    if rng.random() < 0.3:
+        body["seed"] = rng.randrange(2**31)
+    if rng.random() < 0.2:
+        body["repetition_penalty"] = rng.choice([1.0, 1.1, 0.9])
+    if rng.random() < 0.2:
+        body["frequency_penalty"] = rng.choice([-0.5, 0.0, 0.5])
+    if rng.random() < 0.2:
+        body["stop"] = rng.choice(["\n", ["cat", "dog"], "the"])
+    if rng.random() < 0.15:
+        body["stop_token_ids"] = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.2:
+        body["ignore_eos"] = rng.random() < 0.5
+    if rng.random() < 0.2:
+        body["stream"] = True
+        if rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.2:
+        body["timeout"] = rng.choice([5, 30.0])
+
+
+def _encode(body: Any) -> bytes:
+    # allow_nan: NaN and Infinity literals are part of what a careless client sends.
+    return json.dumps(body, allow_nan=True).encode()
+
+
+def cases(seed: int, n: int, model: str, vocab: int) -> Iterator[Case]:
+    """`n` cases for a server of `model` with `vocab` token ids; the same for the same seed."""
+    rng = random.Random(seed)
+    makers: list[tuple[float, Callable[[int], Case]]] = []
+
+    def valid(i: int) -> Case:
+        chat = rng.random() < 0.4
+        body = valid_chat(rng, model, vocab) if chat else valid_completion(rng, model, vocab)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return Case(i, "valid", "POST", path, _encode(body), Expect.VALID, bool(body.get("stream")))
+
+    def mutated(i: int) -> Case:
+        chat = rng.random() < 0.4
+        body = valid_chat(rng, model, vocab) if chat else valid_completion(rng, model, vocab)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        how = rng.random()
+        if how < 0.75:
+            name = rng.choice(FIELDS)
+            body[name] = rng.choice(HOSTILE)
+            kind = f"field:{name}"
+        elif how < 0.85:
+            name = rng.choice(sorted(body))
+            del body[name]
+            kind = f"drop:{name}"
+        else:
+            body[rng.choice(["foo", "__proto__", "best_of", "x" * 300])] = rng.choice(HOSTILE)
+            kind = "unknown_field"
+        return Case(i, kind, "POST", path, _encode(body), Expect.ANY, body.get("stream") is True)
+
+    def raw(i: int) -> Case:
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        return Case(i, "raw_body", "POST", path, rng.choice(RAW_BODIES), Expect.ANY)
+
+    def charset(i: int) -> Case:
+        body = valid_completion(rng, model, vocab)
+        headers = {"Content-Type": rng.choice(["application/json; charset=klingon", "text/plain"])}
+        stream = bool(body.get("stream"))
+        return Case(
+            i, "content_type", "POST", "/v1/completions", _encode(body), Expect.ANY, stream, headers
+        )
+
+    def route(i: int) -> Case:
+        method, path = rng.choice(
+            [
+                ("GET", "/v1/completions"),
+                ("PUT", "/v1/chat/completions"),
+                ("POST", "/v1/unknown"),
+                ("GET", "/v1/models/" + "x" * 50),
+                ("DELETE", "/v1/models"),
+            ]
+        )
+        return Case(i, "route", method, path, b"", Expect.ANY)
+
+    makers = [(0.3, valid), (0.5, mutated), (0.1, raw), (0.05, charset), (0.05, route)]
+    weights = [w for w, _ in makers]
+    for i in range(n):
+        (make,) = rng.choices([m for _, m in makers], weights)
+        yield make(i)

@@ -1,0 +1,152 @@
+"""Page leases: who holds the references the allocator counts, each lease ended in one place.
+
+A `Lease` is one holder's references on pages, in token order: a request's page table, a
+decode room's destination pages, or the source pages a prefill room keeps while its writes
+read them. `Leases.open` starts one; `extend` adds fresh pages and `share` takes references on
+pages other leases hold (a cached prefix). A lease ends exactly once: `release()` drops every
+reference, or `hand_over(owner)` moves them, counts unchanged, to a new lease (a room that
+outlives its request, a request that inherits its room's pages). A lease used after it ended
+raises LeaseError, so a double release is a loud error, never a second decrement.
+
+Invariant (`Leases.violations`, checked by /debug/invariants): every page's reference count
+equals the number of live leases holding it; so a free page has count 0 and no lease holds it.
+Engine-thread only, like the allocator under it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+
+from pdserve.kvcache.allocator import PageAllocator, PageAllocError
+
+VIOLATIONS_LISTED = 20  # a corrupted pool could list every page; say how many more instead
+
+
+class LeaseError(PageAllocError):
+    """A lease used after it ended, or asked to share a page twice."""
+
+
+class LeaseState(enum.Enum):
+    LIVE = "live"
+    RELEASED = "released"
+    HANDED_OVER = "handed over"
+
+
+class Lease:
+    """One owner's references on pages. Open it with `Leases.open`."""
+
+    def __init__(self, registry: Leases, owner: Hashable, pages: list[int]) -> None:
+        self.owner = owner
+        self.state = LeaseState.LIVE
+        self.heir: Hashable | None = None  # whom it was handed over to
+        self._registry = registry
+        self._pages = pages
+
+    def __repr__(self) -> str:
+        return f"Lease({self.owner!r}, {len(self._pages)} pages, {self.state.value})"
+
+    @property
+    def pages(self) -> Sequence[int]:
+        """The pages in the order they were added (a view: it grows with the lease)."""
+        return self._pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @property
+    def live(self) -> bool:
+        return self.state is LeaseState.LIVE
+
+    def extend(self, n: int) -> list[int]:
+        """`n` fresh pages (count 1) appended; PageAllocError, and nothing taken, if fewer are
+        free."""
+        self._check_live("extend")
+        new = self._registry.allocator.allocate(n)
+        self._pages.extend(new)
+        return new
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Take a reference on each of `pages`, which other leases hold, and append them."""
+        self._check_live("share")
+        held, seen = set(self._pages), set()
+        for p in pages:
+            if p in held or p in seen:
+                why = "it holds it already" if p in held else "it is listed twice"
+                raise LeaseError(f"lease of {self.owner!r} cannot share page {p}: {why}")
+            seen.add(p)
+        self._registry.allocator.retain(pages)  # refuses a free page, changing nothing
+        self._pages.extend(pages)
+
+    def release(self) -> None:
+        """Drop every reference; the lease ends. A second call raises LeaseError."""
+        self._check_live("release")
+        self._registry.allocator.release(self._pages)
+        self._end(LeaseState.RELEASED)
+
+    def hand_over(self, owner: Hashable) -> Lease:
+        """End this lease and give its references, counts unchanged, to a new one for `owner`."""
+        self._check_live("hand over")
+        heir = Lease(self._registry, owner, self._pages)
+        self._registry._add(heir)
+        self.heir = owner
+        self._end(LeaseState.HANDED_OVER)
+        return heir
+
+    def _end(self, state: LeaseState) -> None:
+        self._pages = []
+        self.state = state
+        self._registry._remove(self)
+
+    def _check_live(self, verb: str) -> None:
+        if self.state is LeaseState.LIVE:
+            return
+        ended = self.state.value
+        if self.heir is not None:
+            ended += f" to {self.heir!r}"
+        raise LeaseError(f"lease of {self.owner!r} cannot {verb}: it was already {ended}")
+
+
+class Leases:
+    """Every live lease on one pool's pages: the only way pages are taken and given back."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self._live: dict[Lease, None] = {}  # insertion-ordered set
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def live(self) -> list[Lease]:
+        return list(self._live)
+
+    def open(self, owner: Hashable, n: int = 0) -> Lease:
+        """A lease for `owner` holding `n` fresh pages; PageAllocError, nothing held, if fewer
+        are free."""
+        lease = Lease(self, owner, self.allocator.allocate(n))
+        self._add(lease)
+        return lease
+
+    def _add(self, lease: Lease) -> None:
+        """Register a lease whose references are already counted (Lease.hand_over)."""
+        self._live[lease] = None
+
+    def _remove(self, lease: Lease) -> None:
+        """Forget a lease that ended (Lease._end)."""
+        del self._live[lease]
+
+    def violations(self) -> list[str]:
+        """Pages whose reference count is not the number of live leases holding them, and the
+        allocator's own inconsistencies. Empty when all is well. O(num_pages + pages held)."""
+        holders: dict[int, list[Hashable]] = {}
+        for lease in self._live:
+            for p in lease.pages:
+                holders.setdefault(p, []).append(lease.owner)
+        out = self.allocator.violations()
+        for p in range(self.allocator.num_pages):
+            refs, owners = self.allocator.refcount(p), holders.get(p, [])
+            if refs != len(owners):
+                out.append(f"page {p}: refcount {refs}, held by {len(owners)} leases {owners}")
+        if len(out) > VIOLATIONS_LISTED:
+            out[VIOLATIONS_LISTED:] = [f"... and {len(out) - VIOLATIONS_LISTED} more"]
+        return out

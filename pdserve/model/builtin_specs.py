@@ -1,0 +1,100 @@
+"""The shapes of the built-in models (what `builtin:NAME` and `pdserve make-model` build).
+
+Everything else about a built-in model (its weights, its tokenizer, its HF files) is derived
+from its spec, deterministically: model/builtin.py writes the directory, model/builtin_weights.py
+the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.model.corpus import TOKENIZER_VOCAB
+
+BUILTIN_NAMES: tuple[str, ...] = ("tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-0.5b-shape")
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """The shape of one built-in model; everything else (weights, tokenizer) is derived."""
+
+    name: str
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str  # "float32" or "bfloat16": both the stored tensors and config torch_dtype
+    vocab_size: int = TOKENIZER_VOCAB
+    rope_scaling: dict[str, Any] | None = None
+    add_bos: bool = False
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < TOKENIZER_VOCAB:
+            raise ValueError(
+                f"{self.name}: vocab_size {self.vocab_size} < tokenizer size {TOKENIZER_VOCAB}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: {self.num_heads} heads not divisible by {self.num_kv_heads} kv heads"
+            )
+        if self.num_layers % self.num_shards:
+            raise ValueError(
+                f"{self.name}: {self.num_layers} layers do not split into {self.num_shards} shards"
+            )
+
+
+_TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32
+)
+SPECS: dict[str, BuiltinSpec] = {
+    "tiny": BuiltinSpec(
+        name="tiny", architecture="LlamaForCausalLM", model_type="llama", **_TINY_SHAPE,
+        rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+        },
+        tie_word_embeddings=True, qkv_bias=False, qk_norm=False, dtype="float32", add_bos=True,
+    ),
+    "qwen2-tiny": BuiltinSpec(
+        name="qwen2-tiny", architecture="Qwen2ForCausalLM", model_type="qwen2", **_TINY_SHAPE,
+        rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, qkv_bias=True, qk_norm=False, dtype="float32",
+    ),
+    # num_heads * head_dim = 512 != hidden_size 256, as in the real Qwen3 models (1024 vs
+    # 2048 for Qwen3-0.6B): q_proj widens and o_proj narrows, and code that derives head_dim
+    # from hidden_size / num_heads gets the wrong answer and fails loudly.
+    "qwen3-tiny": BuiltinSpec(
+        name="qwen3-tiny", architecture="Qwen3ForCausalLM", model_type="qwen3",
+        hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=2,
+        head_dim=64, rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qkv_bias=False, qk_norm=True, dtype="float32",
+    ),
+    "qwen2-0.5b-shape": BuiltinSpec(
+        name="qwen2-0.5b-shape", architecture="Qwen2ForCausalLM", model_type="qwen2",
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qkv_bias=True, qk_norm=False, dtype="bfloat16",
+        vocab_size=151936, num_shards=2,
+    ),
+}  # fmt: skip
+
+
+def builtin_spec(name: str) -> BuiltinSpec:
+    if name not in SPECS:
+        raise ValueError(
+            f"unknown built-in model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}"
+        )
+    return SPECS[name]
