@@ -1,20 +1,23 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model, read top to bottom.
 
 Pure: no scheduling, sockets or parallelism. Tokens arrive flat ([T]) with their positions;
-attention metadata arrives in one AttentionContext; K/V live in the paged pool and are passed
-in per layer. Numerics follow the HF reference (float32 RoPE tables, RMSNorm in float32) so
-greedy outputs match HF transformers token for token.
+attention arrives as one AttentionContext (a backend and this step's metadata): each layer
+computes q, k, v and RoPE, then asks the backend to store the new K/V and to attend. Where
+K/V live (the paged pool) and which kernel runs are the backend's business. Numerics follow
+the HF reference (float32 RoPE tables, RMSNorm in float32) so greedy outputs match HF
+transformers token for token.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import AttentionContext, paged_attention
+from pdserve.attention.backend import AttentionContext
 from pdserve.model.config import ModelArch, RopeScaling
 
 
@@ -58,12 +61,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which of the backend's per-layer KV caches is ours
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
         q_out, kv_out = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.q_proj = nn.Linear(arch.hidden_size, q_out, bias=arch.qkv_bias)
         self.k_proj = nn.Linear(arch.hidden_size, kv_out, bias=arch.qkv_bias)
@@ -77,9 +80,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
+        ctx: AttentionContext[Any],
+    ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -89,7 +91,8 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = paged_attention(q, k, v, kv[0], kv[1], ctx, self.scale)
+        ctx.backend.store_kv(self.layer_idx, k, v, ctx.metadata)
+        o = ctx.backend.attend(self.layer_idx, q, k, v, ctx.metadata)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -106,9 +109,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, layer_idx)
         self.mlp = MLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -118,10 +121,9 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        ctx: AttentionContext,
+        ctx: AttentionContext[Any],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, ctx)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,7 +131,7 @@ class Backbone(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -158,13 +160,12 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ctx: AttentionContext,
+        ctx: AttentionContext[Any],
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, ctx)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

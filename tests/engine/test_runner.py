@@ -1,9 +1,10 @@
-"""The runner's attention metadata, checked against attention computed row by row.
+"""The runner's Batch and the torch backend's metadata, checked against attention computed row
+by row.
 
 Decode rows are grouped by KV length (one long row must not pad the short ones); keys are
 gathered a page at a time. The reference here reads every key slot by slot from the pool's
-strided layer view and runs a plain softmax in float64, so a wrong page order, page count,
-mask, group row mapping or prefill context slice shows up as a different output.
+strided layer view and runs a plain softmax in float64, so a wrong slot, page order, page
+count, mask, group row mapping or prefill context slice shows up as a different output.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.attention.torch_backend import group_by_length
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Request
-from pdserve.engine.runner import group_by_length, slots_for
 from pdserve.engine.scheduler import Chunk
-from pdserve.model.attention import paged_attention
 from tests.helpers import make_engine
+
+
+def slot(pages: list[int], pos: int, page_size: int) -> int:
+    """The pool slot of token position `pos` of a request holding `pages`."""
+    return pages[pos // page_size] * page_size + pos % page_size
 
 
 def test_groups_cover_every_row_once_and_at_most_double_the_padding():
@@ -48,7 +53,7 @@ def reference(
     rows = []
     for c in chunks:
         for pos in range(c.start, c.start + c.length):
-            slots = slots_for(c.request.pages, 0, pos + 1, ps)
+            slots = torch.tensor([slot(c.request.pages, i, ps) for i in range(pos + 1)])
             keys = k_cache[slots // ps, slots % ps].double().repeat_interleave(group, dim=1)
             vals = v_cache[slots // ps, slots % ps].double().repeat_interleave(group, dim=1)
             t = len(rows)
@@ -73,20 +78,25 @@ def test_attention_matches_row_by_row_reference(tiny_dir: Path, page_size: int):
         return req
 
     # Decodes of very different lengths (several groups; one ends exactly on a page), then a
-    # prefill chunk with context already in the pool and a first chunk without any.
+    # prefill chunk with context already in the pool and a first chunk without any, then
+    # one-token chunks after them that are not decodes (with context, and a whole prompt).
     decode_lens = [5, 3 * page_size, 130, 9, 61, 128]
     chunks = [Chunk(request(n), n - 1, 1) for n in decode_lens]
     chunks += [Chunk(request(70), 40, 30), Chunk(request(23), 0, 23)]
+    chunks += [Chunk(request(10), 9, 1), Chunk(request(1), 0, 1)]
     assert len(group_by_length(decode_lens, page_size)) > 1
 
-    _, _, ctx = engine.runner.build(chunks)
-    arch = engine.runner.model.arch
+    runner = engine.runner
+    batch = runner.build(chunks)
+    assert batch.num_decodes == len(decode_lens)
+    meta = runner.backend.prepare(batch)
+    arch = runner.model.arch
     t = sum(c.length for c in chunks)
     q = torch.randn(t, arch.num_heads, arch.head_dim, generator=gen)
     k = torch.randn(t, arch.num_kv_heads, arch.head_dim, generator=gen)
     v = torch.randn(t, arch.num_kv_heads, arch.head_dim, generator=gen)
+    runner.backend.store_kv(1, k, v, meta)
+    out = runner.backend.attend(1, q, k, v, meta)
+    # store_kv wrote this step's K/V into the pool: the reference reads them there
     k_cache, v_cache = pool.layer(1)  # strided across pages, as the model sees it
-    scale = arch.head_dim**-0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, ctx, scale)
-    # paged_attention wrote this step's K/V into the pool: the reference reads them there
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, chunks, scale))
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, chunks, arch.head_dim**-0.5))

@@ -1,0 +1,157 @@
+"""The batch description: one step's tokens and sequences, as every attention backend reads it.
+
+The runner turns a step's chunks into `SeqSpan`s and `BatchBuilder.build` turns those into one
+`Batch`, on the host, once per step; its tensors reach the device in one staged copy
+(`staging.py`). A backend derives its own metadata from the Batch (`AttentionBackend.prepare`);
+nothing here is specific to one attention kernel.
+
+Layout (the scheduler's order): the first `num_decodes` sequences are decodes, one new token
+each; prefill chunks follow. The step's tokens are flat, sequence after sequence, so sequence
+b's new tokens are rows query_start[b] .. query_start[b+1] of every [T, ...] tensor.
+
+Page table: row b holds sequence b's first pages_needed(kv_lens[b]) pages in token order, then
+page 0 as padding up to the widest row. Padding is only ever read under a mask (or not at all),
+so which page pads does not matter; 0 is simply a valid index.
+
+Every integer here is int32 (FlashAttention's cu_seqlens and block tables, Triton's page
+tables): `BatchBuilder` refuses a pool whose slots would not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pdserve.attention.staging import Staging
+
+INDEX_DTYPE = torch.int32
+MAX_INDEX = 2**31 - 1
+
+
+class SeqSpan(NamedTuple):
+    """One sequence's share of a step: `token_ids` are computed at positions start, start+1, ..
+    on top of `start` tokens whose K/V is already in the pool."""
+
+    token_ids: Sequence[int]  # the new tokens
+    start: int  # context length: tokens already in the pool
+    pages: Sequence[int]  # the sequence's pages in token order; enough for start + new tokens
+    samples: bool  # whether its last token's logits are wanted
+
+
+@dataclass(frozen=True)
+class Batch:
+    """B sequences, T new tokens. Tensors are on the device (views of one staged upload, valid
+    until the next build); the host tuples let a backend plan shapes without a device read."""
+
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32: each token's position in its sequence
+    slot_mapping: torch.Tensor  # [T] int32: pool slot (page * page_size + offset) of its K/V
+    query_start: torch.Tensor  # [B+1] int32: cu_seqlens of the new tokens
+    query_lens: torch.Tensor  # [B] int32: new tokens per sequence
+    kv_lens: torch.Tensor  # [B] int32: context + new tokens per sequence
+    page_table: torch.Tensor  # [B, max_pages] int32: see the module doc (padded with page 0)
+    sample_indices: torch.Tensor  # [N] int32: the last token of each sequence that samples
+    num_decodes: int  # sequences 0 .. num_decodes-1 are decodes (one token each)
+    page_size: int
+    host_query_start: tuple[int, ...]  # [B+1]
+    host_kv_lens: tuple[int, ...]  # [B]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.host_kv_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host_query_start[-1]
+
+    @property
+    def num_samples(self) -> int:
+        return self.sample_indices.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.host_query_len(b) for b in range(self.num_seqs))
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.host_kv_lens)
+
+    def host_query_len(self, b: int) -> int:
+        return self.host_query_start[b + 1] - self.host_query_start[b]
+
+
+class BatchBuilder:
+    """Builds each step's Batch and uploads it through one persistent `Staging`."""
+
+    def __init__(self, page_size: int, num_pages: int, device: torch.device) -> None:
+        if num_pages * page_size > MAX_INDEX:
+            raise ValueError(
+                f"a pool of {num_pages} pages of {page_size} tokens has slots past int32 "
+                f"({num_pages * page_size} > {MAX_INDEX}); use fewer pages"
+            )
+        self.page_size = page_size
+        self.staging = Staging(device, INDEX_DTYPE)
+
+    def build(self, spans: Sequence[SeqSpan]) -> Batch:
+        """Spans in step order; the leading one-token spans are the decodes.
+
+        Plain Python lists, a sequence (and for slots a page) at a time: a decode costs a few
+        list appends, where one small torch op would cost more."""
+        if not spans:
+            raise ValueError("a batch needs at least one sequence")
+        ps = self.page_size
+        num_decodes = 0
+        while num_decodes < len(spans) and len(spans[num_decodes].token_ids) == 1:
+            num_decodes += 1
+        kv_lens = [s.start + len(s.token_ids) for s in spans]
+        num_pages = [-(-n // ps) for n in kv_lens]
+        width = max(num_pages)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        table: list[int] = []
+        query_start = [0]
+        samples: list[int] = []
+        for s, end, need in zip(spans, kv_lens, num_pages, strict=True):
+            if len(s.pages) < need:
+                raise ValueError(
+                    f"a sequence of {s.start} + {end - s.start} tokens needs {need} pages of "
+                    f"{ps} tokens, it holds {len(s.pages)}"
+                )
+            pages = list(s.pages[:need])
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, end))
+            pos = s.start
+            while pos < end:  # one run of consecutive slots per page
+                page, offset = divmod(pos, ps)
+                run = min(ps - offset, end - pos)
+                first = pages[page] * ps + offset
+                slots.extend(range(first, first + run))
+                pos += run
+            table.extend(pages)
+            table.extend([0] * (width - need))
+            query_start.append(query_start[-1] + end - s.start)
+            if s.samples:
+                samples.append(query_start[-1] - 1)
+        q_lens = [b - a for a, b in zip(query_start, query_start[1:], strict=False)]
+        parts = [ids, positions, slots, query_start, q_lens, kv_lens, table, samples]
+        input_ids, positions_d, slots_d, qs_d, q_lens_d, kv_lens_d, table_d, samples_d = (
+            self.staging.upload(parts)
+        )
+        return Batch(
+            input_ids=input_ids,
+            positions=positions_d,
+            slot_mapping=slots_d,
+            query_start=qs_d,
+            query_lens=q_lens_d,
+            kv_lens=kv_lens_d,
+            page_table=table_d.view(len(spans), width),
+            sample_indices=samples_d,
+            num_decodes=num_decodes,
+            page_size=ps,
+            host_query_start=tuple(query_start),
+            host_kv_lens=tuple(kv_lens),
+        )
