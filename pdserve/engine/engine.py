@@ -35,6 +35,7 @@ from pdserve.engine.request import (
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
+from pdserve.engine.snapshot import engine_snapshot
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
@@ -401,36 +402,11 @@ class Engine:
         req.sink(RequestOutput(req.request_id, (), (), reason, error, len(req.prompt_ids)))
 
     def _snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
-
-        def row(r: Request) -> dict[str, Any]:
-            return {
-                "request_id": r.request_id,
-                "state": r.status.value,
-                "time_in_state_s": round(now - r.state_since, 3),
-                "deadline_in_s": None if r.deadline is None else round(r.deadline - now, 3),
-                "age_s": round(now - r.arrival, 3),
-                "prompt_tokens": len(r.prompt_ids),
-                "output_tokens": len(r.output_ids),
-                "computed_tokens": r.num_computed,
-                "pages": len(r.pages),
-                "preemptions": r.num_preemptions,
-            }
-
-        return {
-            "role": self.role_snapshot(),
-            "steps": self.steps,
-            "max_model_len": self.max_model_len,
-            "pool": {
-                "pages_total": self.pool.num_pages,
-                "page_size": self.pool.page_size,
-                "pages_free": self.pool.allocator.num_free,
-                "pages_used": self.pool.allocator.num_used,
-                "leases": len(self.leases),
-                "lease_violations": self.leases.violations(),
-                "layout": self.pool.layout.to_dict(),
-            },
-            "requests": [
-                row(r) for r in list(self.scheduler.running) + list(self.scheduler.waiting)
-            ],
-        }
+        return engine_snapshot(
+            self.role_snapshot(),
+            self.steps,
+            self.max_model_len,
+            self.pool,
+            self.leases,
+            list(self.scheduler.running) + list(self.scheduler.waiting),
+        )

@@ -100,7 +100,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return per token
 
-
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -188,8 +187,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-
 
 
 def validate_prompt(

@@ -112,20 +112,24 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
     argv += ["--decode", *decode_urls]
     if prefill_urls:
         argv += ["--prefill", *prefill_urls]
-    return argv + _flags(
-        {
-            "--host": cfg.host,
-            "--port": str(cfg.port),
-            "--policy": cfg.policy,
-            "--model": cfg.model_path,
-            "--served-model-name": cfg.served_model_name,
-            "--request-timeout": str(cfg.request_timeout_s),
-            "--startup-timeout": str(cfg.startup_timeout_s),
-            "--cluster-key-file": cfg.cluster_key_file,
-            **({"--api-key-file": cfg.api_key_file} if cfg.api_key_file else {}),
-            "--max-queue": str(cfg.max_queue),
-        }
-    ) + (["--protect-health"] if cfg.protect_health else [])
+    return (
+        argv
+        + _flags(
+            {
+                "--host": cfg.host,
+                "--port": str(cfg.port),
+                "--policy": cfg.policy,
+                "--model": cfg.model_path,
+                "--served-model-name": cfg.served_model_name,
+                "--request-timeout": str(cfg.request_timeout_s),
+                "--startup-timeout": str(cfg.startup_timeout_s),
+                "--cluster-key-file": cfg.cluster_key_file,
+                **({"--api-key-file": cfg.api_key_file} if cfg.api_key_file else {}),
+                "--max-queue": str(cfg.max_queue),
+            }
+        )
+        + (["--protect-health"] if cfg.protect_health else [])
+    )
 
 
 class Launcher:

@@ -1,0 +1,56 @@
+"""What /debug/state shows of an engine: every live request with its state and age, the pool.
+
+Built on the engine thread (the SnapshotQuery command), from plain values, so that it reads
+one consistent moment. `pdserve doctor` reads these keys (doctor/diagnosis.py): keep them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.engine.request import Request
+from pdserve.kvcache.lease import Leases
+from pdserve.kvcache.pool import KVPool
+
+
+def request_row(r: Request, now: float) -> dict[str, Any]:
+    return {
+        "request_id": r.request_id,
+        "state": r.status.value,
+        "time_in_state_s": round(now - r.state_since, 3),
+        "deadline_in_s": None if r.deadline is None else round(r.deadline - now, 3),
+        "age_s": round(now - r.arrival, 3),
+        "prompt_tokens": len(r.prompt_ids),
+        "output_tokens": len(r.output_ids),
+        "computed_tokens": r.num_computed,
+        "pages": len(r.pages),
+        "preemptions": r.num_preemptions,
+    }
+
+
+def engine_snapshot(
+    role: dict[str, Any],
+    steps: int,
+    max_model_len: int,
+    pool: KVPool,
+    leases: Leases,
+    requests: Sequence[Request],
+) -> dict[str, Any]:
+    now = time.monotonic()
+    return {
+        "role": role,
+        "steps": steps,
+        "max_model_len": max_model_len,
+        "pool": {
+            "pages_total": pool.num_pages,
+            "page_size": pool.page_size,
+            "pages_free": pool.allocator.num_free,
+            "pages_used": pool.allocator.num_used,
+            "leases": len(leases),
+            "lease_violations": leases.violations(),
+            "layout": pool.layout.to_dict(),
+        },
+        "requests": [request_row(r, now) for r in requests],
+    }
