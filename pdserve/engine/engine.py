@@ -35,6 +35,7 @@ from pdserve.engine.request import (
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
+from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.engine.snapshot import engine_snapshot
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Leases
@@ -246,7 +247,7 @@ class Engine:
         now = time.monotonic()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             if req.deadline is not None and now > req.deadline:
-                req.error = f"request exceeded its deadline in state {req.status.value}"
+                req.error = f"{DEADLINE_ERROR} in state {req.status.value}"
                 self._finish(req, Event.FAIL)
         if now - self._overdue_at < OVERDUE_EVERY_S:
             return  # the loop may tick every 0.5 ms; health needs this a few times a second

@@ -29,6 +29,16 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: tuple[tuple[TokenId, float], ...]  # (token id, logprob), best first
 
 
+# The error text of a request that its own deadline ended (the engine writes it; the OpenAI
+# front end answers it with 408, not 500: the request asked for more than its timeout allowed,
+# nothing on the server failed). A prefix, so the state can follow it.
+DEADLINE_ERROR = "request exceeded its deadline"
+
+
+def is_deadline_error(error: str | None) -> bool:
+    return error is not None and error.startswith(DEADLINE_ERROR)
+
+
 class RequestOutput(msgspec.Struct, frozen=True):
     """What the engine emits for a request: new tokens, and the end when it comes."""
 

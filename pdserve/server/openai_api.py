@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
 from pdserve.server.generation import Backend, Delta, Generation
 from pdserve.server.openai_protocol import (
@@ -31,6 +32,16 @@ log = logging.getLogger(__name__)
 
 def error_response(e: ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
+
+
+def failure(error: str | None) -> ApiError:
+    """How a generation that ended in error is reported: 408 when its own timeout ended it (the
+    client asked for more than the time it gave), else 500."""
+    if is_deadline_error(error):
+        return ApiError(
+            408, f"{error} (the request's timeout)", type_="timeout_error", code="timeout"
+        )
+    return ApiError(500, error or "generation failed", type_="server_error")
 
 
 def sse(obj: Any) -> bytes:
@@ -140,9 +151,7 @@ class OpenAIApi:
             fmt.accumulate(d)
         errors = [c for c in gen.choices if c.finish_reason == "error"]
         if errors:
-            return error_response(
-                ApiError(500, errors[0].error or "generation failed", type_="server_error")
-            )
+            return error_response(failure(errors[0].error))
         return web.json_response(fmt.full_response())
 
     async def _stream(
@@ -157,13 +166,7 @@ class OpenAIApi:
         async for d in gen.deltas():
             await resp.write(sse(fmt.stream_delta(d)))
             if d.finish_reason == "error":
-                await resp.write(
-                    sse(
-                        ApiError(
-                            500, d.choice.error or "generation failed", type_="server_error"
-                        ).body()
-                    )
-                )
+                await resp.write(sse(failure(d.choice.error).body()))
         if fmt.spec.include_usage:
             await resp.write(sse(fmt.usage_chunk()))
         await resp.write(b"data: [DONE]\n\n")

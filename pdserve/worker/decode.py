@@ -23,6 +23,7 @@ from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, RequestOutput, TokenLogprob
 from pdserve.protocol import messages as m
+from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
@@ -386,11 +387,15 @@ class DecodeEngine(Engine):
         for sub in list(self.admitting):
             if sub.request.deadline is not None and now > sub.request.deadline:
                 self.admitting.remove(sub)
-                self._end_detached(sub.request, Event.FAIL, "no KV pages became free in time")
+                why = f"{DEADLINE_ERROR} waiting for KV pages"
+                self._end_detached(sub.request, Event.FAIL, why)
         for room in list(self.rooms.values()):
             if now > room.deadline:
                 event = DEvent.FENCE_EXPIRED if room.state is DState.FENCED else DEvent.DEADLINE
-                self._apply(room, event, f"prefill deadline passed in state {room.state.value}")
+                req_deadline = room.request.deadline
+                own = req_deadline is not None and now >= req_deadline  # the client's timeout
+                what = DEADLINE_ERROR if own else "prefill deadline passed"
+                self._apply(room, event, f"{what} in state {room.state.value}")
         for peer in list(self.peers.values()):
             open_rooms = [
                 r
