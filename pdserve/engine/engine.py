@@ -35,13 +35,13 @@ from pdserve.engine.request import (
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
-from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.engine.snapshot import engine_snapshot
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import load_model
+from pdserve.protocol.outputs import DEADLINE_ERROR
 
 log = logging.getLogger(__name__)
 
