@@ -14,11 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from pdserve.runtime.cluster_key import ClusterKey, generate
 
 READY_TIMEOUT_S = 300.0
 STOP_S = {"serve": 20.0, "launch": 75.0}  # a launcher stops a router, then its workers
@@ -96,9 +100,11 @@ def timed_completion(url: str, body: dict[str, Any]) -> tuple[float, int]:
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
-def print_transfer(url: str) -> None:
-    """KV bytes the prefill workers wrote into decode workers' pages, from /debug/cluster."""
-    with urllib.request.urlopen(url + "/debug/cluster", timeout=10) as r:
+def print_transfer(url: str, key: ClusterKey) -> None:
+    """KV bytes the prefill workers wrote into decode workers' pages, from /debug/cluster
+    (which shows live request ids, so it needs the cluster's key)."""
+    req = urllib.request.Request(url + "/debug/cluster", headers=key.http_headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
         workers = json.loads(r.read())["workers"]
     for wurl, w in sorted(workers.items()):
         stats = ((w.get("state") or {}).get("engine") or {}).get("role", {}).get("stats")
@@ -118,7 +124,10 @@ def main() -> int:
     mode = os.environ.get("PDSERVE_DEMO_MODE", "launch")
     if mode not in STOP_S:
         raise SystemExit(f"PDSERVE_DEMO_MODE must be serve or launch, got {mode!r}")
+    key_file = Path(tempfile.mkdtemp(prefix="pdserve-demo-")) / "cluster.key"
+    key = generate(key_file)  # the demo reads the cluster's /debug/cluster with it
     cmd = ["serve"] if mode == "serve" else ["launch", "--prefill", "1", "--decode", "1"]
+    cmd += ["--cluster-key-file", str(key_file)]
     print(f"== starting pdserve {' '.join(cmd)} --model {model}")
     proc, url = start_server(["--log-level", "WARNING", *cmd, "--model", model, "--port", "0"])
     try:
@@ -177,7 +186,7 @@ def main() -> int:
             done, toks = len(results), sum(r["usage"]["completion_tokens"] for r in results)
         print(f"   {done} requests, {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tokens/s")
         if mode == "launch":
-            print_transfer(url)
+            print_transfer(url, key)
         return 0 if done == 16 else 1
     finally:
         stop(proc, STOP_S[mode])
