@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# NIXL pinned to the version the nixl backend is tested with (CI exercises it).
 	$(BIN)/pip install -q nixl-cu12==1.5.1
+	# Triton: the GPU compiles the attention kernels; here its interpreter (TRITON_INTERPRET=1)
+	# runs their tests on CPU tensors. 3.8: older interpreters cannot run loops whose bounds
+	# come from data under numpy 2.
+	$(BIN)/pip install -q triton==3.8.0
 	$(BIN)/pip install -q -e '.[test,nixl]'
 	touch $(STAMP)
 

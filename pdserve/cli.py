@@ -1,79 +1,107 @@
-"""`pdserve`: serve, launch, router, bench, chaos, doctor, keygen, make-model."""
+"""`pdserve`'s command line: one parser, one subcommand per tool, and `main`.
+
+Every parser here is a `Parser`: its --help ends each option's line with the default (unless
+the line already says it, or the option is a switch), and a usage error is one line on stderr
+and exit status 2, never a traceback. `--log-level` is accepted before and after the
+subcommand; the later one wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any, NoReturn
 
 from pdserve.bench.cli import add_bench_command
 from pdserve.chaos.cli import add_chaos_command
 from pdserve.config import (
     BACKENDS,
-    CacheConfig,
-    EngineConfig,
-    ModelSpec,
-    SchedulerConfig,
     ServerConfig,
-    resolve_device,
 )
 from pdserve.doctor.cli import add_doctor_command
+from pdserve.engine_flags import add_engine_args, engine_config
 from pdserve.launch import add_launch_command
 from pdserve.router.cli import add_front_end_args, add_router_command
 from pdserve.runtime import logs
 
+DESCRIPTION = """\
+pdserve: an OpenAI-compatible LLM server, co-located or with prefill and decode on
+separate workers (disaggregated), with the tools to measure and check it.
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument(
-        "--model",
-        default="builtin:tiny",
-        help="builtin:NAME or a local Hugging Face model directory",
-    )
-    g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto = the checkpoint's torch_dtype",
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
-    g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a request may live before it is failed",
-    )
+  pdserve serve --model builtin:tiny                           one co-located server
+  pdserve launch --model builtin:tiny --prefill 1 --decode 1   a PD cluster on this machine
+  pdserve bench --url http://127.0.0.1:8000                    load-test any OpenAI server
+  pdserve doctor --url http://127.0.0.1:8000                   healthy? if not, why not
+
+`pdserve COMMAND --help` lists a command's options with their defaults."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+STATES_DEFAULT = re.compile(r"\(default\b")  # a help line that says its default itself
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from pdserve.model.builtin import resolve_model
-    from pdserve.model.config import ModelArch
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help line ends with its default, unless the line already states it,
+    the option is a switch (off unless given) or it has no default (required, or None:
+    then the line says what its absence means). A description's paragraphs are filled to
+    the terminal; an indented one (examples) is kept as written."""
 
-    path = resolve_model(args.model)
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = ModelArch.from_dir(path).torch_dtype
-        dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
-    return EngineConfig(
-        model=ModelSpec(
-            path=str(path),
-            name=args.served_model_name or args.model,
-            dtype=dtype,
-            device=resolve_device(args.device),
-        ),
-        cache=CacheConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * 2**20)),
-        scheduler=SchedulerConfig(
-            max_batched_tokens=args.max_batched_tokens,
-            max_running=args.max_running,
-            max_model_len=args.max_model_len,
-        ),
-        request_timeout_s=args.request_timeout,
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for paragraph in text.split("\n\n"):
+            if paragraph.startswith(" "):
+                out.append(paragraph)
+                continue
+            words = " ".join(paragraph.split())
+            out.append(textwrap.fill(words, width, initial_indent=indent, subsequent_indent=indent))
+        return "\n\n".join(out)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            STATES_DEFAULT.search(text)
+            or action.required
+            or action.nargs == 0
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """pdserve's parsers (subcommands inherit it): defaults in --help, one-line errors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage first; for `serve` that is 20 lines above the
+        # one that matters.
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def log_level(text: str) -> str:
+    """A --log-level value: a level name in any case (WARN is WARNING)."""
+    level = text.upper()
+    level = "WARNING" if level == "WARN" else level
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a log level; use one of {', '.join(LOG_LEVELS)}"
+        )
+    return level
+
+
+def add_log_level(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--log-level",
+        type=log_level,
+        default=default,
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)}: for this process and every process it starts; "
+        "accepted before or after the command (default: INFO)",
     )
 
 
@@ -89,11 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.app import run_server
     from pdserve.server.auth import load_api_key
 
-    if args.backend == "nixl" and args.role == "decode":
-        from pdserve.transfer.nixl import INSTALL_HINT, nixl_available
+    if args.role == "decode":
+        from pdserve.transfer.receiver import unavailable
 
-        if not nixl_available():
-            print(f"pdserve serve: --backend nixl needs NIXL: {INSTALL_HINT}", file=sys.stderr)
+        why = unavailable(args.backend)
+        if why is not None:
+            print(f"pdserve serve: {why}", file=sys.stderr)
             return 2
     if args.threads:
         import torch
@@ -147,22 +176,28 @@ def add_key_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="log level of every process (default: INFO)",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="pdserve", description=DESCRIPTION)
+    add_log_level(p, "INFO")
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
 
-    mk = sub.add_parser("make-model", help="write a built-in model as an HF directory")
-    mk.add_argument("name", help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape")
+    mk = sub.add_parser(
+        "make-model",
+        help="write a built-in model as an HF directory",
+        description="Write a built-in model (deterministic generated weights and tokenizer) "
+        "as a Hugging Face model directory that transformers loads as it is.",
+    )
+    mk.add_argument(
+        "name", help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape | llama3.2-1b-shape"
+    )
     mk.add_argument("--out", required=True, help="output directory")
     mk.set_defaults(func=cmd_make_model)
 
-    kg = sub.add_parser("keygen", help="write a new cluster key (for workers started by hand)")
+    kg = sub.add_parser(
+        "keygen",
+        help="write a new cluster key (for workers started by hand)",
+        description="Write a new cluster key, or print the HTTP token of one. `pdserve "
+        "launch` makes its own; workers started by hand share one made here.",
+    )
     what = kg.add_mutually_exclusive_group(required=True)
     what.add_argument("--out", help="the key file to create (mode 600)")
     what.add_argument(
@@ -170,10 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kg.set_defaults(func=cmd_keygen)
 
-    sv = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    sv.add_argument("--host", default="127.0.0.1")
+    sv = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a model over the OpenAI API (co-located), or run one prefill "
+        "or decode worker of a disaggregated cluster behind `pdserve router` (--role).",
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    sv.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
+    sv.add_argument(
+        "--role",
+        default="colocated",
+        choices=["colocated", "prefill", "decode"],
+        help="colocated: the OpenAI API here; prefill/decode: a worker behind `pdserve router`",
+    )
     sv.add_argument(
         "--control-port",
         type=int,
@@ -201,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(sub)
     add_chaos_command(sub)
     add_doctor_command(sub)
+    for command in sub.choices.values():  # SUPPRESS: absent after it, the one before stands
+        add_log_level(command, argparse.SUPPRESS)
     return p
 
 

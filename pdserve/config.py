@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.protocol.messages import BACKENDS as BACKENDS
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -44,16 +46,34 @@ class SchedulerConfig:
             raise ValueError(f"scheduler limits must be positive: {self}")
 
 
+# Attention backends by name (attention/registry.py builds them; named here so the CLI and the
+# router-side configs need no torch).
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str | None = None  # an attention backend's name; None: the device's
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_max_bs: int = 256  # the largest decode batch replayed as a graph (CUDA only)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if not 1 <= self.cuda_graph_max_bs <= 1024:
+            raise ValueError(
+                f"cuda_graph_max_bs must be in [1, 1024], got {self.cuda_graph_max_bs}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelSpec
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
     request_timeout_s: float = 600.0  # no request lives longer than this in the engine
     idle_wait_s: float = 0.05  # how long the idle engine loop blocks on its inbox
-
-
-BACKENDS = ("shm", "tcp", "nixl")  # KV data planes between prefill and decode workers
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pdserve.config import BACKENDS
 
 def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The engine flags of `serve` as given to `launch`, turned back into argv."""
-    from pdserve.cli import add_engine_args
+    from pdserve.engine_flags import add_engine_args
 
     probe = argparse.ArgumentParser(add_help=False)
     add_engine_args(probe)
@@ -44,19 +44,28 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 def add_launch_command(sub: Any) -> None:
     """Register `launch` on the subparsers object of `pdserve`'s top-level parser."""
-    from pdserve.cli import add_engine_args  # not at the top: pdserve.cli imports us
+    from pdserve.engine_flags import add_engine_args
     from pdserve.router.cli import add_front_end_args
     from pdserve.router.policy import POLICIES
 
     p: argparse.ArgumentParser = sub.add_parser(
-        "launch", help="start prefill/decode workers and a router on this machine"
+        "launch",
+        help="start prefill/decode workers and a router on this machine",
+        description="Start prefill and decode workers (or co-located ones, --prefill 0) and "
+        "a router on this machine, watch them, and stop them all on Ctrl-C or when one "
+        "dies (--on-worker-exit).",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: co-located)")
     p.add_argument("--decode", type=int, default=1, help="decode (or co-located) workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
     p.add_argument("--backend", default="shm", choices=BACKENDS, help="KV data plane")
-    p.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES))
+    p.add_argument(
+        "--policy",
+        default="least-outstanding",
+        choices=sorted(POLICIES),
+        help="the router's choice of worker: the fewest requests in flight, or in turn",
+    )
     p.add_argument(
         "--debug-faults",
         action="store_true",
@@ -66,16 +75,19 @@ def add_launch_command(sub: Any) -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch threads per worker (0: CPUs / number of workers)",
+        help="torch threads per worker (0: this machine's CPUs / number of workers)",
     )
     p.add_argument(
-        "--prefill-threads", type=int, default=0, help="torch threads per prefill worker"
+        "--prefill-threads",
+        type=int,
+        default=0,
+        help="torch threads per prefill worker (0: --threads)",
     )
     p.add_argument(
         "--decode-threads",
         type=int,
         default=0,
-        help="torch threads per decode (or co-located) worker",
+        help="torch threads per decode (or co-located) worker (0: --threads)",
     )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     add_front_end_args(p)

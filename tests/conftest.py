@@ -13,6 +13,10 @@ import pytest
 from tests.procs import ServerProcess
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its CPU interpreter: `triton.jit` reads this when a kernel
+# module is imported, so it is set before any test imports one, whatever the order.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

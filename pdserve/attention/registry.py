@@ -1,7 +1,12 @@
-"""Attention backends by name. `torch` is the only one today, and the default everywhere."""
+"""Attention backends by name: `torch` (plain SDPA, CPU and CUDA; the CPU's default) and
+`triton` (Triton kernels; CUDA's default, or the CPU under TRITON_INTERPRET=1 for tests).
+
+`triton` is imported only when asked for: a machine without the package, or a process that
+never uses it, never loads Triton (and its interpreter switch is read at that import)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -11,13 +16,35 @@ from pdserve.attention.backend import AttentionBackend, AttentionShape
 from pdserve.attention.torch_backend import TorchBackend
 from pdserve.kvcache.pool import KVPool
 
+
+def _triton(pool: KVPool, shape: AttentionShape) -> AttentionBackend[Any]:
+    try:
+        from pdserve.attention.triton_backend import TritonBackend
+    except ImportError as e:
+        raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from None
+    from pdserve.attention.triton_common import interpreted
+    from pdserve.attention.triton_decode import _decode_kernel
+
+    if pool.device.type != "cuda" and not interpreted(_decode_kernel):
+        raise ValueError(
+            f"attention backend 'triton' runs on CUDA (the pool is on {pool.device}); "
+            "use 'torch', or TRITON_INTERPRET=1 before the first import of triton for tests"
+        )
+    return TritonBackend(pool, shape)
+
+
 BACKENDS: dict[str, Callable[[KVPool, AttentionShape], AttentionBackend[Any]]] = {
     "torch": TorchBackend,
+    "triton": _triton,
 }
 
 
 def default_backend(device: torch.device) -> str:
-    """The backend a device gets when none is named."""
+    """The backend a device gets when none is named: `triton` on CUDA where the package is
+    installed (its GPU tests and benchmarks passed on an H200: benchmarks/RESULTS.md), else
+    `torch`."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
     return "torch"
 
 

@@ -1,7 +1,9 @@
 """`pdserve bench`: flags -> BenchConfig -> one run -> table on stdout, JSON and plot files.
 
-The exit status is 0 whenever the run ended and its report was written, even if requests
-failed: failures are results (counted by kind in the report), not a crash of the tool.
+Exit status: 0 when the run ended with at most --max-failure-rate of its requests failed
+(default 0: none), 1 when more failed (the reason goes to stderr, after the report and its
+files: failures are results too, counted by kind), 2 for a usage error. A script or CI job
+that runs bench against a server that failed every request must not read a success.
 """
 
 from __future__ import annotations
@@ -30,17 +32,42 @@ from pdserve.bench.config import (
 def add_bench_command(sub: Any) -> None:
     """Register `bench` on the subparsers object of `pdserve`'s top-level parser."""
     p: argparse.ArgumentParser = sub.add_parser(
-        "bench", help="load-test an OpenAI-compatible server (streaming; TTFT, ITL, goodput)"
+        "bench",
+        help="load-test an OpenAI-compatible server (streaming; TTFT, ITL, goodput)",
+        description="Load-test an OpenAI-compatible server with streamed requests: latency "
+        "percentiles (TTFT, TPOT, ITL, end to end), throughput and goodput.\n\n"
+        "exit status: 0 the run ended with at most --max-failure-rate of its requests "
+        "failed; 1 more failed (the report is still printed and written); 2 a usage error.",
     )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
+    p.add_argument(
+        "--endpoint",
+        default="completions",
+        choices=sorted(ENDPOINTS),
+        help="/v1/completions or /v1/chat/completions",
+    )
     p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
+    p.add_argument(
+        "--max-failure-rate",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="exit 1 when more than this fraction of the requests failed (0: any failure; "
+        "1: never)",
+    )
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", default="random", choices=DATASETS)
-    d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
-    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument(
+        "--dataset",
+        default="random",
+        choices=DATASETS,
+        help="random lengths, recorded ShareGPT chats, or groups sharing a system prompt",
+    )
+    d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (default: none)")
+    d.add_argument("--num-prompts", type=int, default=100, help="requests to send and record")
     d.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
-    d.add_argument("--output-len", type=int, default=128, help="random, shared-prefix")
+    d.add_argument(
+        "--output-len", type=int, default=128, help="random, shared-prefix: output tokens"
+    )
     d.add_argument(
         "--range-ratio",
         type=float,
@@ -56,7 +83,8 @@ def add_bench_command(sub: Any) -> None:
     d.add_argument(
         "--tokenizer",
         default=None,
-        help="builtin:NAME or a model dir: exact text lengths, ids from its vocab",
+        help="builtin:NAME or a model dir: exact text lengths, ids from its vocab "
+        "(default: none: ids from 100 to 4000, one common word a token)",
     )
     d.add_argument(
         "--sharegpt-output-len",
@@ -64,9 +92,18 @@ def add_bench_command(sub: Any) -> None:
         default=None,
         help="fixed output length (default: the recorded answer's)",
     )
-    d.add_argument("--sp-prompts-per-group", type=int, default=8)
-    d.add_argument("--sp-system-len", type=int, default=1024, help="shared prefix tokens")
-    d.add_argument("--sp-question-len", type=int, default=64)
+    d.add_argument(
+        "--sp-prompts-per-group",
+        type=int,
+        default=8,
+        help="shared-prefix: prompts per shared system prompt",
+    )
+    d.add_argument(
+        "--sp-system-len", type=int, default=1024, help="shared-prefix: shared prefix tokens"
+    )
+    d.add_argument(
+        "--sp-question-len", type=int, default=64, help="shared-prefix: tokens after the prefix"
+    )
     a = p.add_argument_group("arrivals")
     a.add_argument(
         "--request-rate",
@@ -80,15 +117,20 @@ def add_bench_command(sub: Any) -> None:
         default=1.0,
         help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier",
     )
-    a.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    a.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (default: none)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="unrecorded requests sent first")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the prompts and the arrival times")
     p.add_argument(
         "--slo",
         nargs="+",
         default=[],
         metavar="KEY:MS",
-        help="goodput objectives: ttft:MS tpot:MS e2el:MS",
+        help="goodput objectives: ttft:MS tpot:MS e2el:MS (default: none, no goodput)",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument(
@@ -96,8 +138,16 @@ def add_bench_command(sub: Any) -> None:
         action="store_true",
         help="do not send ignore_eos (outputs may end before --output-len)",
     )
-    p.add_argument("--out", default=None, help="write summary + per-request records (JSON)")
-    p.add_argument("--plot", default=None, help="write latency CDFs and throughput (PNG)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write summary + per-request records (JSON) (default: table on stdout only)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write latency CDFs and throughput (PNG) (default: no plot)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.add_argument(
         "--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY)"
@@ -138,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=Slo.parse(args.slo),
         warmup=args.warmup,
         progress=not args.no_progress,
+        max_failure_rate=args.max_failure_rate,
     )
 
 
@@ -152,6 +203,7 @@ def _raise_fd_limit(wanted: int) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.bench.dataset import load_tokenizer, make_requests
+    from pdserve.bench.metrics import too_many_failures
     from pdserve.bench.report import format_summary, write_json
     from pdserve.bench.runner import Workload, run_workloads
 
@@ -172,4 +224,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot_run(result.records, Path(args.plot), title=f"pdserve bench {cfg.client.url}")
         print(f"wrote {args.plot}", file=sys.stderr)
     print(format_summary(result.summary), flush=True)
+    why = too_many_failures(result.summary, cfg.max_failure_rate)
+    if why is not None:
+        print(f"pdserve bench: exit 1: {why}", file=sys.stderr)
+        return 1
     return 0

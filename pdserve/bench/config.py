@@ -153,9 +153,14 @@ class BenchConfig:
     slo: Slo = Slo()
     warmup: int = 1  # requests sent (and awaited) before the clock starts
     progress: bool = True  # a plain-text progress line on stderr
+    max_failure_rate: float = 0.0  # more failed than this fraction: the run failed (exit 1)
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ValueError(
+                f"--max-failure-rate must be a fraction in [0, 1], got {self.max_failure_rate}"
+            )
         if self.client.endpoint == "chat" and self.dataset.prompt_format == "ids":
             raise ValueError("--endpoint chat needs --prompt-format text (chat has no token ids)")

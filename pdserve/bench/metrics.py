@@ -8,6 +8,7 @@ Definitions (times in the summary are milliseconds, rates per second of `duratio
 * output_throughput = output tokens of the successful requests / duration.
 * goodput = successful requests meeting every SLO set / duration; a one-token request has no
   TPOT and meets any TPOT objective.
+* the run failed (`too_many_failures`) when failed / sent exceeds --max-failure-rate.
 """
 
 from __future__ import annotations
@@ -105,3 +106,15 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: Slo)
             for name in names
         }
     return summary
+
+
+def too_many_failures(summary: dict[str, Any], max_failure_rate: float) -> str | None:
+    """Why the run failed: more than `max_failure_rate` of its requests failed; else None."""
+    sent, failed = int(summary["requests"]), int(summary["failed"])
+    if sent == 0 or failed / sent <= max_failure_rate:
+        return None
+    kinds = ", ".join(f"{kind} {n}" for kind, n in summary["errors"].items())
+    return (
+        f"{failed} of {sent} requests failed ({100.0 * failed / sent:.1f}%: {kinds}), "
+        f"more than --max-failure-rate {max_failure_rate:g} allows"
+    )

@@ -3,7 +3,9 @@
 It answers with a fixed SSE stream (N one-token chunks, a finish chunk, usage, [DONE]) built
 once, so that the client is the only thing being measured: `benchmarks/bench_overhead.py`
 uses it to measure `pdserve bench`'s own requests/s. A prompt that names a Fault makes it
-misbehave in that way instead, which is how the client's error accounting is tested.
+misbehave in that way instead, which is how the client's error accounting is tested; with
+`fail_every=N` every Nth completion call answers 503 whatever its prompt (a known share of
+failures, for bench's --max-failure-rate).
 
 Run it alone with `python -m pdserve.bench.stub` (prints READY URL), or in a thread of the
 calling process with StubServer (loopback only, port chosen by the OS).
@@ -81,8 +83,12 @@ def _fault_bytes(fault: Fault) -> bytes:
 class StubServer:
     """The stub in a background thread with its own event loop; a context manager."""
 
-    def __init__(self, tokens: int = 8) -> None:
+    def __init__(self, tokens: int = 8, fail_every: int | None = None) -> None:
+        if fail_every is not None and fail_every < 1:
+            raise ValueError(f"fail_every must be >= 1, got {fail_every}")
         self.tokens = tokens
+        self.fail_every = fail_every
+        self.calls = 0  # completion calls answered so far (on the stub's event loop only)
         self.body = stream_bytes(tokens)
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -102,6 +108,9 @@ class StubServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         prompt = (await request.json()).get("prompt")
         fault = Fault(prompt) if isinstance(prompt, str) and prompt in _FAULTS else None
+        self.calls += 1
+        if self.fail_every is not None and self.calls % self.fail_every == 0:
+            fault = Fault.HTTP_503
         if fault is Fault.HTTP_503:
             return web.json_response({"error": {"message": "stub overloaded"}}, status=503)
         if fault is Fault.STALL:
@@ -150,8 +159,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tokens", type=int, default=8, help="tokens per streamed answer")
+    p.add_argument("--fail-every", type=int, default=None, help="every Nth call answers 503")
     args = p.parse_args()
-    stub = StubServer(args.tokens)
+    stub = StubServer(args.tokens, args.fail_every)
 
     async def serve() -> None:
         runner = web.AppRunner(stub.app(), access_log=None)

@@ -76,7 +76,13 @@ def add_chaos_command(sub: Any) -> None:
     """Register `chaos` on the subparsers object of `pdserve`'s top-level parser."""
     d = ChaosOptions()
     p: argparse.ArgumentParser = sub.add_parser(
-        "chaos", help="run fault scenarios (abort storm, ...) and check the cluster recovers"
+        "chaos",
+        help="run fault scenarios (abort storm, ...) and check the cluster recovers",
+        description="Run fault scenarios against a cluster under load and check that it "
+        "recovers: no hang, no leak, every invariant holds afterwards. Without --url each "
+        "scenario launches the cluster it needs on this machine.\n\n"
+        "exit status: 0 every scenario that ran passed; 1 a violation; 2 chaos could not "
+        "run (the cluster did not start, or no scenario could run).",
     )
     p.add_argument(
         "--scenario",
@@ -85,8 +91,8 @@ def add_chaos_command(sub: Any) -> None:
         help=f"{', '.join(SCENARIOS)} or all; repeatable (default: abort-storm)",
     )
     p.add_argument("--url", default=None, help="a running router (default: launch a cluster)")
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds of each scenario")
+    p.add_argument("--seed", type=int, default=d.seed, help="of the load, the kills and the fuzz")
     p.add_argument("--sessions", type=int, default=d.sessions, help="concurrent chat sessions")
     p.add_argument(
         "--kill-after",
@@ -95,14 +101,25 @@ def add_chaos_command(sub: Any) -> None:
         metavar="MIN:MAX",
         help="seconds of load before the kill, drawn per round (default 2:25)",
     )
-    p.add_argument("--prefill", type=int, default=d.prefill)
-    p.add_argument("--decode", type=int, default=d.decode)
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
-    p.add_argument("--model", default=d.model)
+    p.add_argument(
+        "--prefill", type=int, default=d.prefill, help="prefill workers of a launched cluster"
+    )
+    p.add_argument(
+        "--decode", type=int, default=d.decode, help="decode workers of a launched cluster"
+    )
+    p.add_argument(
+        "--backend", default=d.backend, choices=BACKENDS, help="KV data plane of a launched cluster"
+    )
+    p.add_argument("--model", default=d.model, help="model of a launched cluster")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per chat turn")
     p.add_argument("--abandon", type=float, default=d.abandon, help="chance to drop a stream")
-    p.add_argument("--min-throughput-ratio", type=float, default=d.min_throughput_ratio)
+    p.add_argument(
+        "--min-throughput-ratio",
+        type=float,
+        default=d.min_throughput_ratio,
+        help="abort-storm: least tokens/s of the last round over the first",
+    )
     p.add_argument(
         "--steady-s",
         type=float,
@@ -117,7 +134,9 @@ def add_chaos_command(sub: Any) -> None:
     p.add_argument(
         "--requests", type=int, default=d.requests, help="fuzz: how many seeded cases to send"
     )
-    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument(
+        "--report", default=None, help="write the JSON report here (default: summary only)"
+    )
     p.add_argument("--work-dir", default=None, help="logs and progress files (default: temp)")
     p.set_defaults(func=cmd_chaos)
 

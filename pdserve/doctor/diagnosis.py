@@ -1,8 +1,9 @@
 """Doctor's reading of a cluster: a pure function from /debug/cluster to findings in words.
 
 Input is the router's /debug/cluster document (the registry, and every worker's
-/debug/state or the error fetching it); output is a Diagnosis: a line per worker and a list
-of findings, each with a severity. The exit code of `pdserve doctor` is the worst severity:
+/debug/state or the error fetching it), or a server document (one server read alone, see
+source.py); output is a Diagnosis: a line per worker and a list of findings, each with a
+severity. The exit code of `pdserve doctor` is the worst severity:
 
 * 0 healthy: every worker answers, every thread is fresh, nothing overdue, no leaked page.
 * 1 degraded: the cluster serves, but something is wrong: a worker unreachable or out of
@@ -12,8 +13,10 @@ of findings, each with a severity. The exit code of `pdserve doctor` is the wors
   engine should have ended it), a stale or dead thread (or an engine that does not answer)
   on a worker with live work, a room waiting on a peer whose threads are stale, or no
   usable pair at all, so that the cluster cannot serve a single request.
-An unreachable worker is 1 while another pair still serves, and 2 when none does.
-No I/O and no clock here: `now_unix` comes in, so fixtures test it exactly.
+An unreachable worker is 1 while another pair still serves, and 2 when none does. A server
+read alone is judged the same way, worker by itself; its own /health saying unhealthy with
+no finding to explain it is 1. No I/O and no clock here: `now_unix` comes in, so fixtures
+test it exactly.
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ def clock(now_unix: float, ago_s: float) -> str:
 
 
 def diagnose(doc: dict[str, Any], now_unix: float) -> Diagnosis:
+    """A router's /debug/cluster document, or a server document (source.py)."""
+    if "server" in doc:
+        return _diagnose_server(doc, now_unix)
     d = Diagnosis()
     router = doc.get("router") or {}
     rows = router.get("workers") or []
@@ -123,6 +129,31 @@ def diagnose(doc: dict[str, Any], now_unix: float) -> Diagnosis:
             where = f"{w['role']} worker {w['url']} (pid {w.get('pid')})"
             _work(d, where, w, states[w["url"]], troubled, names)
     _rotation(d, router)
+    return d
+
+
+def _diagnose_server(doc: dict[str, Any], now: float) -> Diagnosis:
+    """One server, read without a router: {"server": {"url", "info"}, "state"}."""
+    d = Diagnosis()
+    server, state = doc["server"], doc["state"]
+    info = server.get("info") or {}
+    role = str(state.get("role") or info.get("role") or "unknown")
+    url = server["url"]
+    name = "co-located server" if role == "colocated" else f"{role} worker"
+    where = f"{name} {url} (pid {info.get('pid')})"
+    d.header = f"{where}, up {float(state.get('uptime_s') or 0):.0f}s, read directly (no router)"
+    stale = _threads(d, where, state, now)
+    troubled = {url: f"thread {', '.join(stale)} stale or dead"} if stale else {}
+    _work(d, where, {"url": url, "role": role}, state, troubled, {})
+    problems = state.get("problems") or []
+    if problems and d.code == 0:
+        d.add(Severity.DEGRADED, where, f"its /health says unhealthy: {'; '.join(problems)}")
+    if role != "colocated":
+        d.add(
+            Severity.NOTE,
+            where,
+            "read alone: its peers were not checked (point doctor at the router for that)",
+        )
     return d
 
 
@@ -164,9 +195,10 @@ def _work(
 ) -> None:
     eng = state.get("engine") or {}
     health = "healthy" if not state.get("problems") else "UNHEALTHY"
-    rotation = "in rotation" if w.get("in_rotation") else "OUT OF ROTATION"
+    if "in_rotation" in w:  # a router's worker; a server read alone has no rotation
+        health += ", in rotation" if w["in_rotation"] else ", OUT OF ROTATION"
     if "error" in eng or "pool" not in eng:
-        d.workers.append(f"{where}: {health}, {rotation}; engine not answering")
+        d.workers.append(f"{where}: {health}; engine not answering")
         d.add(Severity.WEDGED, where, f"the engine thread does not answer: {eng.get('error')}")
         return
     role = eng.get("role") or {}
@@ -174,7 +206,7 @@ def _work(
     admitting = int(role.get("admitting") or 0)
     pool = eng["pool"]
     d.workers.append(
-        f"{where}: {health}, {rotation}; {len(requests)} requests, {len(rooms)} rooms, "
+        f"{where}: {health}; {len(requests)} requests, {len(rooms)} rooms, "
         f"{admitting} waiting for pages, {pool['pages_used']}/{pool['pages_total']} pages used"
     )
     own = troubled.get(w["url"])

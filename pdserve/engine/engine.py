@@ -1,11 +1,14 @@
 """The engine: one thread owns every request, the scheduler and the KV pool.
 
-Its loop is `drain inbox -> apply deadlines -> schedule -> forward -> sample -> emit`.
-Other threads talk to it only through the inbox (submit, abort, snapshot) and hear back
-through each request's sink; there are no locks on request state. A failure inside a step
-fails only the requests it belongs to (engine/isolation.py): the forward is run again chunk
-by chunk, or the rows are sampled one by one, and the rest of the batch goes on with the
-tokens it would have had (LESSONS #16). A command whose handling raises fails its own request.
+It is composed of a scheduler, a runner, the sampler and a role (engine/role.py), and its loop
+is `drain inbox -> poll transfers -> expire -> admit -> schedule -> forward -> sample -> emit ->
+send`, each a verb called by name (docs/architecture.md §Loop). Other threads talk to it only
+through the inbox (submit, abort, snapshot) and hear back through each request's sink; there
+are no locks on request state. A request ends in one place, `finish`, with a reason from one
+enum (`Event`). A failure inside a step fails only the requests it belongs to
+(engine/isolation.py): the forward is run again chunk by chunk, or the rows are sampled one by
+one, and the rest of the batch goes on with the tokens it would have had (LESSONS #16). A
+command whose handling raises fails its own request.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,31 +36,27 @@ from pdserve.engine.request import (
     RequestOutput,
     TokenLogprob,
 )
+from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.engine.snapshot import engine_snapshot
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.lease import Leases
+from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import load_model
+from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
+from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
 
 log = logging.getLogger(__name__)
-
-# With no batch to run but transfers in flight or rooms waiting on a peer, the loop wakes this
-# often to poll them (an inbox command wakes it at once). Spinning instead would take a core
-# from the peer or the transfer's progress thread on a small machine.
-ROLE_POLL_S = 0.0005
-ENGINE_HEARTBEAT_S = 30.0  # the engine thread's heartbeat bound: a CPU step can take seconds
-OVERDUE_GRACE_S = 1.0
-OVERDUE_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
 class Submit:
     request: Request
+    prefill: str | None = None  # a prefill worker's control address: the decode role's request
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class SnapshotQuery:
 
 
 Command = Submit | Abort | SnapshotQuery
+
+
+def _unsent(msg: Send) -> None:
+    raise RuntimeError(f"this engine has no transport for {type(msg.msg).__name__}")
 
 
 class Engine:
@@ -86,9 +90,20 @@ class Engine:
         )
         self.leases = Leases(pool.allocator)  # every page taken from the pool is leased
         self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size)
-        self.runner = ModelRunner(model, pool)
+        runner = cfg.runner
+        self.runner = ModelRunner(
+            model,
+            pool,
+            runner.attention_backend,
+            cuda_graph_max_bs=0
+            if runner.enforce_eager
+            else min(runner.cuda_graph_max_bs, cfg.scheduler.max_running),
+            max_model_len=self.max_model_len,
+        )
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
+        self.role: Role = Colocated()
+        self.transport: Callable[[Send], None] = _unsent  # where the role's messages go
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
         self.last_tick = time.monotonic()
         self.steps = 0
@@ -124,6 +139,11 @@ class Engine:
         )
         return cls(cfg, model, pool, eos_token_ids)
 
+    def attach(self, role: Role, transport: Callable[[Send], None]) -> None:
+        """Before the loop starts: the role, and where the messages it returns are sent."""
+        self.role = role
+        self.transport = transport
+
     # -- called from other threads --------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParams for a request this engine can never serve (the router's rules)."""
@@ -136,8 +156,12 @@ class Engine:
         params: SamplingParams,
         sink: OutputSink,
         timeout_s: float | None = None,
+        prefill: str | None = None,
     ) -> None:
-        self.inbox.put(Submit(self.make_request(request_id, prompt_ids, params, sink, timeout_s)))
+        """Queue a request; `prefill`: the prefill worker that computes its prompt (decode role
+        only), else this engine prefills it."""
+        req = self.make_request(request_id, prompt_ids, params, sink, timeout_s)
+        self.inbox.put(Submit(req, prefill))
 
     def make_request(
         self,
@@ -168,20 +192,39 @@ class Engine:
         self.inbox.put(SnapshotQuery(fut))
         return fut.result(timeout=timeout_s)
 
+    def on_control(self, inbound: Any) -> None:
+        """On the control thread, before `inbound` is queued: the role may answer at once
+        (the prefill role's Pong). Reads no engine state but `last_tick`."""
+        reply = self.role.on_control(inbound)
+        if reply is not None:
+            self.transport(reply)
+
     # -- the engine thread ----------------------------------------------------------------
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
         self.last_tick = time.monotonic()
-        if self.scheduler.has_work():
-            wait = 0.0
-        elif self.has_role_work():  # transfers to poll, rooms to time: short waits, no spinning
-            wait = ROLE_POLL_S
-        else:
-            wait = self.cfg.idle_wait_s
-        self._drain_inbox(wait)
-        self._apply_deadlines()
+        self._drain_inbox(self._wait_s())
+        now = time.monotonic()
+        self.role.poll_transfers(now)
+        self.role.expire(now)
+        self._expire_requests(now)
+        self.role.admit()
+        self._send_outbox()  # replies go out before a step that may take seconds on a CPU
         if self.scheduler.has_work():
             self.step()
+            self._send_outbox()
+        self._refresh_overdue()
+
+    def _wait_s(self) -> float:
+        if self.scheduler.has_work():
+            return 0.0
+        if self.role.has_work():  # transfers to poll, rooms to time: short waits, no spinning
+            return ROLE_POLL_S
+        return self.cfg.idle_wait_s
+
+    def _send_outbox(self) -> None:
+        for msg in self.role.take_outbox():
+            self.transport(msg)
 
     def _drain_inbox(self, wait_s: float) -> None:
         """Handle every queued command, first waiting up to `wait_s` for one (any wakes us)."""
@@ -205,50 +248,37 @@ class Engine:
         self.metrics.command_errors.inc()
         log.warning("engine command %s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
         why = f"could not handle the request: {type(e).__name__}: {e}"
+        self.role.command_failed(cmd, why)
         if isinstance(cmd, Submit):
-            req = cmd.request
-            if self.scheduler.get(req.request_id) is req:
-                req.error = why
-                self._finish(req, Event.FAIL)
-            elif not req.status.finished:
-                self._emit_end(req, "error", why)
-            return
-        self.command_failed(cmd, why)
-
-    def command_failed(self, cmd: object, why: str) -> None:
-        """Role engines: end whatever request or room `cmd` concerned (see _command_failed)."""
+            self.finish(cmd.request, Event.FAIL, why)
 
     def _handle(self, cmd: Command | object) -> None:
         match cmd:
-            case Submit(request=req):
+            case Submit(request=req, prefill=None):
                 if self.scheduler.get(req.request_id) is not None:
-                    self._emit_end(req, "error", f"duplicate request id {req.request_id}")
+                    self.finish(req, Event.FAIL, f"duplicate request id {req.request_id}")
                     return
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
             case Abort(request_id=rid):
-                if self.abort_role(rid):
+                if self.role.abort(rid):
                     return
                 live = self.scheduler.get(rid)
                 if live is not None:  # unknown or already finished: nothing to do
-                    self._finish(live, Event.ABORT)
+                    self.finish(live, Event.ABORT)
             case SnapshotQuery(reply=fut):
                 if not fut.done():
                     fut.set_result(self._snapshot())
-            case _:
-                self.handle_other(cmd)
+            case _:  # a remote Submit, a peer's message, a failed send: the role's
+                self.role.handle(cmd)
 
-    def handle_other(self, cmd: object) -> None:
-        """Role engines (prefill, decode) handle their own inbox commands here."""
-        raise TypeError(f"engine inbox: unexpected command {type(cmd).__name__}")
-
-    def _apply_deadlines(self) -> None:
-        self.apply_role_deadlines()
-        now = time.monotonic()
+    def _expire_requests(self, now: float) -> None:
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             if req.deadline is not None and now > req.deadline:
-                req.error = f"{DEADLINE_ERROR} in state {req.status.value}"
-                self._finish(req, Event.FAIL)
+                self.finish(req, Event.FAIL, f"{DEADLINE_ERROR} in state {req.status.value}")
+
+    def _refresh_overdue(self) -> None:
+        now = time.monotonic()
         if now - self._overdue_at < OVERDUE_EVERY_S:
             return  # the loop may tick every 0.5 ms; health needs this a few times a second
         self._overdue_at = now
@@ -262,7 +292,7 @@ class Engine:
             ]
             + [
                 f"room {room.room} ({room.state.value}) {now - room.deadline:.1f}s past deadline"
-                for room in self.role_rooms()
+                for room in self.role.rooms()
                 if room.deadline < late
             ]
         )
@@ -284,26 +314,6 @@ class Engine:
         self.metrics.waiting.set(counts["waiting"])
         self.metrics.pages_used.set(counts["pages_used"])
 
-    def abort_role(self, request_id: str) -> bool:
-        """Role engines abort requests they hold outside the scheduler; True if handled."""
-        return False
-
-    def apply_role_deadlines(self) -> None:
-        """Role engines enforce the deadlines of their transfer rooms here."""
-
-    def role_rooms(self) -> list[Any]:
-        """Role engines: their open transfer rooms (each with .room, .state, .deadline)."""
-        return []
-
-    def has_role_work(self) -> bool:
-        return False
-
-    def role_snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def on_control(self, inbound: Any) -> None:
-        """Role engines: each inbound message, on the control thread, before it is queued."""
-
     def _run(self, plan: StepPlan) -> None:
         chunks = list(plan.chunks)
         try:
@@ -316,7 +326,7 @@ class Engine:
             logits, chunks = forward_each(self.runner, chunks, self._fail_in_step)
         for c in chunks:
             c.request.num_computed = c.start + c.length
-        self.on_computed(plan)
+        self.role.after_forward(plan)
         sampling = [c.request for c in chunks if c.samples]
         if not sampling:
             return
@@ -324,25 +334,21 @@ class Engine:
         if split:
             self.metrics.step_errors.inc()
         for req, tok, lp in picked:
+            if req.status.finished:  # its room failed after the forward (a write failed)
+                continue
             try:
-                self.on_token(req, tok, lp)
+                if not self.role.take_token(req, tok, lp):
+                    self.emit_token(req, tok, lp)
             except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
                 log.exception("handling a token of %s failed", req.request_id)
                 self._fail_in_step(req, f"handling its token failed: {type(e).__name__}: {e}")
 
     def _fail_in_step(self, req: Request, why: str) -> None:
-        if not req.status.finished:
-            self.fail_request(req, why)
+        if not req.status.finished and not self.role.fail(req, why):
+            self.finish(req, Event.FAIL, why)
 
-    def fail_request(self, req: Request, why: str) -> None:
-        """End a scheduled request with an error (the prefill role fails its room instead)."""
-        req.error = why
-        self._finish(req, Event.FAIL)
-
-    def on_computed(self, plan: StepPlan) -> None:
-        """After a forward: the chunks' KV is in the pool (the prefill role ships it)."""
-
-    def on_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
+    # -- the verbs roles use ----------------------------------------------------------------
+    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
         """A token was sampled for `req`: record it, stream it, stop if it ends the request."""
         now = time.monotonic()
         req.output_ids.append(tok)
@@ -355,7 +361,7 @@ class Engine:
         req.last_token_at = now
         event = self._stop_event(req, tok)
         if event is not None:  # the last token carries the finish reason, as in vLLM
-            self._finish(req, event, last=(tok, lp))
+            self.finish(req, event, last=(tok, lp))
             return
         req.sink(
             RequestOutput(
@@ -376,35 +382,51 @@ class Engine:
             return Event.LENGTH
         return None
 
-    def _finish(
-        self, req: Request, event: Event, last: tuple[int, TokenLogprob | None] | None = None
-    ) -> None:
-        """End `req` and tell its sink once; `last` is a final token to deliver with the end."""
-        self.scheduler.finish(req, event)
+    def finish(
+        self,
+        req: Request,
+        event: Event,
+        error: str | None = None,
+        *,
+        last: tuple[int, TokenLogprob | None] | None = None,
+        keep_pages_for: str | None = None,
+    ) -> Lease | None:
+        """The one way a request ends: `event` (STOP, LENGTH, ABORT or FAIL) is its reason.
+        Its sink hears once, with `last` (a final token) if given. A scheduled request leaves
+        the scheduler, whose lease on its pages is released, or handed to `keep_pages_for` and
+        returned (the prefill role keeps pages its writes still read). A request outside the
+        scheduler (waiting for pages or for its prefill leg) holds no lease of its own: its
+        room's lease is the room's to release. A finished request is left as it is."""
+        if req.status.finished:
+            return None
+        lease = None
+        if self.scheduler.get(req.request_id) is not req:
+            req.transition(event)
+        elif keep_pages_for is not None:
+            lease = self.scheduler.hand_over(req, event, keep_pages_for)
+        else:
+            self.scheduler.finish(req, event)
+        if error is not None:
+            req.error = error
         reason = FINISH_REASON[req.status]
         self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        if last is None:
-            self._emit_end(req, reason, req.error)
-            return
-        tok, lp = last
+        tok, lp = last if last is not None else (None, None)
         req.sink(
             RequestOutput(
                 req.request_id,
-                (tok,),
+                (tok,) if tok is not None else (),
                 (lp,) if lp is not None else (),
                 reason,
                 req.error,
                 len(req.prompt_ids),
             )
         )
-
-    def _emit_end(self, req: Request, reason: str, error: str | None) -> None:
-        req.sink(RequestOutput(req.request_id, (), (), reason, error, len(req.prompt_ids)))
+        return lease
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(
-            self.role_snapshot(),
+            self.role.snapshot(),
             self.steps,
             self.max_model_len,
             self.pool,

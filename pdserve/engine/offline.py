@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import RequestOutput
@@ -30,6 +30,10 @@ def build_engine(
     kv_budget_mb: float = 256.0,
     max_model_len: int = 4096,
     eos_token_ids: frozenset[int] = frozenset(),
+    shared_pool: bool = False,
+    attention_backend: str | None = None,
+    enforce_eager: bool = False,
+    cuda_graph_max_bs: int = 256,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
@@ -39,8 +43,9 @@ def build_engine(
             max_running=max_running,
             max_model_len=max_model_len,
         ),
+        RunnerConfig(attention_backend, enforce_eager, cuda_graph_max_bs),
     )
-    return Engine.build(cfg, eos_token_ids)
+    return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 
 
 def generate(

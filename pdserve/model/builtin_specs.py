@@ -12,7 +12,13 @@ from typing import Any
 
 from pdserve.model.corpus import TOKENIZER_VOCAB
 
-BUILTIN_NAMES: tuple[str, ...] = ("tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-0.5b-shape")
+BUILTIN_NAMES: tuple[str, ...] = (
+    "tiny",
+    "qwen2-tiny",
+    "qwen3-tiny",
+    "qwen2-0.5b-shape",
+    "llama3.2-1b-shape",
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,20 @@ SPECS: dict[str, BuiltinSpec] = {
         head_dim=64, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
         tie_word_embeddings=True, qkv_bias=True, qk_norm=False, dtype="bfloat16",
         vocab_size=151936, num_shards=2,
+    ),
+    # Llama-3.2-1B's config (1,235,814,400 parameters with the tied head, Llama-3 RoPE
+    # scaling): the GPU benchmarks' larger model. Four shards of 0.5-1 GB keep the generator's
+    # and the loader's peak memory at one shard, not the whole 2.5 GB.
+    "llama3.2-1b-shape": BuiltinSpec(
+        name="llama3.2-1b-shape", architecture="LlamaForCausalLM", model_type="llama",
+        hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=True, qkv_bias=False, qk_norm=False, dtype="bfloat16",
+        vocab_size=128256, add_bos=True, num_shards=4,
     ),
 }  # fmt: skip
 

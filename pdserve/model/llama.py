@@ -4,8 +4,15 @@ Pure: no scheduling, sockets or parallelism. Tokens arrive flat ([T]) with their
 attention arrives as one AttentionContext (a backend and this step's metadata): each layer
 computes q, k, v and RoPE, then asks the backend to store the new K/V and to attend. Where
 K/V live (the paged pool) and which kernel runs are the backend's business. Numerics follow
-the HF reference (float32 RoPE tables, RMSNorm in float32) so greedy outputs match HF
-transformers token for token.
+the HF reference (float32 RoPE, RMSNorm in float32) so greedy outputs match HF transformers
+token for token.
+
+Fused for fewer kernel launches (docs/architecture.md §Model): q, k and v come from one
+`qkv_proj`, gate and up from one `gate_up_proj` (the loader concatenates the checkpoint's
+tensors: model/weight_map.py), and RMSNorm with the residual add, SiLU-and-multiply and RoPE
+are single ops (kernels/ops.py: Triton on CUDA, the unfused torch reference elsewhere). The
+residual stream travels beside the hidden state, vLLM-style: each layer returns both, and
+the next norm adds them.
 """
 
 from __future__ import annotations
@@ -14,10 +21,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.attention.backend import AttentionContext
+from pdserve.kernels import ops
 from pdserve.model.config import ModelArch, RopeScaling
 
 
@@ -27,11 +34,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, D]
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -55,11 +63,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
@@ -68,9 +71,8 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         q_out, kv_out = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        self.q_proj = nn.Linear(arch.hidden_size, q_out, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kv_out, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kv_out, bias=arch.qkv_bias)
+        self.qkv_split = (q_out, kv_out, kv_out)
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_out + 2 * kv_out, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(q_out, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -78,19 +80,19 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+        inv_freq: torch.Tensor,  # [head_dim / 2] float32
         ctx: AttentionContext[Any],
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # views of the fused output
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head (Qwen3)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, positions, inv_freq)
         ctx.backend.store_kv(self.layer_idx, k, v, ctx.metadata)
         o = ctx.backend.attend(self.layer_idx, q, k, v, ctx.metadata)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -100,12 +102,11 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         h, i, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)  # gate rows, then up rows
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -118,13 +119,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]: the last sublayer's output (the embedding at first)
+        residual: torch.Tensor | None,  # the residual stream before it (None at first)
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
         ctx: AttentionContext[Any],
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into the
+        norm after it: returns (mlp output, residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, positions, inv_freq, ctx)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -151,11 +160,6 @@ class CausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -163,10 +167,12 @@ class CausalLM(nn.Module):
         ctx: AttentionContext[Any],
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.inv_freq, ctx)
+        if residual is None:  # a model with no layers
+            return self.model.norm(x)
+        return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -12,7 +12,7 @@ Targets are `re.Match.expand` templates over the pattern's groups.
 
 Invariant of a plan: every parameter is covered exactly once and completely, by tensors whose
 shapes fit their destinations; anything else is a ModelConfigError that names the tensor or
-parameter. The Llama family keeps the HF layout, so its table only renames, identically.
+parameter. The Llama family's table fuses q/k/v and gate/up and renames the rest identically.
 """
 
 from __future__ import annotations
@@ -60,8 +60,23 @@ class Ignore:
 
 Rule = Rename | Concat | Stack | Ignore
 
-# The Llama family (Llama, Mistral, Qwen2, Qwen3) loads HF names as they are.
-_HF_LAYOUT: tuple[Rule, ...] = (Ignore(r".*rotary_emb\.inv_freq"), Rename(r"(.*)", r"\1"))
+# The Llama family (Llama, Mistral, Qwen2, Qwen3): HF names, but q/k/v and gate/up are fused
+# (model/llama.py): each fused parameter is the checkpoint's tensors stacked along dim 0.
+_LAYER = r"(model\.layers\.\d+)"
+_HF_LAYOUT: tuple[Rule, ...] = (
+    Ignore(r".*rotary_emb\.inv_freq"),
+    Concat(
+        tuple(rf"{_LAYER}\.self_attn\.{p}_proj\.(weight|bias)" for p in "qkv"),
+        r"\1.self_attn.qkv_proj.\2",
+        dim=0,
+    ),
+    Concat(
+        tuple(rf"{_LAYER}\.mlp\.{p}_proj\.(weight|bias)" for p in ("gate", "up")),
+        r"\1.mlp.gate_up_proj.\2",
+        dim=0,
+    ),
+    Rename(r"(.*)", r"\1"),
+)
 
 WEIGHT_MAP: dict[str, tuple[Rule, ...]] = {
     "LlamaForCausalLM": _HF_LAYOUT,

@@ -9,10 +9,16 @@ counts and drops (LESSONS #1: no reader thread ever dies on an unexpected frame)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
 PROTO_VERSION = 1
+
+
+# The KV data planes between prefill and decode workers, as `Register.backend` names them (the
+# one list: transfer/receiver.py and transfer/writers.py open them, config validates against it).
+BACKENDS = ("shm", "tcp", "nixl")
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, frozen=True):
@@ -111,15 +117,19 @@ class AbortAck(Msg, frozen=True):
 
 class Ping(Msg, frozen=True):
     nonce: int = 0
+    sent_at: float = 0.0  # the sender's unix time (0: not given)
 
 
 class Pong(Msg, frozen=True):
     """P's control thread answers at once, so a long compute step does not look like death;
     `engine_busy_s` says how long P's engine has been inside its current tick, so that a D
-    can still tell a stalled engine from a slow step."""
+    can still tell a stalled engine from a slow step. `ping_sent_at` echoes the Ping's
+    `sent_at` and `sent_at` is P's unix time: D estimates the clocks' skew from the two."""
 
     nonce: int = 0
     engine_busy_s: float = 0.0
+    ping_sent_at: float = 0.0
+    sent_at: float = 0.0
 
 
 class Error(Msg, frozen=True):
@@ -156,6 +166,15 @@ MESSAGE_TYPES: tuple[type[Msg], ...] = (
     Pong,
     Error,
 )
+
+
+class Send(NamedTuple):
+    """A message a role wants sent: the roles return these instead of calling the control plane
+    (the engine hands them to its transport; a test hands them to the other role)."""
+
+    peer: str  # P: the D's identity; D: the P's control address
+    msg: Msg  # `sender` already set to the role's identity
+    frames: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

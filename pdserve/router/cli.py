@@ -16,7 +16,11 @@ def add_front_end_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="clients must send Authorization: Bearer KEY on /v1/* (default: $PDSERVE_API_KEY)",
     )
-    g.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read the API key from this file's first line (default: --api-key)",
+    )
     g.add_argument(
         "--protect-health",
         action="store_true",
@@ -33,14 +37,18 @@ def add_front_end_args(p: argparse.ArgumentParser) -> None:
 def add_router_command(sub: Any) -> None:
     """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
     r: argparse.ArgumentParser = sub.add_parser(
-        "router", help="route the OpenAI API over prefill/decode or co-located workers"
+        "router",
+        help="route the OpenAI API over prefill/decode or co-located workers",
+        description="The OpenAI API in front of prefill/decode workers (or co-located ones): "
+        "the tokenizer, the worker registry, health checks and the choice of a worker per "
+        "request.",
     )
     r.add_argument(
         "--prefill",
         nargs="+",
         default=[],
         metavar="URL",
-        help="prefill worker URLs (none: the --decode workers are co-located)",
+        help="prefill worker URLs (default: none, and the --decode workers are co-located)",
     )
     r.add_argument(
         "--decode",
@@ -49,9 +57,14 @@ def add_router_command(sub: Any) -> None:
         metavar="URL",
         help="decode worker URLs, or co-located worker URLs without --prefill",
     )
-    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    r.add_argument("--policy", default="least-outstanding", choices=sorted(POLICIES))
+    r.add_argument(
+        "--policy",
+        default="least-outstanding",
+        choices=sorted(POLICIES),
+        help="how a worker is chosen: the fewest requests in flight, or in turn",
+    )
     r.add_argument(
         "--model",
         required=True,

@@ -20,13 +20,14 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.config import ServerConfig
-from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
+from pdserve.engine.engine import Engine
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.messages import Msg
+from pdserve.protocol.messages import Msg, Send
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
+from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
@@ -34,9 +35,10 @@ from pdserve.server.openai_api import OpenAIApi, error_response, read_json
 from pdserve.server.openai_protocol import ApiError
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
+from pdserve.transfer.receiver import needs_shared_pool
 from pdserve.worker.api import WorkerApi
-from pdserve.worker.decode import DecodeEngine
-from pdserve.worker.prefill import PrefillEngine
+from pdserve.worker.decode import DecodeRole
+from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
@@ -69,17 +71,16 @@ class Server:
             assert self.key is not None  # checked above for every role but colocated
             self.control = Control(identity, self._to_engine, self._send_failed, self.key)
             if cfg.role == "prefill":
-                p_engine = PrefillEngine.build(cfg.engine, eos)
-                assert isinstance(p_engine, PrefillEngine)
+                self.engine = Engine.build(cfg.engine, eos)
                 info["control"] = self.control.bind(cfg.host, cfg.control_port)
                 self.copier = Copier()
-                p_engine.attach(self.control, self.copier)
-                self.engine = p_engine
+                role = PrefillRole(self.engine, identity, self.control, self.copier)
+                self.engine.attach(role, self._send)
             else:
-                d_engine = DecodeEngine.build(cfg.engine, eos, shared_pool=cfg.backend == "shm")
-                assert isinstance(d_engine, DecodeEngine)
-                d_engine.attach(self.control, cfg.backend)
-                self.engine = d_engine
+                shared = needs_shared_pool(cfg.backend)
+                self.engine = Engine.build(cfg.engine, eos, shared_pool=shared)
+                d_role = DecodeRole(self.engine, identity, cfg.backend, self.control)
+                self.engine.attach(d_role, self._send)
             info.update(identity=identity, backend=cfg.backend)
         self.api = OpenAIApi(
             self.engine,
@@ -100,6 +101,10 @@ class Server:
     def _to_engine(self, inbound: Inbound) -> None:
         self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
         self.engine.inbox.put(inbound)
+
+    def _send(self, out: Send) -> None:
+        assert self.control is not None  # only a prefill or decode role sends
+        self.control.send(out.peer, out.msg, out.frames)
 
     def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
         self.engine.inbox.put(SendFailed(peer, msg, why))
@@ -172,7 +177,7 @@ class Server:
         # KV bytes are conserved: nothing is reported (P) or decoded on (D) that was not
         # written (P) or received (D, when the pages pass through it: tcp, nixl).
         stats = role.get("stats") or {}
-        if self.cfg.role == "prefill" or role.get("backend") in ("tcp", "nixl"):
+        if self.cfg.role == "prefill" or role.get("counts_bytes"):
             acked, written = stats.get("bytes_acked", 0), stats.get("bytes_written", 0)
             if acked > written:
                 violations.append(f"KV bytes acknowledged {acked} > written/received {written}")
@@ -260,9 +265,8 @@ class Server:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         stuck = self.supervisor.stop(timeout_s=5.0)
-        nixl = getattr(self.engine, "nixl", None)
-        if nixl is not None and not stuck:  # the engine thread no longer touches the agent
-            nixl.settle()
+        if not stuck:  # the engine thread no longer touches the transfer agents
+            self.engine.role.settle()
         if self.control is not None:
             self.control.close()
         self.engine.pool.close()
@@ -279,7 +283,7 @@ def run_server(cfg: ServerConfig) -> int:
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")
     sys.stdout.flush()
-    if getattr(server.engine, "nixl", None) is not None:
+    if server.engine.role.hard_exit:
         # Do not let the interpreter destroy the NIXL agent: UCX aborts the process (an
         # assertion) when it tears down an endpoint that still has requests queued for a
         # peer that is stopped. The orderly shutdown is done; leave without that teardown.

@@ -36,15 +36,14 @@ import zmq
 from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
+from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
 from pdserve.transfer.frame_auth import FrameAuth
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the I/O loop's longest sleep in poll (sends wake it; this bounds held messages)
 OUTBOX_LIMIT = 10_000
-HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
 MAX_FRAME_BYTES = 256 * 2**20  # one frame: a message, or one KV page on the tcp backend
-DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often
 # What `unknown` and `malformed` faults put in a message's place.
 UNKNOWN_FRAME = msgspec.msgpack.encode({"type": "FaultInjectedUnknown", "room": 0})
 MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack

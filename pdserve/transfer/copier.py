@@ -15,9 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pdserve.transfer.dataplane import WriteError
-
-QUEUE_WAIT_S = 0.1  # the worker's tick blocks this long at most (its heartbeat stays fresh)
+from pdserve.runtime.timing import COPIER_QUEUE_WAIT_S
+from pdserve.transfer.errors import WriteError
 
 
 @dataclass
@@ -58,7 +57,7 @@ class Copier:
     def tick(self) -> None:
         """Run queued copies; the supervisor calls it forever (on the `dataplane` thread)."""
         try:
-            fut, copy = self.jobs.get(timeout=QUEUE_WAIT_S)
+            fut, copy = self.jobs.get(timeout=COPIER_QUEUE_WAIT_S)
         except queue.Empty:
             return
         if not fut.set_running_or_notify_cancel():

@@ -26,19 +26,31 @@ from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.protocol.messages import KVChunk
 from pdserve.transfer.control import Control
+from pdserve.transfer.errors import PeerGone as PeerGone
+from pdserve.transfer.errors import WriteError as WriteError
 
 if TYPE_CHECKING:
     from pdserve.transfer.copier import Copier
 
-BACKENDS = ("shm", "tcp", "nixl")
+
+class StepDone(Protocol):
+    """What a write waits on before it reads its pages: `torch.cuda.Event`, recorded on the
+    engine's stream after the step that computed them (`step_done`). Without it a transfer that
+    reads VRAM on its own (NIXL) could read KV the GPU has not written yet."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
-class WriteError(RuntimeError):
-    """A KV write failed (the peer's memory is gone, the send queue refused it)."""
-
-
-class PeerGone(WriteError):
-    """The transfer layer says the peer disconnected: every write to it is lost, not just one."""
+def step_done(pool: KVPool) -> StepDone | None:
+    """An event marking the end of the work queued so far on the pool's device; None on CPU,
+    where a forward has finished when it returns."""
+    if not pool.data.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class Pending(Protocol):
@@ -77,7 +89,11 @@ class PeerWriter(Protocol):
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,  # monotonic: the write must be complete or cancelled by then
-    ) -> Pending: ...
+        ready: StepDone | None = None,
+    ) -> Pending:
+        """Post a write of `src_pages` into the peer's `dst_pages`. `ready`: on a GPU, an event
+        recorded after the step that filled the pages; no byte is read before it completed."""
+        ...
 
     def close(self) -> None: ...
 
@@ -116,10 +132,13 @@ class ShmWriter:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
+        ready: StepDone | None = None,
     ) -> Pending:
         src_pages, dst_pages = list(src_pages), list(dst_pages)
 
         def copy() -> None:
+            if ready is not None:  # on the copier thread: the engine computes on meanwhile
+                ready.synchronize()
             # A page is one contiguous run on both sides: a plain copy per page is the
             # fastest path (faster than index_copy_ into the mapping).
             for page, d in zip(source_pages(src, src_pages), dst_pages, strict=True):
@@ -147,10 +166,13 @@ class TcpWriter:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
+        ready: StepDone | None = None,
     ) -> Pending:
         src_pages, dst_pages = list(src_pages), list(dst_pages)
 
         def copy() -> None:
+            if ready is not None:
+                ready.synchronize()
             # One frame per page, its raw bytes. The send only queues the frames on the
             # control outbox, ahead of the PrefillDone that follows this write.
             frames = tuple(page.numpy().tobytes() for page in source_pages(src, src_pages))

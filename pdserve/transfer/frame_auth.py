@@ -33,12 +33,12 @@ from collections.abc import Sequence
 from enum import Enum
 
 from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.timing import MAX_SKEW_S
 
 MAGIC = b"PDA1"
 _HEAD = struct.Struct(">4s16sQd")  # magic, session, seq, time
 MAC_LEN = 32
 MAX_IDENTITY = 255
-MAX_SKEW_S = 30.0
 MAX_SESSIONS = 4096
 
 

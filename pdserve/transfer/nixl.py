@@ -27,6 +27,7 @@ sides).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -40,13 +41,17 @@ import numpy as np
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.protocol.messages import NixlPool
-from pdserve.transfer.dataplane import PeerGone, WriteError
+from pdserve.runtime.timing import TRANSFER_TIMEOUT_S
+from pdserve.transfer.dataplane import StepDone
+from pdserve.transfer.errors import PeerGone, WriteError
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'pdserve[nixl]' (the nixl-cu12 wheel; it runs on CPU-only hosts too)"
+INSTALL_HINT = (
+    "pip install nixl-cu13 (CUDA 13) or nixl-cu12 (CUDA 12; `pip install 'pdserve[nixl]'`); "
+    "either runs on CPU-only hosts too"
+)
 NOTIF_PREFIX = b"pdkv1"
-TRANSFER_TIMEOUT_S = 30.0  # no single WRITE may stay in flight longer than this
 # UCX's progress thread, as NIXL's Python API starts it, busy-polls a core for ever (its delay
 # is hard-coded to 0). It stole that core from torch's compute threads (on a 16-core host a
 # 24 MiB torch copy ran at 3.65 GB/s beside it, 32-37 GB/s without: benchmarks/RESULTS.md)
@@ -62,17 +67,32 @@ class BackendUnavailable(RuntimeError):
     """The nixl backend was asked for but NIXL is not installed."""
 
 
+# NIXL ships one wheel per CUDA major, each its own module; `nixl` is a source build. A UCX
+# built for another CUDA cannot register VRAM: on the H200's CUDA 13 host the cu12 wheel's
+# UCX has no CUDA support, while nixl-cu13 moved VRAM to VRAM at 2.0 TB/s between two
+# processes. So the wheel that matches torch's CUDA is tried first; on a CPU-only host any
+# of them moves DRAM.
+NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl._api")
+
+
+def nixl_modules(torch_cuda: str | None) -> tuple[str, ...]:
+    """Module names to try, the one built for `torch_cuda` ("13.0", "12.8", None) first."""
+    major = (torch_cuda or "").split(".")[0]
+    preferred = [m for m in NIXL_MODULES if major and m == f"nixl_cu{major}"]
+    return tuple(preferred + [m for m in NIXL_MODULES if m not in preferred])
+
+
 def import_nixl() -> ModuleType:
     # NIXL logs every agent and backend creation at INFO on stdout; keep its warnings only.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        import nixl_cu12 as nixl  # type: ignore[import-not-found]
-    except ImportError:
+    import torch
+
+    for name in nixl_modules(torch.version.cuda):
         try:
-            import nixl._api as nixl  # type: ignore[import-not-found,no-redef]
-        except ImportError as e:
-            raise BackendUnavailable(f"--backend nixl needs NIXL: {INSTALL_HINT}") from e
-    return nixl
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise BackendUnavailable(f"--backend nixl needs NIXL: {INSTALL_HINT}")
 
 
 def nixl_available() -> bool:
@@ -85,7 +105,7 @@ def nixl_available() -> bool:
 
 def write_error(what: str, e: Exception) -> WriteError:
     """NIXL's exception as ours: a remote disconnect is PeerGone, anything else WriteError."""
-    # By name: the bindings module is nixl._bindings or nixl_cu12._bindings, per wheel.
+    # By name: the bindings module is nixl._bindings, nixl_cu12._bindings or nixl_cu13's.
     cls = PeerGone if type(e).__name__ == "nixlRemoteDisconnectError" else WriteError
     return cls(f"{what}: {type(e).__name__}: {e}")
 
@@ -203,17 +223,40 @@ class NixlAgent:
 
 @dataclass
 class NixlTransfer:
-    """One posted WRITE. `poll()` is True once it completed; it raises WriteError on failure."""
+    """One WRITE. Posted once its pages are computed (`ready`, on a GPU), then polled: `poll()`
+    is True once it completed; it raises WriteError on failure or past its deadline."""
 
     agent: NixlAgent
     handle: Any
     nbytes: int
     deadline: float  # monotonic
+    ready: StepDone | None = None  # posted only after this event completed
+    posted: bool = False
     done: bool = False
+
+    def post_if_ready(self) -> None:
+        """Post the WRITE if its pages are computed; raises WriteError if NIXL refuses it."""
+        if self.posted or (self.ready is not None and not self.ready.query()):
+            return
+        try:
+            state = self.agent.agent.transfer(self.handle)
+        except Exception as e:  # noqa: BLE001 - typed NIXL errors become a failed write
+            self._finish()
+            raise write_error("NIXL could not post the write", e) from e
+        self.posted = True
+        if state == "ERR":
+            self._finish()
+            raise WriteError("NIXL refused to post the write (peer gone?)")
 
     def poll(self) -> bool:
         if self.done:
             return True
+        self.post_if_ready()
+        if not self.posted:
+            if time.monotonic() > self.deadline:
+                self._finish()
+                raise WriteError("the step that computes its pages did not end before the deadline")
+            return False
         try:
             state = self.agent.agent.check_xfer_state(self.handle)
         except Exception as e:  # noqa: BLE001 - typed NIXL errors (peer disconnect, ...)
@@ -265,6 +308,7 @@ class NixlWriter:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
+        ready: StepDone | None = None,
     ) -> NixlTransfer:
         nbytes = len(src_pages) * self.layout.page_bytes
         a = self.agent
@@ -279,15 +323,9 @@ class NixlWriter:
             )
         except Exception as e:  # noqa: BLE001 - typed NIXL errors become a failed write
             raise write_error("NIXL could not prepare the write", e) from e
-        xfer = NixlTransfer(a, handle, nbytes, min(deadline, time.monotonic() + TRANSFER_TIMEOUT_S))
-        try:
-            state = a.agent.transfer(handle)
-        except Exception as e:  # noqa: BLE001
-            xfer.cancel()
-            raise write_error("NIXL could not post the write", e) from e
-        if state == "ERR":
-            xfer.cancel()
-            raise WriteError("NIXL refused to post the write (peer gone?)")
+        limit = min(deadline, time.monotonic() + TRANSFER_TIMEOUT_S)
+        xfer = NixlTransfer(a, handle, nbytes, limit, ready)
+        xfer.post_if_ready()  # else the first poll that finds the step done posts it
         return xfer
 
     def close(self) -> None:

@@ -16,76 +16,73 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
-from pdserve.engine.engine import ENGINE_HEARTBEAT_S, Engine
-from pdserve.engine.params import SamplingParams
-from pdserve.engine.request import Event, Request, RequestOutput, TokenLogprob
+import msgspec
+
+from pdserve.engine.engine import Engine, Submit
+from pdserve.engine.request import Event, Request, TokenLogprob
+from pdserve.engine.role import Room
+from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
 from pdserve.runtime.faults import FAULTS
+from pdserve.runtime.timing import (
+    ABORT_ACK_TIMEOUT_S,
+    FENCE_MARGIN_S,
+    FENCE_S,
+    PEER_ENGINE_STALL_S,
+    PEER_TIMEOUT_S,
+    PING_EVERY_S,
+    PREFILL_TIMEOUT_S,
+)
 from pdserve.transfer.control import Control, Inbound
-from pdserve.transfer.dataplane import receive_chunk
-from pdserve.transfer.nixl import NixlAgent
+from pdserve.transfer.receiver import KVReceiver, open_receiver
 from pdserve.worker.api import params_to_json
-from pdserve.worker.decode_rooms import DRoom, PrefillPeer, RemoteSubmit
+from pdserve.worker.decode_rooms import Admission, DRoom, PrefillPeer
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import decode_snapshot
 
 log = logging.getLogger(__name__)
 
-PING_EVERY_S = 1.0
-PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
-# A Pong whose P engine has been inside one tick longer than P's own heartbeat bound does not
-# count: P is up, its engine is stuck.
-PEER_ENGINE_STALL_S = ENGINE_HEARTBEAT_S
-ABORT_ACK_TIMEOUT_S = 5.0
-FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
-FENCE_MARGIN_S = 2.0  # ...and until this long after the room's write deadline
-PREFILL_TIMEOUT_S = 60.0  # a prefill leg may not take longer than this
 
+class DecodeRole:
+    """The decode worker's role in its engine's loop (engine/role.py)."""
 
-class DecodeEngine(Engine):
-    control: Control
-    backend: str
+    name = "decode"
 
-    def attach(self, control: Control, backend: str) -> None:
+    def __init__(
+        self, engine: Engine, identity: str, backend: str, control: Control | None = None
+    ) -> None:
+        """`identity`: this worker's control identity (the messages' sender); `backend`: how
+        KV reaches its pool; `control`: only read for /debug/state's counters."""
+        self.engine = engine
+        self.pool = engine.pool
+        self.identity = identity
+        self.receiver: KVReceiver = open_receiver(backend, identity, self.pool)
         self.control = control
-        self.backend = backend
-        self.nixl = NixlAgent(control.identity, self.pool) if backend == "nixl" else None
         self.peers: dict[str, PrefillPeer] = {}
-        self.rooms: dict[int, DRoom] = {}
+        self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
-        self.admitting: deque[RemoteSubmit] = deque()  # waiting for destination pages
+        self.admitting: deque[Admission] = deque()  # waiting for destination pages
         self._room_ids = itertools.count((secrets.randbits(31) << 31) + 1)
         self.stats = RoleStats()
+        self.outbox: list[m.Send] = []
 
-    # -- called from other threads -------------------------------------------------------------
-    def submit(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        sink: Callable[[RequestOutput], None],
-        timeout_s: float | None = None,
-        prefill: str | None = None,
-    ) -> None:
-        if prefill is None:  # no prefill worker chosen: prefill locally
-            return super().submit(request_id, prompt_ids, params, sink, timeout_s)
-        req = self.make_request(request_id, prompt_ids, params, sink, timeout_s)
-        self.inbox.put(RemoteSubmit(req, prefill))
+    def take_outbox(self) -> list[m.Send]:
+        out, self.outbox = self.outbox, []
+        return out
 
     # -- inbox -------------------------------------------------------------------------------------
-    def handle_other(self, cmd: object) -> None:
+    def handle(self, cmd: object) -> None:
         match cmd:
-            case RemoteSubmit():
-                self.metrics.prompt_tokens.inc(len(cmd.request.prompt_ids))
-                self.admitting.append(cmd)
+            case Submit(request=req, prefill=str() as address):
+                self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self.admitting.append(Admission(req, address))
             case SendFailed(peer=peer, msg=msg, why=why):
                 self.stats.send_failed += 1
-                room = self.rooms.get(msg.room)
+                room = self.by_room.get(msg.room)
                 if isinstance(msg, m.PrefillRequest) and room is not None:
                     self._apply(
                         room, DEvent.REJECT, f"could not reach prefill worker {peer}: {why}"
@@ -98,13 +95,12 @@ class DecodeEngine(Engine):
     def command_failed(self, cmd: object, why: str) -> None:
         """A message or submission whose handling raised ends its own room or request only."""
         if isinstance(cmd, Inbound):
-            room = self.rooms.get(cmd.msg.room)
+            room = self.by_room.get(cmd.msg.room)
             if room is not None and room.epoch == cmd.msg.epoch and room.peer == cmd.peer:
                 self._apply(room, DEvent.LOCAL_FAIL, why)
-        elif isinstance(cmd, RemoteSubmit):
-            if cmd in self.admitting:
-                self.admitting.remove(cmd)
-            self._end_detached(cmd.request, Event.FAIL, why)
+        elif isinstance(cmd, Submit):  # the engine fails its request
+            for sub in [a for a in self.admitting if a.request is cmd.request]:
+                self.admitting.remove(sub)
 
     def _inbound(self, cmd: Inbound) -> None:
         msg = cmd.msg
@@ -117,8 +113,10 @@ class DecodeEngine(Engine):
         if isinstance(msg, m.RegisterAck):
             return self._register_ack(cmd.peer, msg)
         if isinstance(msg, m.Pong):
+            if peer is not None:
+                peer.clock.observe(msg.ping_sent_at, msg.sent_at)
             return
-        room = self.rooms.get(msg.room)
+        room = self.by_room.get(msg.room)
         if room is None or room.epoch != msg.epoch or room.peer != cmd.peer:
             self.stats.stale[type(msg).__name__] += 1
             return
@@ -147,9 +145,9 @@ class DecodeEngine(Engine):
         msg = room.done
         assert msg is not None  # only called after PrefillDone was recorded
         waits_for_kv = room.state in (DState.PENDING, DState.PREFILLING)
-        if waits_for_kv and self.backend in ("tcp", "nixl") and room.bytes_received != msg.kv_bytes:
-            if self.backend == "nixl" and room.bytes_received < msg.kv_bytes:
-                return  # notifications travel apart from PrefillDone: wait (room deadline)
+        if waits_for_kv and self.receiver.counts_bytes and room.bytes_received != msg.kv_bytes:
+            if self.receiver.bytes_may_trail and room.bytes_received < msg.kv_bytes:
+                return  # they travel apart from PrefillDone: wait (the room's deadline bounds it)
             # Never decode on KV we did not receive.
             return self._apply(
                 room,
@@ -163,12 +161,12 @@ class DecodeEngine(Engine):
             room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
         self._apply(room, DEvent.DONE)
 
-    def _nixl_landed(self) -> None:
-        assert self.nixl is not None
-        for rid, epoch, nbytes in self.nixl.landed():
-            room = self.rooms.get(rid)
+    def _take_landed(self) -> None:
+        """Count what the receiver says landed (tcp frames, nixl notifications) per room."""
+        for rid, epoch, nbytes in self.receiver.landed():
+            room = self.by_room.get(rid)
             if room is None or room.epoch != epoch or room.state in D_TERMINAL:
-                self.stats.stale["nixl_notif"] += 1
+                self.stats.stale["landed"] += 1
                 continue
             room.bytes_received += nbytes
             self.stats.bytes_written += nbytes
@@ -180,11 +178,11 @@ class DecodeEngine(Engine):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
         try:
-            moved = receive_chunk(self.pool, msg.dst_pages, frames)
-            self.stats.bytes_written += moved
-            room.bytes_received += moved
+            self.receiver.accept_frames(room.room, room.epoch, msg.dst_pages, frames)
         except ValueError as e:
             self._apply(room, DEvent.FAILED, f"bad KV chunk: {e}")
+            return
+        self._take_landed()  # counted now: its PrefillDone may be next in the inbox
 
     def _register_ack(self, address: str, msg: m.RegisterAck) -> None:
         peer = self.peers.get(address)
@@ -196,16 +194,17 @@ class DecodeEngine(Engine):
             peer.refused = msg.error or "registration refused"
             log.error("prefill worker %s refused us: %s", address, peer.refused)
             for rid in queued:
-                if rid in self.rooms:
-                    self._apply(self.rooms[rid], DEvent.REJECT, peer.refused)
+                if rid in self.by_room:
+                    self._apply(self.by_room[rid], DEvent.REJECT, peer.refused)
             return
         peer.registered, peer.refused = True, None
         for rid in queued:
-            if rid in self.rooms and self.rooms[rid].state is DState.PENDING:
-                self._send_prefill(self.rooms[rid])
+            if rid in self.by_room and self.by_room[rid].state is DState.PENDING:
+                self._send_prefill(self.by_room[rid])
 
     # -- admission ---------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Open a room for each waiting submission, in order, while its pages fit."""
         while self.admitting:
             sub = self.admitting[0]
             req = sub.request
@@ -219,14 +218,14 @@ class DecodeEngine(Engine):
                 log.warning("could not open a room for %s: %s", req.request_id, e)
                 self._admit_failed(sub, f"could not start the prefill leg: {type(e).__name__}: {e}")
 
-    def _admit_failed(self, sub: RemoteSubmit, why: str) -> None:
+    def _admit_failed(self, sub: Admission, why: str) -> None:
         room = self.by_request.get(sub.request.request_id)
         if room is not None:  # the room exists: end it through the table (it owns the pages)
             self._apply(room, DEvent.LOCAL_FAIL, why)
             return
         self._end_detached(sub.request, Event.FAIL, why)  # no room, so no pages were leased
 
-    def _open_room(self, sub: RemoteSubmit, need: int) -> None:
+    def _open_room(self, sub: Admission, need: int) -> None:
         """Destination pages, a room, and its PrefillRequest (or a Register first)."""
         req = sub.request
         left = PREFILL_TIMEOUT_S
@@ -241,10 +240,10 @@ class DecodeEngine(Engine):
             req,
             sub.prefill,
             time.monotonic() + left,
-            self.leases.open(f"room {rid}", need),
+            self.engine.leases.open(f"room {rid}", need),
             write_deadline=time.time() + left,
         )
-        self.rooms[room.room] = room
+        self.by_room[room.room] = room
         self.by_request[req.request_id] = room
         peer = self.peers.get(sub.prefill)
         if peer is None or not peer.registered:
@@ -256,15 +255,13 @@ class DecodeEngine(Engine):
             self._send_prefill(room)
 
     def _send_register(self, peer: PrefillPeer) -> None:
-        nixl = self.nixl.descriptor() if self.nixl is not None else None
-        ref = self.pool.shm
-        shm = m.ShmPool(pid=ref.pid, fd=ref.fd, token=ref.token) if ref is not None else None
+        shm, nixl = self.receiver.registration()
         layout = self.pool.layout.to_dict()
         self._send(
             peer.address,
             m.Register(
                 layout=layout,
-                backend=self.backend,
+                backend=self.receiver.backend,
                 shm=shm,
                 nixl=nixl,
                 num_pages=self.pool.num_pages,
@@ -284,9 +281,7 @@ class DecodeEngine(Engine):
         return True
 
     def _send(self, peer: str, msg: m.Msg) -> None:
-        import msgspec
-
-        self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity))
+        self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity)))
 
     def _send_prefill(self, room: DRoom) -> None:
         req = room.request
@@ -316,7 +311,7 @@ class DecodeEngine(Engine):
         for c in out.commands:
             self._run_command(room, c)
         if room.state in D_TERMINAL:
-            self.rooms.pop(room.room, None)
+            self.by_room.pop(room.room, None)
             self.by_request.pop(room.request.request_id, None)
 
     def _run_command(self, room: DRoom, c: Cmd) -> None:
@@ -333,8 +328,8 @@ class DecodeEngine(Engine):
                 FAULTS.hit("d.start_decode")
                 self.stats.done += 1
                 req.num_computed = len(req.prompt_ids)
-                self.scheduler.adopt(req, room.lease.hand_over(req.request_id))
-                self.on_token(
+                self.engine.scheduler.adopt(req, room.lease.hand_over(req.request_id))
+                self.engine.emit_token(
                     req,
                     room.first_token,
                     room.first_logprob if req.params.logprobs is not None else None,
@@ -344,24 +339,10 @@ class DecodeEngine(Engine):
 
     def _end_detached(self, req: Request, event: Event, error: str | None) -> None:
         """End a request that is not in the scheduler, leaving its pages to the room."""
-        if req.status.finished:
-            return
-        req.transition(event)
-        req.error = error
-        self.metrics.finished.labels("abort" if event is Event.ABORT else "error").inc()
-        req.sink(
-            RequestOutput(
-                req.request_id,
-                (),
-                (),
-                "abort" if event is Event.ABORT else "error",
-                error,
-                len(req.prompt_ids),
-            )
-        )
+        self.engine.finish(req, event, error)
 
-    # -- engine hooks ------------------------------------------------------------------------------
-    def abort_role(self, request_id: str) -> bool:
+    # -- the loop's verbs ---------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
         room = self.by_request.get(request_id)
         if room is not None:
             self._end_detached(room.request, Event.ABORT, None)
@@ -374,22 +355,36 @@ class DecodeEngine(Engine):
                 return True
         return False
 
-    def role_rooms(self) -> list[Any]:
-        return list(self.rooms.values())
+    def rooms(self) -> list[Room]:
+        return list(self.by_room.values())
 
-    def has_role_work(self) -> bool:
-        return bool(self.rooms or self.admitting)
+    def has_work(self) -> bool:
+        return bool(self.by_room or self.admitting)
 
-    def apply_role_deadlines(self) -> None:
-        if self.nixl is not None:
-            self._nixl_landed()
-        now = time.monotonic()
+    def fail(self, req: Request, why: str) -> bool:
+        return False  # a scheduled request has no room left: the engine fails it
+
+    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
+        return False  # streamed by the engine
+
+    def after_forward(self, plan: StepPlan) -> None:
+        pass
+
+    def on_control(self, inbound: Inbound) -> m.Send | None:
+        return None
+
+    def poll_transfers(self, now: float) -> None:
+        self._take_landed()
+
+    def expire(self, now: float) -> None:
+        """Submissions and rooms past their deadlines end; prefill workers are pinged, and one
+        silent for PEER_TIMEOUT_S while rooms wait on it is declared dead."""
         for sub in list(self.admitting):
             if sub.request.deadline is not None and now > sub.request.deadline:
                 self.admitting.remove(sub)
                 why = f"{DEADLINE_ERROR} waiting for KV pages"
                 self._end_detached(sub.request, Event.FAIL, why)
-        for room in list(self.rooms.values()):
+        for room in list(self.by_room.values()):
             if now > room.deadline:
                 event = DEvent.FENCE_EXPIRED if room.state is DState.FENCED else DEvent.DEADLINE
                 req_deadline = room.request.deadline
@@ -399,7 +394,7 @@ class DecodeEngine(Engine):
         for peer in list(self.peers.values()):
             open_rooms = [
                 r
-                for r in self.rooms.values()
+                for r in self.by_room.values()
                 if r.peer == peer.address
                 and r.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING)
             ]
@@ -407,7 +402,7 @@ class DecodeEngine(Engine):
                 continue
             if now - peer.last_ping > PING_EVERY_S:
                 peer.last_ping = now
-                self._send(peer.address, m.Ping())
+                self._send(peer.address, m.Ping(sent_at=time.time()))
             # Silence counts from when we began waiting: the last pong, or the oldest open
             # room if it is younger (a P silent while we asked nothing is not yet dead).
             waited = now - max(peer.last_pong, min((r.since for r in open_rooms), default=now))
@@ -419,7 +414,20 @@ class DecodeEngine(Engine):
                 peer.refused = "declared dead"
                 for room in open_rooms:
                     self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
-        self._admit()
 
-    def role_snapshot(self) -> dict[str, Any]:
-        return decode_snapshot(self)
+    def settle(self) -> None:
+        self.receiver.settle()
+
+    @property
+    def hard_exit(self) -> bool:
+        return self.receiver.hard_exit
+
+    def snapshot(self) -> dict[str, Any]:
+        return decode_snapshot(
+            self.peers.values(),
+            self.by_room.values(),
+            len(self.admitting),
+            self.receiver,
+            self.stats,
+            self.control.stats.snapshot() if self.control is not None else {},
+        )

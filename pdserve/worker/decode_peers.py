@@ -17,15 +17,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import KVPool, ShmRef
+from pdserve.kvcache.pool import KVPool
 from pdserve.protocol import messages as m
+from pdserve.runtime.timing import CLOSE_AFTER_S, PEER_SILENCE_S
 from pdserve.transfer.control import Control
 from pdserve.transfer.copier import Copier
-from pdserve.transfer.dataplane import PeerWriter, ShmWriter, TcpWriter
-from pdserve.transfer.nixl import NixlAgent, NixlWriter
-
-CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later
-PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
+from pdserve.transfer.dataplane import PeerWriter
+from pdserve.transfer.nixl import NixlAgent
+from pdserve.transfer.writers import open_writer
 
 
 @dataclass
@@ -38,8 +37,13 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, pool: KVPool, control: Control, copier: Copier | None) -> None:
+    def __init__(
+        self, pool: KVPool, identity: str, control: Control | None, copier: Copier | None
+    ) -> None:
+        """`identity`: this prefill worker's; `control`: the tcp backend sends pages on it
+        (None: no tcp peer can pair)."""
         self.pool = pool
+        self.identity = identity
         self.control = control
         self.copier = copier
         self.by_id: dict[str, DecodePeer] = {}
@@ -65,28 +69,26 @@ class DecodePeers:
         diff = ours.mismatch(theirs, ours="prefill", theirs="decode")
         if diff is not None:
             raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")
-        writer: PeerWriter
-        if msg.backend == "shm":
-            if msg.shm is None:
-                raise ValueError("backend shm needs the decode pool's shm reference")
-            ref = ShmRef(msg.shm.pid, msg.shm.fd, msg.shm.token)
-            writer = ShmWriter(ref, theirs, msg.num_pages, self.copier)
-        elif msg.backend == "tcp":
-            writer = TcpWriter(self.control, identity, self.control.identity, self.copier)
-        elif msg.backend == "nixl":
-            if msg.nixl is None:
-                raise ValueError("backend nixl needs the decode pool's NIXL descriptor")
-            if self.nixl is None:
-                self.nixl = NixlAgent(self.control.identity, self.pool)
-            old = self.by_id.pop(identity, None)
-            if old is not None:  # the same D again: NIXL holds one remote agent per name, so
-                old.writer.close()  # the old one must go before it is loaded anew (no delay)
-            writer = NixlWriter(self.nixl, msg.nixl, theirs, msg.num_pages)
-        else:
-            raise ValueError(f"unknown backend {msg.backend!r}")
+        old = self.by_id.pop(identity, None)
+        if old is not None:  # the same D again: it replaces its pairing. NIXL holds one remote
+            old.writer.close()  # agent per name, so the old one goes before the new one loads
+        writer = open_writer(
+            msg,
+            identity,
+            theirs,
+            identity=self.identity,
+            control=self.control,
+            copier=self.copier,
+            nixl_agent=self._nixl_agent,
+        )
         self.pairings += 1
         peer = self.by_id[identity] = DecodePeer(identity, writer, msg.num_pages, self.pairings)
         return peer
+
+    def _nixl_agent(self) -> NixlAgent:
+        if self.nixl is None:
+            self.nixl = NixlAgent(self.identity, self.pool)
+        return self.nixl
 
     def drop(self, peer: DecodePeer) -> None:
         """Forget the peer now; its writer is closed CLOSE_AFTER_S later (see the header)."""

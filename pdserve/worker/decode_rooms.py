@@ -1,4 +1,4 @@
-"""What the decode role keeps: a submission waiting for pages, a prefill peer, a room.
+"""What the decode role keeps: requests waiting for pages, prefill peers, and rooms.
 
 A room is one request's prefill leg with one prefill worker; its state moves only through the
 D table of `protocol/rooms.py` (worker/decode.py drives it).
@@ -13,12 +13,15 @@ from pdserve.engine.request import Request, TokenLogprob
 from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState
+from pdserve.worker.clock_skew import SkewWatch
 
 
 @dataclass(frozen=True)
-class RemoteSubmit:
+class Admission:
+    """A request waiting for destination pages before its room opens."""
+
     request: Request
-    prefill: str
+    prefill: str  # the prefill worker's control address
 
 
 @dataclass
@@ -29,6 +32,10 @@ class PrefillPeer:
     last_pong: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
     queued: list[int] = field(default_factory=list)  # rooms waiting for RegisterAck
+    clock: SkewWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.clock = SkewWatch(self.address)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,16 +23,17 @@ import msgspec
 from pdserve.engine.engine import Engine
 from pdserve.engine.params import InvalidParams, SamplingParams
 from pdserve.engine.request import Event, Request, TokenLogprob
+from pdserve.engine.role import Room
 from pdserve.engine.scheduler import StepPlan
-from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
-from pdserve.transfer.dataplane import PeerGone, Pending, WriteError
+from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
 from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
+from pdserve.worker.prefill_rooms import PRoom
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import prefill_snapshot
 
@@ -43,48 +43,35 @@ WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
 REFUSALS_KEPT = 16
 
 
-@dataclass
-class PRoom:
-    peer: str
-    peer_generation: int  # the registration it came in on; only that one may write for it
-    room: int
-    epoch: int
-    request: Request
-    dst_pages: list[int]
-    deadline: float
-    state: PState = PState.PREFILLING
-    pages_written: int = 0
-    bytes_written: int = 0
-    first_token: int | None = None
-    first_logprob: TokenLogprob | None = None
-    reason: str = ""
-    since: float = field(default_factory=time.monotonic)
-    write_deadline: float = 0.0  # unix time; no write into dst_pages after it
-    inflight: list[Pending] = field(default_factory=list)  # writes not yet complete
-    # The source pages once the request left the batch, kept while writes read them; released
-    # only by FREE_PAGES.
-    lease: Lease | None = None
-    writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
+class PrefillRole:
+    """The prefill worker's role in its engine's loop (engine/role.py)."""
 
-    @property
-    def write_deadline_mono(self) -> float:
-        return time.monotonic() + (self.write_deadline - time.time())
+    name = "prefill"
 
-
-class PrefillEngine(Engine):
-    control: Control
-
-    def attach(self, control: Control, copier: Copier | None = None) -> None:
-        """`copier`: the data-plane worker that runs shm/tcp page copies off this thread."""
+    def __init__(
+        self,
+        engine: Engine,
+        identity: str,
+        control: Control | None = None,
+        copier: Copier | None = None,
+    ) -> None:
+        """`identity`: this worker's control identity (the messages' sender). `control`: the
+        tcp backend's data plane sends page frames on it (the role's own messages go out
+        through `take_outbox`); None where no tcp peer may register. `copier`: the data-plane
+        worker that runs shm/tcp page copies off the engine thread."""
+        self.engine = engine
+        self.pool = engine.pool
+        self.identity = identity
         self.control = control
         self.copier = copier
-        self.peers = DecodePeers(self.pool, control, copier)
-        self.rooms: dict[tuple[str, int], PRoom] = {}
+        self.peers = DecodePeers(self.pool, identity, control, copier)
+        self.by_room: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
         # The last registrations refused, (when, peer, why), for /debug/state.
         self.refusals: deque[tuple[float, str, str]] = deque(maxlen=REFUSALS_KEPT)
-        self.scheduler.pinned = self._pinned
+        self.outbox: list[m.Send] = []
+        engine.scheduler.pinned = self._pinned
 
     @property
     def nixl(self) -> NixlAgent | None:
@@ -94,11 +81,15 @@ class PrefillEngine(Engine):
         room = self.by_request.get(req.request_id)
         return room is not None and bool(room.inflight)
 
+    def take_outbox(self) -> list[m.Send]:
+        out, self.outbox = self.outbox, []
+        return out
+
     # -- inbox ------------------------------------------------------------------------------
-    def handle_other(self, cmd: object) -> None:
+    def handle(self, cmd: object) -> None:
         if isinstance(cmd, SendFailed):
             self.stats.send_failed += 1
-            lost = self.rooms.get((cmd.peer, cmd.msg.room))
+            lost = self.by_room.get((cmd.peer, cmd.msg.room))
             if isinstance(cmd.msg, m.KVChunk) and lost is not None and lost.epoch == cmd.msg.epoch:
                 self._apply(lost, PEvent.WRITE_FAILED, f"KV chunk not sent: {cmd.why}")
             return
@@ -114,7 +105,7 @@ class PrefillEngine(Engine):
             case m.PrefillRequest():
                 self._prefill_request(cmd.peer, msg)
             case m.Abort():
-                room = self.rooms.get((cmd.peer, msg.room))
+                room = self.by_room.get((cmd.peer, msg.room))
                 if room is None or room.epoch != msg.epoch:
                     self._reply(cmd.peer, m.AbortAck(room=msg.room, epoch=msg.epoch, known=False))
                 else:
@@ -129,31 +120,40 @@ class PrefillEngine(Engine):
         if not isinstance(cmd, Inbound):
             return
         msg = cmd.msg
-        room = self.rooms.get((cmd.peer, msg.room))
+        room = self.by_room.get((cmd.peer, msg.room))
         if room is not None and room.epoch == msg.epoch:
             self._apply(room, PEvent.LOCAL_FAIL, why)
         elif isinstance(msg, m.PrefillRequest):
             self.stats.rejected += 1
             self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
 
-    def fail_request(self, req: Request, why: str) -> None:
+    def fail(self, req: Request, why: str) -> bool:
         """A step failed this room's request: the room fails (D hears PrefillFailed)."""
         room = self.by_request.get(req.request_id)
         if room is None:
-            return super().fail_request(req, why)
+            return False
         self._apply(room, PEvent.LOCAL_FAIL, why)
+        return True
 
-    def on_control(self, inbound: Inbound) -> None:
+    def on_control(self, inbound: Inbound) -> m.Send | None:
         """Pings are answered here, on the control thread. Answering from the engine made a
         step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like death,
         though P's own heartbeat allows 30 s. The Pong says how long the engine has been in
         its current tick; D judges a stall by that. Reads one float of engine state."""
-        if isinstance(inbound.msg, m.Ping):
-            busy = max(0.0, time.monotonic() - self.last_tick)
-            self._reply(inbound.peer, m.Pong(nonce=inbound.msg.nonce, engine_busy_s=round(busy, 3)))
+        if not isinstance(inbound.msg, m.Ping):
+            return None
+        busy = round(max(0.0, time.monotonic() - self.engine.last_tick), 3)
+        pong = m.Pong(
+            nonce=inbound.msg.nonce,
+            engine_busy_s=busy,
+            ping_sent_at=inbound.msg.sent_at,
+            sent_at=time.time(),
+            sender=self.identity,
+        )
+        return m.Send(inbound.peer, pong)
 
     def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
-        self.control.send(peer, msgspec.structs.replace(msg, sender=self.control.identity), frames)
+        self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity), frames))
 
     def _register(self, peer: str, msg: m.Register) -> None:
         ours = self.pool.layout.to_dict()
@@ -180,14 +180,14 @@ class PrefillEngine(Engine):
         peer = self.peers.get(peer_id)
         if peer is None:
             return reject("not registered", unregistered=True)
-        if (peer_id, msg.room) in self.rooms:
+        if (peer_id, msg.room) in self.by_room:
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
         if len(msg.dst_pages) < need or any(not 0 <= p < peer.num_pages for p in msg.dst_pages):
             return reject(f"dst_pages invalid: {need} pages in [0, {peer.num_pages}) needed")
         try:
             params = SamplingParams.from_builtins(msg.params).replace(max_tokens=1, min_tokens=0)
-            self.validate(msg.prompt_ids, params)
+            self.engine.validate(msg.prompt_ids, params)
         except InvalidParams as e:  # the one converter raises nothing else
             return reject(f"bad request: {e}")
         left = msg.write_deadline - time.time()
@@ -195,7 +195,7 @@ class PrefillEngine(Engine):
             return reject(f"write_deadline must be a finite unix time, got {msg.write_deadline}")
         if left <= 0:
             return reject(f"arrived {-left:.1f}s after its write deadline")
-        deadline = time.monotonic() + min(left, self.cfg.request_timeout_s)
+        deadline = time.monotonic() + min(left, self.engine.cfg.request_timeout_s)
         req = Request(
             f"{peer_id}:{msg.room}:{msg.epoch}",
             list(msg.prompt_ids),
@@ -213,10 +213,10 @@ class PrefillEngine(Engine):
             deadline,
             write_deadline=msg.write_deadline,
         )
-        self.rooms[(peer_id, msg.room)] = room
+        self.by_room[(peer_id, msg.room)] = room
         self.by_request[req.request_id] = room
-        self.scheduler.add(req)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.engine.scheduler.add(req)
+        self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._reply(peer_id, m.PrefillAccept(room=msg.room, epoch=msg.epoch))
 
     # -- the room machine ---------------------------------------------------------------------
@@ -229,7 +229,7 @@ class PrefillEngine(Engine):
         if room.state in WAITING_FOR_WRITES and not room.inflight:
             self._apply(room, PEvent.WRITES_DONE)
         if room.state in P_TERMINAL:
-            self.rooms.pop((room.peer, room.room), None)
+            self.by_room.pop((room.peer, room.room), None)
             self.by_request.pop(room.request.request_id, None)
 
     def _run_command(self, room: PRoom, c: Cmd) -> None:
@@ -288,8 +288,11 @@ class PrefillEngine(Engine):
             case _:
                 raise ValueError(f"prefill role cannot run {c}")
 
-    # -- engine hooks -------------------------------------------------------------------------
-    def on_computed(self, plan: StepPlan) -> None:
+    # -- the loop's verbs -------------------------------------------------------------------------
+    def after_forward(self, plan: StepPlan) -> None:
+        """Post writes of the pages this step completed; on a GPU each waits for the step's
+        end (one event per step), so no transfer reads KV still being computed."""
+        ready = step_done(self.pool) if plan.chunks else None
         for c in plan.chunks:
             room = self.by_request.get(c.request.request_id)
             if room is None or room.state is not PState.PREFILLING:
@@ -318,6 +321,7 @@ class PrefillEngine(Engine):
                     req.pages[sl],
                     room.dst_pages[sl],
                     room.write_deadline_mono,
+                    ready,
                 )
                 room.inflight.append(xfer)
                 room.bytes_written += xfer.nbytes
@@ -329,44 +333,43 @@ class PrefillEngine(Engine):
                 log.warning("KV write for room %d failed: %s", room.room, e)
                 self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
 
-    def on_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
-        if req.status.finished:  # its room failed in on_computed this step (a write failed)
-            return
+    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
+        """The first token of a room's prompt: the room is computed (P streams nothing)."""
         room = self.by_request.get(req.request_id)
         if room is None:  # not a room (cannot happen: P serves no local requests)
-            self.scheduler.finish(req, Event.FAIL)
-            return
+            return False
         room.first_token, room.first_logprob = tok, lp
-        self.metrics.generated_tokens.inc()
+        self.engine.metrics.generated_tokens.inc()
         self._leave_batch(room, Event.STOP)  # the prompt is computed; writes still read it
         self._apply(room, PEvent.COMPUTED)
+        return True
 
     def _leave_batch(self, room: PRoom, event: Event) -> None:
         """Finish the room's request if it is still scheduled, its lease passing to the room."""
-        req = room.request
-        if self.scheduler.get(req.request_id) is None:
-            return
-        lease = self.scheduler.hand_over(req, event, f"room {room.room}")
+        lease = self.engine.finish(room.request, event, keep_pages_for=f"room {room.room}")
         if lease is not None:  # the request leaves the batch once, so the room had none
             room.lease = lease
 
-    def abort_role(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> bool:
         room = self.by_request.get(request_id)
         if room is not None:
             self._apply(room, PEvent.ABORT)
         return room is not None
 
-    def role_rooms(self) -> list[Any]:
-        return list(self.rooms.values())
+    def rooms(self) -> list[Room]:
+        return list(self.by_room.values())
 
-    def has_role_work(self) -> bool:
-        return any(r.inflight for r in self.rooms.values())
+    def admit(self) -> None:
+        pass  # work arrives as PrefillRequests, each admitted when handled
 
-    def poll_writes(self) -> None:
+    def has_work(self) -> bool:
+        return any(r.inflight for r in self.by_room.values())
+
+    def poll_transfers(self, now: float) -> None:
         """Collect completed writes; a failed or overdue one fails its room."""
         self.peers.tick()
         gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
-        for room in [r for r in self.rooms.values() if r.inflight]:
+        for room in [r for r in self.by_room.values() if r.inflight]:
             error = None
             for xfer in list(room.inflight):
                 try:
@@ -389,10 +392,9 @@ class PrefillEngine(Engine):
             if peer is not None:
                 self._drop_peer(peer, f"its transfer layer disconnected ({why})", lost=True)
 
-    def apply_role_deadlines(self) -> None:
-        self.poll_writes()
-        now = time.monotonic()
-        for room in list(self.rooms.values()):
+    def expire(self, now: float) -> None:
+        """Rooms past their deadline fail; decode workers silent too long are dropped."""
+        for room in list(self.by_room.values()):
             if now > room.deadline:
                 self._apply(room, PEvent.DEADLINE, "prefill deadline passed")
         for peer in self.peers.silent(now):
@@ -410,8 +412,22 @@ class PrefillEngine(Engine):
         self.stats.peers_dropped["disconnected" if lost else "silent"] += 1
         self.peers.drop(peer)
         event = PEvent.PEER_LOST if lost else PEvent.PEER_DEAD
-        for room in [r for r in self.rooms.values() if r.peer == peer.identity]:
+        for room in [r for r in self.by_room.values() if r.peer == peer.identity]:
             self._apply(room, event, f"decode worker gone: {why}")
 
-    def role_snapshot(self) -> dict[str, Any]:
-        return prefill_snapshot(self)
+    def settle(self) -> None:
+        if self.nixl is not None:
+            self.nixl.settle()
+
+    @property
+    def hard_exit(self) -> bool:
+        return self.nixl is not None
+
+    def snapshot(self) -> dict[str, Any]:
+        return prefill_snapshot(
+            self.peers,
+            self.by_room.values(),
+            self.refusals,
+            self.stats,
+            self.control.stats.snapshot() if self.control is not None else {},
+        )

@@ -6,14 +6,24 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
-if TYPE_CHECKING:
-    from pdserve.worker.decode import DecodeEngine
-    from pdserve.worker.prefill import PrefillEngine
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.worker.decode_peers import DecodePeers
+from pdserve.worker.decode_rooms import DRoom, PrefillPeer
+from pdserve.worker.prefill_rooms import PRoom
+from pdserve.worker.roles import RoleStats
 
 
-def decode_snapshot(e: DecodeEngine) -> dict[str, Any]:
+def decode_snapshot(
+    peers: Iterable[PrefillPeer],
+    rooms: Iterable[DRoom],
+    admitting: int,
+    receiver: KVReceiver,
+    stats: RoleStats,
+    control: dict[str, object],
+) -> dict[str, Any]:
     now = time.monotonic()
     return {
         "peers": [
@@ -22,8 +32,9 @@ def decode_snapshot(e: DecodeEngine) -> dict[str, Any]:
                 "registered": p.registered,
                 "refused": p.refused,
                 "silent_s": round(now - p.last_pong, 3),
+                "clock_skew_s": None if p.clock.skew_s is None else round(p.clock.skew_s, 3),
             }
-            for p in e.peers.values()
+            for p in peers
         ],
         "rooms": [
             {
@@ -37,20 +48,28 @@ def decode_snapshot(e: DecodeEngine) -> dict[str, Any]:
                 "deadline_in_s": round(r.deadline - now, 3),
                 "kv_bytes_received": r.bytes_received,
             }
-            for r in e.rooms.values()
+            for r in rooms
         ],
-        "admitting": len(e.admitting),
-        "backend": e.backend,
-        "stats": e.stats.snapshot(),
-        "control": e.control.stats.snapshot(),
+        "admitting": admitting,
+        "backend": receiver.backend,
+        "counts_bytes": receiver.counts_bytes,  # KV passes through D: bytes are conserved
+        "stats": stats.snapshot(),
+        "control": control,
     }
 
 
-def prefill_snapshot(e: PrefillEngine) -> dict[str, Any]:
+def prefill_snapshot(
+    peers: DecodePeers,
+    rooms: Iterable[PRoom],
+    refusals: Iterable[tuple[float, str, str]],
+    stats: RoleStats,
+    control: dict[str, object],
+) -> dict[str, Any]:
     now = time.monotonic()
+    rooms = list(rooms)
     return {
         "peers": [
-            {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)} for p in e.peers
+            {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)} for p in peers
         ],
         "rooms": [
             {
@@ -64,12 +83,12 @@ def prefill_snapshot(e: PrefillEngine) -> dict[str, Any]:
                 "pages_written": r.pages_written,
                 "writes_in_flight": len(r.inflight),
             }
-            for r in e.rooms.values()
+            for r in rooms
         ],
-        "writes_in_flight": sum(len(r.inflight) for r in e.rooms.values()),
+        "writes_in_flight": sum(len(r.inflight) for r in rooms),
         "registrations_refused": [
-            {"peer": peer, "why": why, "ago_s": round(now - at, 3)} for at, peer, why in e.refusals
+            {"peer": peer, "why": why, "ago_s": round(now - at, 3)} for at, peer, why in refusals
         ],
-        "stats": e.stats.snapshot(),
-        "control": e.control.stats.snapshot(),
+        "stats": stats.snapshot(),
+        "control": control,
     }

@@ -88,3 +88,29 @@ def test_preemption_keeps_greedy_output(tiny_dir):
     assert run(tight, prompts, GREEDY) == expected
     assert tight.metrics.preemptions._value.get() > 0
     assert tight.pool.allocator.num_used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["tiny", "qwen2-tiny", "qwen3-tiny"])
+def test_greedy_matches_hf_on_the_gpu_with_graphs(builtin_dir, name):
+    """float32 on the GPU, the triton backend, decode through CUDA graphs: HF's ids exactly
+    (HF on the CPU, float32)."""
+    from pdserve.engine.offline import build_engine
+
+    path = builtin_dir(name)
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100]
+    engine = build_engine(
+        path,
+        device="cuda",
+        page_size=16,
+        max_batched_tokens=32,
+        attention_backend="triton",
+        cuda_graph_max_bs=16,
+    )
+    assert engine.runner.graphs is not None
+    prompts = prompts_for(2000, lengths, seed=5)
+    together = run(engine, prompts, GREEDY)
+    ref = hf_greedy(path, prompts)
+    mismatched = [(n, a, r) for n, a, r in zip(lengths, together, ref, strict=True) if a != r]
+    assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
+    assert engine.runner.graphs.replays > 0 and engine.pool.allocator.num_used == 0

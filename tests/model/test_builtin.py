@@ -43,7 +43,13 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_names_are_the_documented_ones() -> None:
-    assert BUILTIN_NAMES == ("tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-0.5b-shape")
+    assert BUILTIN_NAMES == (
+        "tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "qwen2-0.5b-shape",
+        "llama3.2-1b-shape",
+    )
     assert set(builtin_specs.SPECS) == set(BUILTIN_NAMES)
 
 

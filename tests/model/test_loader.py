@@ -15,7 +15,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.model import loader, weight_map
 from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.loader import load_model
-from pdserve.model.weight_map import Concat, Rename, Stack
+from pdserve.model.weight_map import Concat, Stack
 from tests.helpers import make_engine, run
 
 transformers = pytest.importorskip("transformers")
@@ -147,10 +147,30 @@ def rewrite(src, dst, tensors: dict[str, torch.Tensor], shards: int = 1):
     return dst
 
 
+FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+
+
+def as_parameters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors by the model's parameter names: q/k/v and gate/up stacked (dim 0)."""
+    out = dict(tensors)
+    for name in list(tensors):
+        for fused, parts in FUSED.items():
+            module, _, _ = fused.partition(".")
+            prefix, sep, rest = name.partition(f".{module}.{parts[0]}_proj.")
+            if not sep:
+                continue
+            members = [f"{prefix}.{module}.{p}_proj.{rest}" for p in parts]
+            out[f"{prefix}.{fused}.{rest}"] = torch.cat([tensors[m] for m in members])
+            for m in members:
+                del out[m]
+    return out
+
+
 def assert_loaded_exactly(model, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
-    """Every parameter is its checkpoint tensor cast to `dtype`, bit for bit (what the old
-    float32-then-cast loader produced: tensor.to(dtype))."""
+    """Every parameter is its checkpoint tensor(s) cast to `dtype`, bit for bit (what the old
+    float32-then-cast loader produced: tensor.to(dtype)); fused ones their parts, stacked."""
     params = dict(model.named_parameters())
+    tensors = as_parameters(tensors)
     assert set(params) == set(tensors) - {"lm_head.weight"} or set(params) == set(tensors)
     for name, p in params.items():
         want = tensors[name].to(dtype)
@@ -194,17 +214,22 @@ def test_tied_embeddings_stay_tied(tiny_dir, tmp_path):
 
 def test_missing_extra_or_misshapen_tensor_is_named(tiny_dir, tmp_path):
     tensors = load_file(str(tiny_dir / "model.safetensors"))
-    name = "model.layers.1.mlp.up_proj.weight"
+    name = "model.layers.1.mlp.down_proj.weight"
     missing = rewrite(tiny_dir, tmp_path / "a", {n: t for n, t in tensors.items() if n != name})
     with pytest.raises(ModelConfigError, match=rf"lacks 1 tensors for parameters {name}"):
         load_model(missing, torch.float32, torch.device("cpu"))
+    part = "model.layers.1.mlp.up_proj.weight"  # one part of a fused parameter
+    half = rewrite(tiny_dir, tmp_path / "a2", {n: t for n, t in tensors.items() if n != part})
+    fused = r"gate_up_proj\.weight is fused from 2 tensors.*found model\.layers\.1\.mlp\.gate_proj"
+    with pytest.raises(ModelConfigError, match=fused):
+        load_model(half, torch.float32, torch.device("cpu"))
     extra = rewrite(
         tiny_dir, tmp_path / "b", {**tensors, "model.layers.1.mlp.extra": tensors[name]}
     )
     with pytest.raises(ModelConfigError, match=r"match no parameter.*model\.layers\.1\.mlp\.extra"):
         load_model(extra, torch.float32, torch.device("cpu"))
     wrong = rewrite(tiny_dir, tmp_path / "c", {**tensors, name: tensors[name][:, :-1]})
-    with pytest.raises(ModelConfigError, match=rf"{name} has shape \(704, 255\).*\(704, 256\)"):
+    with pytest.raises(ModelConfigError, match=rf"{name} has shape \(256, 703\).*\(256, 704\)"):
         load_model(wrong, torch.float32, torch.device("cpu"))
     # A tensor in two shards is not silently loaded twice.
     twice = rewrite(tiny_dir, tmp_path / "d", tensors, shards=2)
@@ -229,8 +254,8 @@ def test_damaged_files_are_refused(tiny_dir, tmp_path):
 
 
 def test_concat_and_stack_rules_load_through_files(tiny_dir, tmp_path, monkeypatch):
-    """The rule kinds the Llama table does not use yet, end to end: o_proj stored as two column
-    halves (strided destination slices) and the final norm as 0-d per-element tensors."""
+    """Concat along dim 1 and Stack, end to end: o_proj stored as two column halves (strided
+    destination slices) and the final norm as 0-d per-element tensors."""
     tensors = load_file(str(tiny_dir / "model.safetensors"))
     split = {
         n: t for n, t in tensors.items() if not n.endswith(("o_proj.weight", "model.norm.weight"))
@@ -247,7 +272,7 @@ def test_concat_and_stack_rules_load_through_files(tiny_dir, tmp_path, monkeypat
             dim=1,
         ),
         Stack(r"norm\.(?P<expert>\d+)", "model.norm.weight"),
-        Rename(r"(.*)", r"\1"),
+        *weight_map.WEIGHT_MAP["LlamaForCausalLM"],  # q/k/v and gate/up fused, the rest as is
     )
     monkeypatch.setitem(weight_map.WEIGHT_MAP, "LlamaForCausalLM", rules)
     monkeypatch.setattr(loader, "CHUNK_BYTES", 4096)

@@ -179,6 +179,30 @@ def test_a_parameter_loaded_twice_is_refused():
 
 def test_every_supported_architecture_has_a_table_and_others_are_refused():
     assert set(WEIGHT_MAP) == set(SUPPORTED_ARCHITECTURES)
-    assert rules_for("Qwen2ForCausalLM") == IDENTITY
+    qwen2 = rules_for("Qwen2ForCausalLM")
+    assert qwen2 == rules_for("LlamaForCausalLM") and qwen2[0] == IDENTITY[0]
+    assert qwen2[-1] == IDENTITY[-1]  # fused q/k/v and gate/up, the rest renamed as it is
+    fused = plan(
+        {
+            f"model.layers.3.self_attn.{p}_proj.bias": (n,)
+            for p, n in zip("qkv", (4, 2, 2), strict=True)
+        }
+        | {
+            "model.layers.3.mlp.gate_proj.weight": (5, 3),
+            "model.layers.3.mlp.up_proj.weight": (5, 3),
+        },
+        {
+            "model.layers.3.self_attn.qkv_proj.bias": (8,),
+            "model.layers.3.mlp.gate_up_proj.weight": (10, 3),
+        },
+        qwen2,
+    )
+    assert sorted((pl.source, pl.target) for pl in fused) == [
+        ("model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.gate_up_proj.weight"),
+        ("model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.gate_up_proj.weight"),
+        ("model.layers.3.self_attn.k_proj.bias", "model.layers.3.self_attn.qkv_proj.bias"),
+        ("model.layers.3.self_attn.q_proj.bias", "model.layers.3.self_attn.qkv_proj.bias"),
+        ("model.layers.3.self_attn.v_proj.bias", "model.layers.3.self_attn.qkv_proj.bias"),
+    ]
     with pytest.raises(ModelConfigError, match="'GPT2LMHeadModel'"):
         rules_for("GPT2LMHeadModel")

@@ -93,7 +93,7 @@ class KeyedSocket:
 
 
 def tokens(lines: list[dict]) -> list[int]:
-    assert lines[-1]["finish_reason"] in ("length", "stop"), lines[-1]
+    assert lines[-1]["finish_reason"] in ("length", "stop"), str(lines[-1])
     return [t for ln in lines for t in ln["token_ids"]]
 
 

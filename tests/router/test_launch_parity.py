@@ -1,6 +1,7 @@
-"""Parity through `pdserve launch`: 64 concurrent requests of mixed lengths (some longer than
-a prefill chunk) through the router give the co-located engine's greedy text, for 1P+1D and
-2P+2D on both backends; afterwards every worker is quiet."""
+"""The parity suite: greedy text through `pdserve launch` equals the co-located engine's, for
+64 concurrent requests of mixed lengths (some longer than a prefill chunk), on every KV backend
+and topology: 1P+1D on shm, tcp and nixl, 2P+2D (the router spreading both legs); afterwards
+every worker is quiet. (In one process, without sockets: tests/worker/test_roles.py.)"""
 
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ import torch
 
 from pdserve.engine.params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.transfer.nixl import nixl_available
 from tests.helpers import make_engine, run
 from tests.procs import LaunchedCluster, http
 
 CHUNK = 48
+NIXL = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 
 
 @pytest.fixture(
     scope="module",
-    # 1P+1D on nixl: tests/pd/test_pd_parity.py (the same 64 mixed requests, no launcher).
-    params=[(1, 1, "shm"), (1, 1, "tcp"), (2, 2, "shm"), (2, 2, "tcp")],
-    ids=["1p1d-shm", "1p1d-tcp", "2p2d-shm", "2p2d-tcp"],
+    params=[
+        (1, 1, "shm"),
+        (1, 1, "tcp"),
+        pytest.param((1, 1, "nixl"), marks=NIXL),
+        (2, 2, "tcp"),
+    ],
+    ids=["1p1d-shm", "1p1d-tcp", "1p1d-nixl", "2p2d-tcp"],
 )
 def cluster(request, tiny_dir: Path, tmp_path_factory) -> Iterator[LaunchedCluster]:
     n_p, n_d, backend = request.param

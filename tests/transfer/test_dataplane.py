@@ -109,3 +109,37 @@ def test_tcp_receiver_refuses_wrong_sizes():
     with pytest.raises(ValueError, match="bytes each"):  # a page of another layout
         receive_chunk(dst, [1], [b"\x00" * layout("bfloat16").page_bytes])
     assert not dst.data.any()
+
+
+class RecordingEvent:
+    """Stands in for torch.cuda.Event (no GPU here): records that the copy waited on it."""
+
+    def __init__(self, src: KVPool) -> None:
+        self.src, self.waited = src, False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        fill_random(self.src, seed=99)  # what the step computes lands only now
+        self.waited = True
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_copy_waits_for_the_step_that_computes_its_pages(backend):
+    src, dst = pools("bfloat16", shared=backend == "shm")
+    step = RecordingEvent(src)
+    try:
+        if backend == "shm":
+            assert dst.shm is not None
+            ShmWriter(dst.shm, dst.layout, dst.num_pages).write(1, 1, src, SRC, DST, 0.0, step)
+        else:
+            ctl = CapturingControl()
+            writer = TcpWriter(ctl, "d0", "p0")  # type: ignore[arg-type]
+            writer.write(5, 2, src, SRC, DST, 0.0, step)
+            ((_, msg, frames),) = ctl.sent
+            receive_chunk(dst, msg.dst_pages, frames)
+        assert step.waited
+        assert_landed(src, dst)  # the bytes after the step, not before
+    finally:
+        dst.close()

@@ -192,6 +192,32 @@ def test_many_rooms_in_flight_at_once(pair):
         assert torch.equal(peer.pool[i], src.page(i))
 
 
+class StandInEvent:
+    """Stands in for torch.cuda.Event (no GPU here): completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("a NIXL write must never block the engine on its step")
+
+
+def test_a_write_waits_for_its_step_before_it_reads_the_pages(pair):
+    writer, src, peer = pair
+    step = StandInEvent()
+    x = writer.write(9, 1, src, [2], [4], far(), step)
+    time.sleep(0.05)
+    assert not x.poll() and not x.posted  # the step has not ended: nothing moved
+    assert not peer.pool[4].any()
+    step.done = True
+    wait(x)
+    assert x.posted and torch.equal(peer.pool[4], src.page(2))
+    assert peer.landed_until(x.nbytes) == [(9, 1, x.nbytes)]
+
+
 def test_cancel_mid_write_releases_and_the_writer_goes_on(pair):
     writer, src, peer = pair
     x = writer.write(1, 1, src, SRC, DST, far())
@@ -241,3 +267,11 @@ def test_a_dead_peer_fails_the_write(pair):
             while not x.poll():
                 time.sleep(0.01)
     assert time.monotonic() - t0 < 30.0
+
+
+def test_the_wheel_for_torchs_cuda_is_tried_first():
+    from pdserve.transfer.nixl import nixl_modules
+
+    assert nixl_modules("13.0") == ("nixl_cu13", "nixl_cu12", "nixl._api")
+    assert nixl_modules("12.8") == ("nixl_cu12", "nixl_cu13", "nixl._api")
+    assert nixl_modules(None)[-1] == "nixl._api"  # a CPU build takes whichever is installed

@@ -1,0 +1,397 @@
+"""Decode step time on one GPU: pdserve's engine pieces beside the roofline and HF, same run.
+
+    python benchmarks/gpu_decode.py --out $OUT/gpu_decode.json            # the H200 run
+    python benchmarks/gpu_decode.py --device cpu --models tiny --batches 1,4 --ctx 40 \\
+        --steps 3 --warmup 1                                                # a CPU smoke run
+
+For each model and batch, B requests with `--ctx`-token prompts are prefilled through the
+engine; then, with every request decoding at context ~ctx, three numbers per step:
+  * forward: `ModelRunner.forward` over the B decode chunks (batch build, its one upload, the
+    model, the logits), the context held fixed, timed step by step with CUDA events after a
+    warm-up (the median is reported);
+  * engine step: `Engine.tick()` (schedule, forward, sample, emit), wall clock, context
+    growing by one a step;
+  * roofline: max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured in this
+    run: bytes = the weights (a tied head once) + the KV read and written; FLOPs = 2 per
+    weight per token (the head included) + 4 * ctx * heads * head_dim per layer per token.
+HF transformers decodes the same model directory (same weights) at `--hf-batches` with a static
+cache and torch.compile, as `generate` documents it (benchmarks/hf_decode.py says how).
+
+Built-in models are generated on first use (about 25 s for llama3.2-1b-shape on one core;
+`model_build_s` in the JSON). Every finished row is written to --out at once, so a run cut
+short by a time limit still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.hf_decode import hf_decode_steps  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.offline import build_engine  # noqa: E402
+from pdserve.engine.params import SamplingParams  # noqa: E402
+from pdserve.engine.request import RequestOutput  # noqa: E402
+from pdserve.engine.runner import ModelRunner  # noqa: E402
+from pdserve.engine.scheduler import Chunk  # noqa: E402
+from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.model.config import ModelArch  # noqa: E402
+
+PAGE_SIZE = 16
+PREFILL_TOKENS = 8192  # the step budget while prefilling: a batch of 256 prompts in ~10 steps
+PREFILL_TIMEOUT_S = 600.0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(fn: Callable[[], object], device: torch.device, warmup: int, n: int) -> list[float]:
+    """Seconds per call of `fn`, call by call, after `warmup` calls. On CUDA each interval is
+    between events recorded on the stream around the call: GPU time when the GPU is the
+    bottleneck, launch time when the host is."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type != "cuda":
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    events[0].record()
+    for i in range(n):
+        fn()
+        events[i + 1].record()
+    sync(device)
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(n)]
+
+
+# ---------------------------------------------------------------- ceilings and roofline
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """The device-to-device copy bandwidth (bytes read + written per second) and the matmul
+    rate in `dtype` (FLOP/s), measured now."""
+    on_gpu = device.type == "cuda"
+    nbytes = 2**30 if on_gpu else 2**26
+    copy_s = _median_copy_s(nbytes, device)
+    n = 8192 if on_gpu else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    mm_s = statistics.median(time_steps(lambda: a @ b, device, 3, 10))
+    return {
+        "copy_bytes": nbytes,
+        "copy_GBps": round(2 * nbytes / copy_s / 1e9, 1),
+        "matmul_n": n,
+        "matmul_TFLOPs": round(2 * n**3 / mm_s / 1e12, 2),
+    }
+
+
+def _median_copy_s(nbytes: int, device: torch.device) -> float:
+    """Seconds to copy `nbytes` from one device buffer to another (both freed on return)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return statistics.median(time_steps(lambda: dst.copy_(src), device, 3, 10))
+
+
+def step_cost(engine: Engine, batch: int, ctx: float) -> tuple[int, int]:
+    """(bytes, FLOPs) a decode step of `batch` rows at mean context `ctx` must move and do."""
+    model, arch = engine.model, engine.model.arch
+    params = dict(model.named_parameters())  # a tied head is here once, as the embedding
+    embed = params["model.embed_tokens.weight"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    matmul_weights = sum(p.numel() for p in params.values() if p.dim() == 2)
+    if not arch.tie_word_embeddings:  # the lookup reads `batch` rows of its table, no matmul
+        weight_bytes -= (embed.numel() - batch * arch.hidden_size) * embed.element_size()
+        matmul_weights -= embed.numel()
+    layout = engine.pool.layout
+    kv_bytes = int(batch * (ctx + 1) * layout.page_bytes / layout.page_size)  # ctx read, 1 written
+    attn_flops = int(4 * batch * ctx * arch.num_layers * arch.num_heads * arch.head_dim)
+    return weight_bytes + kv_bytes, 2 * batch * matmul_weights + attn_flops
+
+
+def roofline(cost: tuple[int, int], ceilings: dict[str, float]) -> dict[str, float]:
+    nbytes, flops = cost
+    mem_s = nbytes / (ceilings["copy_GBps"] * 1e9)
+    flop_s = flops / (ceilings["matmul_TFLOPs"] * 1e12)
+    return {
+        "bytes_per_step": nbytes,
+        "flops_per_step": flops,
+        "roofline_mem_ms": round(mem_s * 1e3, 4),
+        "roofline_flop_ms": round(flop_s * 1e3, 4),
+        "roofline_ms": round(max(mem_s, flop_s) * 1e3, 4),
+    }
+
+
+# ---------------------------------------------------------------- pdserve
+
+
+def prefill(
+    engine: Engine, batch: int, ctx: int, max_tokens: int, ended: dict[str, str]
+) -> list[str]:
+    """Submit `batch` random `ctx`-token prompts and tick until each has its first token (so
+    each is decoding: its KV holds the prompt); returns their ids. A request that ends is
+    entered in `ended` (id -> why): none should before the benchmark aborts them."""
+    vocab = min(engine.model.arch.vocab_size, 4000)
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, vocab, (batch, ctx), generator=g).tolist()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    got: set[str] = set()
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts, strict=True):
+
+        def sink(out: RequestOutput, rid: str = rid) -> None:
+            if out.finish_reason is not None:
+                ended[rid] = f"{out.finish_reason}: {out.error}"
+            got.add(rid)
+
+        engine.submit(rid, prompt, params, sink)
+    deadline = time.monotonic() + PREFILL_TIMEOUT_S
+    while len(got) < batch and not ended:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefill of {batch} prompts unfinished after {PREFILL_TIMEOUT_S}s")
+        engine.tick()
+    return ids
+
+
+def check_none_ended(ended: dict[str, str]) -> None:
+    if ended:
+        raise RuntimeError(f"{len(ended)} requests ended early, e.g. {next(iter(ended.items()))}")
+
+
+def decode_chunks(engine: Engine, ids: list[str]) -> list[Chunk]:
+    """The engine's next step, as its scheduler plans it (pages for the new tokens included):
+    one decode chunk per request. Planning twice changes nothing, so the engine's own next
+    tick plans the same step again."""
+    plan = engine.scheduler.schedule()
+    if plan.preempted or sorted(c.request.request_id for c in plan.chunks) != sorted(ids):
+        raise RuntimeError(f"the next step is not a decode of each of the {len(ids)} requests")
+    if any(c.length != 1 or not c.samples for c in plan.chunks):
+        raise RuntimeError("a request is not decoding after its prefill")
+    return plan.chunks
+
+
+def run_pdserve(
+    engine: Engine, runner: ModelRunner, batch: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    device = engine.pool.device
+    max_tokens = 2 * (args.warmup + args.steps) + 8  # never ends inside the measurement
+    t0 = time.perf_counter()
+    ended: dict[str, str] = {}
+    ids = prefill(engine, batch, args.ctx, max_tokens, ended)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    check_none_ended(ended)
+    # Run again and again, the same step rewrites the same KV slots: the context stays fixed.
+    chunks = decode_chunks(engine, ids)
+    reqs = [c.request for c in chunks]
+    ctx = sum(r.num_tokens for r in reqs) / batch
+    fwd = time_steps(lambda: runner.forward(chunks), device, args.warmup, args.steps)
+    wall0 = time.perf_counter()
+    for _ in range(args.steps):
+        runner.forward(chunks)
+    sync(device)
+    fwd_wall = (time.perf_counter() - wall0) / args.steps
+    before = [len(r.output_ids) for r in reqs]
+    tick = time_steps(engine.tick, device, args.warmup, args.steps)
+    check_none_ended(ended)
+    if [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)] != [
+        args.warmup + args.steps
+    ] * batch:
+        raise RuntimeError("an engine tick did not decode every request once")
+    for rid in ids:
+        engine.abort(rid)
+    engine.tick()  # handles the aborts: every page goes back
+    if engine.pool.allocator.num_used:
+        raise RuntimeError(f"{engine.pool.allocator.num_used} pages still used after the aborts")
+    fwd_ms, tick_ms = statistics.median(fwd) * 1e3, statistics.median(tick) * 1e3
+    return {
+        "ctx": round(ctx, 1),
+        "prefill_s": round(prefill_s, 3),
+        "forward_ms": round(fwd_ms, 4),
+        "forward_wall_ms": round(fwd_wall * 1e3, 4),
+        "engine_step_ms": round(tick_ms, 4),
+        "forward_tok_s": round(batch / fwd_ms * 1e3, 1),
+        "engine_tok_s": round(batch / tick_ms * 1e3, 1),
+    }
+
+
+def kv_budget_mb(path: Path, dtype: torch.dtype, tokens: int) -> float:
+    arch = ModelArch.from_dir(path)
+    per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    return max(64.0, 1.25 * tokens * per_token / 2**20)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def bench_model(
+    name: str, args: argparse.Namespace, ceilings: dict[str, float], report: Report
+) -> None:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    path = resolve_model(f"builtin:{name}")
+    report.meta.setdefault("model_build_s", {})[name] = round(time.perf_counter() - t0, 1)
+    top = max(args.batches)
+    tokens = top * (-(-(args.ctx + 2 * (args.warmup + args.steps) + 16) // PAGE_SIZE) * PAGE_SIZE)
+    engine = build_engine(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=PAGE_SIZE,
+        max_batched_tokens=PREFILL_TOKENS,
+        max_running=top,
+        kv_budget_mb=kv_budget_mb(path, dtype, tokens),
+        max_model_len=args.ctx + 4 * (args.warmup + args.steps) + 64,
+        attention_backend=args.backend,
+        enforce_eager=args.eager,
+    )
+    runner = engine.runner
+    graphs = runner.graphs
+    if graphs is not None:
+        cap = graphs.capture_report
+        report.meta.setdefault("graph_capture_s", {})[name] = cap.seconds if cap else None
+    for batch in args.batches:
+        before = graphs.replays if graphs is not None else 0
+        row = run_pdserve(engine, runner, batch, args)
+        row["graphs"] = graphs is not None and graphs.replays > before
+        row.update(roofline(step_cost(engine, batch, row["ctx"]), ceilings))
+        row["forward_over_roofline"] = round(row["forward_ms"] / row["roofline_ms"], 2)
+        row["engine_over_roofline"] = round(row["engine_step_ms"] / row["roofline_ms"], 2)
+        report.add(name, batch, row)
+    del engine, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.skip_hf:
+        return
+    hf_rows = hf_decode_steps(
+        path,
+        args.hf_batches,
+        ctx=args.ctx,
+        steps=args.steps,
+        dtype=dtype,
+        device=device,
+        compile_mode=args.hf_compile,
+        reps=args.hf_reps,
+    )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for batch, hf in hf_rows.items():
+        pd = report.rows.get((name, batch), {})
+        if "engine_step_ms" in pd:
+            hf["hf_over_engine"] = round(hf["hf_step_ms"] / pd["engine_step_ms"], 2)
+        report.add(name, batch, hf)
+
+
+class Report:
+    """Rows keyed by (model, batch), rewritten to `out` after every change."""
+
+    def __init__(self, out: str | None, meta: dict[str, Any]) -> None:
+        self.out = out
+        self.meta = meta
+        self.rows: dict[tuple[str, int], dict[str, Any]] = {}
+        self.models: list[str] = []  # in the order measured
+
+    def ordered(self) -> list[dict[str, Any]]:
+        return [
+            self.rows[k] for k in sorted(self.rows, key=lambda k: (self.models.index(k[0]), k[1]))
+        ]
+
+    def add(self, model: str, batch: int, fields: dict[str, Any]) -> None:
+        if model not in self.models:
+            self.models.append(model)
+        self.rows.setdefault((model, batch), {"model": model, "batch": batch}).update(fields)
+        print(f"{model} batch {batch}: {fields}", file=sys.stderr, flush=True)
+        if self.out:
+            doc = {"meta": self.meta, "rows": self.ordered()}
+            Path(self.out).write_text(json.dumps(doc, indent=1))
+
+    def markdown(self) -> str:
+        def cell(row: dict[str, Any], key: str) -> str:
+            v = row.get(key)
+            if v is None or isinstance(v, str | int):
+                return "" if v is None else str(v)
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+
+        cols = [
+            ("model", "model"), ("batch", "batch"), ("ctx", "ctx"),
+            ("forward_ms", "forward ms"), ("engine_step_ms", "engine step ms"),
+            ("engine_tok_s", "engine tok/s"), ("roofline_ms", "roofline ms"),
+            ("forward_over_roofline", "forward / roofline"), ("hf_step_ms", "HF static+compile ms"),
+            ("hf_tok_s", "HF tok/s"), ("hf_over_engine", "HF / engine step"),
+        ]  # fmt: skip
+        lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+        for row in self.ordered():
+            lines.append("| " + " | ".join(cell(row, k) for k, _ in cols) + " |")
+        return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",") if x]
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen2-0.5b-shape,llama3.2-1b-shape")
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32, 128, 256])
+    ap.add_argument("--hf-batches", type=ints, default=[1, 32])
+    ap.add_argument("--ctx", type=int, default=320, help="prompt tokens before decoding")
+    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per measurement")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--backend", default=None, help="attention backend (default: the device's)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (--enforce-eager)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--hf-compile", default="reduce-overhead", help="torch.compile mode for HF, or none"
+    )
+    ap.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
+    ap.add_argument("--out", default=None, help="JSON file, rewritten after every row")
+    args = ap.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    if min(args.batches + args.hf_batches) < 1 or args.ctx < 1 or args.steps < 1:
+        ap.error("batches, --ctx and --steps must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    meta: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items()},
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        meta["transformers"] = None
+    meta["ceilings"] = ceilings = measure_ceilings(device, getattr(torch, args.dtype))
+    print(f"ceilings: {ceilings}", file=sys.stderr, flush=True)
+    report = Report(args.out, meta)
+    for name in args.models:
+        bench_model(name, args, ceilings, report)
+    print(report.markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

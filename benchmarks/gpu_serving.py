@@ -1,0 +1,145 @@
+"""Serving on a GPU: `pdserve bench` against a co-located GPU cluster and a 1P+1D GPU cluster.
+
+Both are started with `pdserve launch` on this machine's GPU (the 1P+1D pair shares it; KV moves
+over --backend, nixl by default: VRAM to VRAM through UCX's cuda_ipc), then measured with the
+same workload: random prompts of --input-len tokens, --output-len tokens out, at each
+--concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
+the 1P+1D / co-located ratio of ITL p50, side by side. Writes every `pdserve bench` JSON and a
+summary (--out DIR).
+
+    python benchmarks/gpu_serving.py --model builtin:llama3.2-1b-shape --out /tmp/serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the cluster exited with {proc.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout_s}s")
+
+
+def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
+    topology = ["--prefill", "0", "--decode", "1"]
+    if name != "colocated":
+        topology = ["--prefill", "1", "--decode", "1", "--backend", args.backend]
+    cmd = [
+        sys.executable, "-m", "pdserve", "launch", *topology,
+        "--port", str(port),
+        "--log-dir", str(out / f"{name}-logs"),
+        "--model", args.model, "--device", "cuda", "--dtype", args.dtype,
+        "--kv-budget-mb", str(args.kv_budget_mb),
+        "--max-running", str(max(args.concurrency)),
+        "--max-batched-tokens", str(args.max_batched_tokens),
+        "--max-model-len", str(args.input_len + args.output_len + 64),
+    ]  # fmt: skip
+    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
+    log = (out / f"{name}-launch.log").open("wb")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def bench(url: str, name: str, conc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    n = args.prompts_at_1 if conc == 1 else args.num_prompts
+    path = out / f"{name}-c{conc}.json"
+    cmd = [
+        sys.executable, "-m", "pdserve", "bench", "--url", url,
+        "--num-prompts", str(n), "--input-len", str(args.input_len),
+        "--output-len", str(args.output_len), "--max-concurrency", str(conc),
+        "--warmup", "2", "--out", str(path), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
+    s = json.loads(path.read_text())["summary"]
+    return {
+        "cluster": name,
+        "concurrency": conc,
+        "requests": s["completed"],
+        "output_tok_s": round(s["output_throughput"], 1),
+        "ttft_p50_ms": round(s["ttft_ms"]["median"], 2),
+        "ttft_p99_ms": round(s["ttft_ms"]["p99"], 2),
+        "itl_p50_ms": round(s["itl_ms"]["median"], 3),
+        "itl_p99_ms": round(s["itl_ms"]["p99"], 3),
+    }
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="builtin:llama3.2-1b-shape")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
+    ap.add_argument("--clusters", default="colocated,1p1d")
+    ap.add_argument("--concurrency", default="1,32,128")
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--prompts-at-1", type=int, default=64, help="prompts at concurrency 1")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-budget-mb", type=float, default=16384)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--startup-timeout", type=float, default=240)
+    ap.add_argument("--bench-timeout", type=float, default=600)
+    ap.add_argument("--out", default="gpu_serving")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for k, name in enumerate(args.clusters.split(",")):
+        port = 18000 + k
+        proc = launch(name, args, port, out)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, args.startup_timeout)
+            for conc in args.concurrency:
+                rows.append(bench(url, name, conc, args, out))
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            stop(proc)
+    colo = {r["concurrency"]: r for r in rows if r["cluster"] == "colocated"}
+    for r in rows:
+        base = colo.get(r["concurrency"])
+        if base is not None:
+            r["itl_p50_vs_colocated"] = round(r["itl_p50_ms"] / base["itl_p50_ms"], 3)
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    cols = list(rows[0]) if rows else []
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

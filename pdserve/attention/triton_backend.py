@@ -1,0 +1,271 @@
+"""The `triton` attention backend: paged decode, paged prefill and the KV store as Triton
+kernels (triton_decode.py, triton_prefill.py, triton_store.py) over the pool's typed views.
+
+CUDA only in serving; on the CPU it runs under Triton's interpreter (`TRITON_INTERPRET=1`),
+which is how the CPU tests check it against the `torch` backend.
+
+Invariants:
+- `prepare` reads the Batch without a device read or a copy: the decode rows' lengths and
+  page table are views of the Batch's staged upload; the split-KV scratch is a per-backend
+  float32 buffer that only grows, reused by every layer and step (each layer's decode has
+  consumed it before the next one writes it: one stream).
+- Decode rows are the first `num_decodes` sequences (one token each): q row r is sequence r.
+- CUDA graphs: `decode_buffers(rows, max_pages)` allocates a bucket's static metadata and
+  scratch once; per step `prepare_decode_into(batch, buffers)` copies a decode-only Batch into
+  it (padded rows: kv_len 0, slot -1) and returns metadata that names only those static
+  tensors, so a graph captured with it replays the same kernels on the new values. The
+  kernels' grids depend only on the bucket's row count and split count, never on lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention.backend import AttentionShape
+from pdserve.attention.batch import INDEX_DTYPE, Batch
+from pdserve.attention.triton_decode import choose_num_splits, paged_decode, partial_shapes
+from pdserve.attention.triton_prefill import paged_prefill
+from pdserve.attention.triton_store import store_kv
+from pdserve.kvcache.pool import KVPool
+
+CPU_SMS = 4  # the "GPU size" the split heuristic assumes under the CPU interpreter
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """A decode bucket's static metadata: fixed addresses a CUDA graph can be captured over."""
+
+    kv_lens: torch.Tensor  # [rows] int32: 0 for a padded row
+    page_table: torch.Tensor  # [rows, max_pages] int32
+    slot_mapping: torch.Tensor  # [rows] int32: -1 for a padded row (store_kv skips it)
+    num_splits: int
+    partial_out: torch.Tensor  # [rows, Hq, num_splits, D] float32 (empty with one split)
+    partial_lse: torch.Tensor  # [rows, Hq, num_splits] float32
+
+    @property
+    def rows(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Rows 0 .. rows-1 of the step are decodes, attended by the decode kernel."""
+
+    kv_lens: torch.Tensor  # [rows] int32
+    page_table: torch.Tensor  # [rows, width] int32
+    num_splits: int
+    partial_out: torch.Tensor | None  # [rows, Hq, num_splits, D] float32 when num_splits > 1
+    partial_lse: torch.Tensor | None  # [rows, Hq, num_splits] float32
+
+    @property
+    def rows(self) -> int:
+        return self.kv_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """Sequences first_seq .. B-1 are prefill chunks, attended by the prefill kernel."""
+
+    first_seq: int
+    max_q_len: int
+    query_start: torch.Tensor  # [B + 1] int32
+    kv_lens: torch.Tensor  # [B] int32
+    page_table: torch.Tensor  # [B, width] int32
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [T] int32: each new token's slot; < 0 = not stored
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, pool: KVPool, shape: AttentionShape, num_splits: int | None = None) -> None:
+        """`num_splits`: split every decode row's keys this many ways (None: by a heuristic
+        of the GPU's size, the batch and the longest row)."""
+        self.kv = [pool.layer(i) for i in range(pool.layout.num_layers)]
+        k0 = self.kv[0][0]  # [pages, page_size, Hkv, D]
+        if shape.num_heads % shape.num_kv_heads or k0.shape[2:] != (
+            shape.num_kv_heads,
+            shape.head_dim,
+        ):
+            raise ValueError(
+                f"the triton backend needs query heads a multiple of KV heads and a pool of "
+                f"[kv_heads, head_dim] = ({shape.num_kv_heads}, {shape.head_dim}) per token; "
+                f"got {shape.num_heads} query heads and {tuple(k0.shape[2:])} per token"
+            )
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+        self.device = pool.device
+        self.page_size = pool.page_size
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.num_splits = num_splits
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = CPU_SMS
+        self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
+
+    # -- metadata ------------------------------------------------------------------------
+    def prepare(self, batch: Batch) -> TritonMetadata:
+        nd = batch.num_decodes
+        decode = None
+        if nd:
+            splits = self._splits(nd, max(batch.host_kv_lens[:nd]))
+            part_out, part_lse = self._partials(nd, splits)
+            decode = DecodeMetadata(
+                batch.kv_lens[:nd], batch.page_table[:nd], splits, part_out, part_lse
+            )
+        prefill = None
+        if nd < batch.num_seqs:
+            prefill = PrefillMetadata(
+                nd,
+                max(batch.host_query_len(b) for b in range(nd, batch.num_seqs)),
+                batch.query_start,
+                batch.kv_lens,
+                batch.page_table,
+            )
+        return TritonMetadata(batch.slot_mapping, decode, prefill)
+
+    def decode_buffers(
+        self, rows: int, max_pages: int, num_splits: int | None = None
+    ) -> DecodeBuffers:
+        """Static metadata for a decode bucket of `rows` rows whose sequences hold at most
+        `max_pages` pages each; `num_splits` None: as for `rows` rows of max_pages pages."""
+        if rows < 1 or max_pages < 1:
+            raise ValueError(f"a decode bucket needs rows and pages, got {rows} x {max_pages}")
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+        splits = num_splits or self._splits(rows, max_pages * self.page_size)
+        out_shape, lse_shape = partial_shapes(rows, self.num_heads, splits, self.head_dim)
+        if splits == 1:
+            out_shape, lse_shape = (0,), (0,)
+        dev = self.device
+        return DecodeBuffers(
+            kv_lens=torch.zeros(rows, dtype=INDEX_DTYPE, device=dev),
+            page_table=torch.zeros(rows, max_pages, dtype=INDEX_DTYPE, device=dev),
+            slot_mapping=torch.full((rows,), -1, dtype=INDEX_DTYPE, device=dev),
+            num_splits=splits,
+            partial_out=torch.empty(out_shape, dtype=torch.float32, device=dev),
+            partial_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
+        )
+
+    def decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
+        """Metadata naming only `buffers`' tensors: what a CUDA graph is captured with."""
+        split = buffers.num_splits > 1
+        decode = DecodeMetadata(
+            buffers.kv_lens,
+            buffers.page_table,
+            buffers.num_splits,
+            buffers.partial_out if split else None,
+            buffers.partial_lse if split else None,
+        )
+        return TritonMetadata(buffers.slot_mapping, decode, None)
+
+    def prepare_decode_into(self, batch: Batch, buffers: DecodeBuffers) -> TritonMetadata:
+        """Copy a decode-only `batch` into a bucket's static buffers (device-to-device copies,
+        no host sync); rows past the batch become padding: kv_len 0 (output zeros) and slot -1
+        (no store).
+        The model's input rows past the batch are the caller's to pad."""
+        n, width = batch.num_seqs, batch.page_table.shape[1]
+        if batch.num_decodes != n:
+            raise ValueError(
+                f"a decode bucket takes decodes only, got {n - batch.num_decodes} prefill chunks"
+            )
+        if n > buffers.rows or width > buffers.max_pages:
+            raise ValueError(
+                f"a batch of {n} rows x {width} pages does not fit a bucket of "
+                f"{buffers.rows} rows x {buffers.max_pages} pages"
+            )
+        buffers.kv_lens[:n].copy_(batch.kv_lens)
+        buffers.kv_lens[n:].zero_()
+        buffers.slot_mapping[:n].copy_(batch.slot_mapping)
+        buffers.slot_mapping[n:].fill_(-1)
+        buffers.page_table[:n, :width].copy_(batch.page_table)
+        return self.decode_metadata(buffers)
+
+    def _splits(self, rows: int, max_kv_len: int) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        return choose_num_splits(rows, self.num_kv_heads, max_kv_len, self.num_sms)
+
+    def _partials(self, rows: int, splits: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Views of the backend's split-KV scratch for `rows` rows (None with one split)."""
+        if splits == 1:
+            return None, None
+        out_shape, lse_shape = partial_shapes(rows, self.num_heads, splits, self.head_dim)
+        n_out = rows * self.num_heads * splits * self.head_dim
+        n_lse = rows * self.num_heads * splits
+        if self._scratch.numel() < n_out + n_lse:
+            with torch.inference_mode(False):  # a normal tensor, whoever first grows it
+                self._scratch = torch.empty(
+                    2 * (n_out + n_lse), dtype=torch.float32, device=self.device
+                )
+        return (
+            self._scratch[:n_out].view(out_shape),
+            self._scratch[n_out : n_out + n_lse].view(lse_shape),
+        )
+
+    # -- the per-layer calls -------------------------------------------------------------
+    def store_kv(
+        self,
+        layer: int,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        metadata: TritonMetadata,
+    ) -> None:
+        k_cache, v_cache = self.kv[layer]
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]: already in the pool (store_kv); not read here
+        v: torch.Tensor,  # [T, Hkv, D]
+        metadata: TritonMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        k_cache, v_cache = self.kv[layer]
+        out = torch.empty_like(q)
+        d = metadata.decode
+        if d is not None:
+            rows = d.rows
+            paged_decode(
+                q[:rows],
+                k_cache,
+                v_cache,
+                d.page_table,
+                d.kv_lens,
+                out[:rows],
+                self.scale,
+                d.num_splits,
+                d.partial_out,
+                d.partial_lse,
+            )
+        p = metadata.prefill
+        if p is not None:
+            paged_prefill(
+                q,
+                k_cache,
+                v_cache,
+                p.page_table,
+                p.kv_lens,
+                p.query_start,
+                p.first_seq,
+                p.max_q_len,
+                out,
+                self.scale,
+            )
+        return out

@@ -1,0 +1,92 @@
+"""The engine's command-line flags (`serve`, and `launch`, which passes them on), and the
+EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.config import (
+    ATTENTION_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ModelSpec,
+    RunnerConfig,
+    SchedulerConfig,
+    resolve_device,
+)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model",
+        default="builtin:tiny",
+        help="builtin:NAME or a local Hugging Face model directory",
+    )
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = the checkpoint's torch_dtype",
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
+    g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels (default: the device's: torch on CPU)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: every decode step runs eagerly",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=256,
+        help="the largest decode batch replayed as a CUDA graph (capped by --max-running)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may live before it is failed",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from pdserve.model.builtin import resolve_model
+    from pdserve.model.config import ModelArch
+
+    path = resolve_model(args.model)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = ModelArch.from_dir(path).torch_dtype
+        dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    return EngineConfig(
+        model=ModelSpec(
+            path=str(path),
+            name=args.served_model_name or args.model,
+            dtype=dtype,
+            device=resolve_device(args.device),
+        ),
+        cache=CacheConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * 2**20)),
+        scheduler=SchedulerConfig(
+            max_batched_tokens=args.max_batched_tokens,
+            max_running=args.max_running,
+            max_model_len=args.max_model_len,
+        ),
+        runner=RunnerConfig(
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+        ),
+        request_timeout_s=args.request_timeout,
+    )

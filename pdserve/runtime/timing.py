@@ -1,0 +1,44 @@
+"""Every time bound of the engine and the PD protocol, in one place, with why it has its value.
+
+The bounds depend on each other (a peer is declared dead well before a fence ends; a Pong's
+engine stall is judged by P's own heartbeat bound), so they are read together here. Modules
+import the names they use; tests may monkeypatch a module's copy to shorten a wait.
+docs/architecture.md §Deadlines and §Clocks describe how they combine.
+"""
+
+from __future__ import annotations
+
+# -- the engine loop (engine/engine.py) -----------------------------------------------------------
+# With no batch to run but transfers in flight or rooms waiting on a peer, the loop wakes this
+# often to poll them (an inbox command wakes it at once). Spinning instead would take a core
+# from the peer or the transfer's progress thread on a small machine.
+ROLE_POLL_S = 0.0005
+ENGINE_HEARTBEAT_S = 30.0  # the engine thread's heartbeat bound: a CPU step can take seconds
+OVERDUE_GRACE_S = 1.0  # a request or room this far past its deadline is reported by /health
+OVERDUE_EVERY_S = 0.25  # how often the overdue list is recomputed
+
+# -- decode worker D, about its prefill workers (worker/decode.py) --------------------------------
+PING_EVERY_S = 1.0
+PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
+# A Pong whose P engine has been inside one tick longer than P's own heartbeat bound does not
+# count: P is up, its engine is stuck.
+PEER_ENGINE_STALL_S = ENGINE_HEARTBEAT_S
+ABORT_ACK_TIMEOUT_S = 5.0  # an Abort unanswered this long: the room is fenced
+FENCE_S = 10.0  # pages of a dead P's rooms stay quarantined at least this long...
+FENCE_MARGIN_S = 2.0  # ...and until this long after the room's (wall-clock) write deadline
+PREFILL_TIMEOUT_S = 60.0  # a prefill leg may not take longer than this
+# Clocks across hosts must agree within FENCE_MARGIN_S (§Clocks); D warns at half of it, from
+# the timestamps of its pings and P's pongs, at most once per peer this often.
+CLOCK_SKEW_WARN_S = FENCE_MARGIN_S / 2
+CLOCK_SKEW_WARN_EVERY_S = 60.0
+
+# -- prefill worker P, about its decode workers (worker/decode_peers.py) -------------------------
+CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later (UCX fails its queue)
+PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
+
+# -- transfers (transfer/) -----------------------------------------------------------------------
+TRANSFER_TIMEOUT_S = 30.0  # no single NIXL WRITE may stay in flight longer than this
+COPIER_QUEUE_WAIT_S = 0.1  # the copier's tick blocks this long at most (its heartbeat stays fresh)
+MAX_SKEW_S = 30.0  # a control frame stamped further than this from our clock is stale
+HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
+DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often

@@ -1,0 +1,159 @@
+"""The decode side of the data plane: how a decode worker learns that a room's KV landed.
+
+Beside the prefill side's writers (transfer/dataplane.py, transfer/nixl.py) each backend has a
+receiver on D, and the decode role talks only to this interface, never to a backend by name:
+
+* `registration()`: what D's `Register` carries so P can open a writer (the shm pool's
+  reference, the NIXL agent's descriptor, or nothing for tcp);
+* `landed()`: every `Landed(room, epoch, nbytes)` since the last call. tcp reports the frames
+  that followed a `KVChunk` (handed in by `accept_frames`), nixl its WRITE notifications;
+* `counts_bytes`: whether D must see PrefillDone's `kv_bytes` land before decoding (tcp, nixl:
+  the bytes pass through something D can observe); with shm, P wrote straight into D's pool and
+  PrefillDone follows its last copy, so there is nothing to count;
+* `bytes_may_trail`: whether bytes may land after PrefillDone arrives (nixl's notifications
+  travel apart from the control socket; tcp frames precede PrefillDone on the same socket).
+
+`open_receiver` is the one place a backend's name picks the receiver; `BACKENDS`
+(protocol/messages.py) is the one list of names. D's pool must be created in shared memory for
+shm (`needs_shared_pool`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from pdserve.kvcache.pool import KVPool
+from pdserve.protocol.messages import BACKENDS, NixlPool, ShmPool
+from pdserve.transfer.dataplane import receive_chunk
+from pdserve.transfer.nixl import INSTALL_HINT, NixlAgent, nixl_available
+
+
+class Landed(NamedTuple):
+    room: int
+    epoch: int
+    nbytes: int
+
+
+class KVReceiver(Protocol):
+    backend: str
+    counts_bytes: bool
+    bytes_may_trail: bool
+
+    def registration(self) -> tuple[ShmPool | None, NixlPool | None]: ...
+
+    def accept_frames(
+        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    ) -> int:
+        """tcp: copy a KVChunk's page frames into the pool (the caller checked that the room
+        holds `dst_pages`); raises ValueError on a malformed chunk or another backend."""
+        ...
+
+    def landed(self) -> list[Landed]: ...
+
+    def settle(self) -> None:
+        """At shutdown: let what is still queued fail (nixl drives UCX for a bounded time)."""
+        ...
+
+    hard_exit: bool  # the process must leave without interpreter teardown (nixl: UCX)
+
+
+class ShmReceiver:
+    hard_exit = False
+    backend = "shm"
+    counts_bytes = False
+    bytes_may_trail = False
+
+    def __init__(self, pool: KVPool) -> None:
+        if pool.shm is None:
+            raise ValueError("backend shm needs a KV pool in shared memory")
+        self.ref = pool.shm
+
+    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
+        return ShmPool(pid=self.ref.pid, fd=self.ref.fd, token=self.ref.token), None
+
+    def accept_frames(
+        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    ) -> int:
+        raise ValueError("a KVChunk on the shm backend (pages arrive through shared memory)")
+
+    def landed(self) -> list[Landed]:
+        return []
+
+    def settle(self) -> None:
+        pass
+
+
+class TcpReceiver:
+    hard_exit = False
+    backend = "tcp"
+    counts_bytes = True
+    bytes_may_trail = False
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._landed: list[Landed] = []
+
+    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
+        return None, None
+
+    def accept_frames(
+        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    ) -> int:
+        moved = receive_chunk(self.pool, dst_pages, frames)
+        self._landed.append(Landed(room, epoch, moved))
+        return moved
+
+    def landed(self) -> list[Landed]:
+        out, self._landed = self._landed, []
+        return out
+
+    def settle(self) -> None:
+        pass
+
+
+class NixlReceiver:
+    hard_exit = True
+    backend = "nixl"
+    counts_bytes = True
+    bytes_may_trail = True
+
+    def __init__(self, identity: str, pool: KVPool) -> None:
+        self.agent = NixlAgent(identity, pool)
+
+    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
+        return None, self.agent.descriptor()
+
+    def accept_frames(
+        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    ) -> int:
+        raise ValueError("a KVChunk on the nixl backend (pages arrive by NIXL WRITE)")
+
+    def landed(self) -> list[Landed]:
+        return [Landed(*n) for n in self.agent.landed()]
+
+    def settle(self) -> None:
+        self.agent.settle()
+
+
+def unavailable(backend: str) -> str | None:
+    """Why a decode worker cannot receive over `backend` on this host; None if it can."""
+    if backend == "nixl" and not nixl_available():
+        return f"--backend nixl needs NIXL: {INSTALL_HINT}"
+    return None
+
+
+def needs_shared_pool(backend: str) -> bool:
+    """Whether D's KV pool must live in shared memory for `backend`."""
+    return backend == "shm"
+
+
+def open_receiver(backend: str, identity: str, pool: KVPool) -> KVReceiver:
+    """D's receiver for `backend`; raises ValueError for a name not in BACKENDS."""
+    if backend == "shm":
+        return ShmReceiver(pool)
+    if backend == "tcp":
+        return TcpReceiver(pool)
+    if backend == "nixl":
+        return NixlReceiver(identity, pool)
+    raise ValueError(f"unknown KV backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -1,0 +1,134 @@
+"""The prefill and decode roles driven against each other in one process, without sockets.
+
+Each test runs a real request through both engines (tests/worker/wire.py) and checks what a
+client would see and that both pools end with no page held and no lease out of step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.engine.offline import build_engine, generate
+from pdserve.protocol.rooms import DState, PState
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker import decode, decode_peers
+from tests.worker.wire import Wire, ended, tokens
+
+PROMPT = [(i * 7) % 200 + 3 for i in range(37)]  # crosses pages (4) and chunks (16)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def wire(tiny_dir):
+    return Wire(tiny_dir)
+
+
+def test_a_request_through_both_roles_matches_colocated(wire, tiny_dir):
+    outs = wire.submit("r1", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(outs))
+    assert outs[-1].finish_reason == "length", outs[-1]
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    assert tokens(outs) == generate(colocated, [PROMPT], GREEDY)[0]
+    assert [s for s in wire.sent if s[1] not in ("Ping", "Pong")] == [
+        ("d>p", "Register"),
+        ("p>d", "RegisterAck"),
+        ("d>p", "PrefillRequest"),
+        ("p>d", "PrefillAccept"),
+        ("p>d", "PrefillDone"),
+    ]
+    assert wire.p_role.stats.done == 1 and wire.d_role.stats.done == 1
+    assert wire.idle() and wire.violations() == []
+
+
+def test_the_second_request_skips_registration(wire):
+    first = wire.submit("a", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(first))
+    second = wire.submit("b", PROMPT[:9], GREEDY)
+    wire.run_until(lambda: ended(second))
+    assert [t for d, t in wire.sent if d == "d>p" and t != "Ping"] == [
+        "Register",
+        "PrefillRequest",
+        "PrefillRequest",
+    ]
+    assert wire.idle()
+
+
+def _d_room(wire: Wire):
+    rooms = list(wire.d_role.by_room.values())
+    return rooms[0] if rooms else None
+
+
+def _p_room(wire: Wire):
+    rooms = list(wire.p_role.by_room.values())
+    return rooms[0] if rooms else None
+
+
+ABORT_POINTS = {
+    # D waits for destination pages (another lease holds them all): nothing reached P
+    "admitting": lambda w, outs: bool(w.d_role.admitting),
+    # the room is open, its Register is on its way: P has not accepted yet
+    "pending": lambda w, outs: (r := _d_room(w)) is not None and r.state is DState.PENDING,
+    # P accepted and is computing chunks (a long prompt in chunks of 16)
+    "prefilling": lambda w, outs: (
+        (r := _d_room(w)) is not None
+        and r.state is DState.PREFILLING
+        and (p := _p_room(w)) is not None
+        and p.state is PState.PREFILLING
+    ),
+    # the request decodes on D
+    "decoding": lambda w, outs: len(tokens(outs)) >= 2,
+}
+
+
+@pytest.mark.parametrize("point", list(ABORT_POINTS))
+def test_an_abort_in_each_state_ends_the_request_and_frees_both_pools(wire, point):
+    prompt = PROMPT * 4 if point == "prefilling" else PROMPT  # 148 tokens: ten chunks
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    hog = wire.d.leases.open("hog", wire.d.pool.num_pages) if point == "admitting" else None
+    outs = wire.submit("r", prompt, params)
+    # Tick D first each round: the state is checked after each engine's own step.
+    wire.run_until(lambda: ABORT_POINTS[point](wire, outs), p=point != "pending")
+    wire.d.abort("r")
+    wire.run_until(lambda: ended(outs) and not wire.d_role.admitting and not wire.d_role.by_room)
+    if hog is not None:
+        assert wire.sent == []  # it never left D
+        hog.release()
+    wire.run_until(wire.idle)
+    assert outs[-1].finish_reason == "abort", outs[-1]
+    assert wire.violations() == []
+    if point in ("pending", "prefilling"):
+        # D held its pages until P answered the Abort: P confirmed no write is in flight.
+        assert ("d>p", "Abort") in wire.sent and ("p>d", "AbortAck") in wire.sent
+    assert ("p>d", "PrefillDone") in wire.sent if point == "decoding" else True
+
+
+def test_a_silent_prefill_worker_is_declared_dead_and_its_pages_fenced(wire, monkeypatch):
+    monkeypatch.setattr(decode, "PEER_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(decode, "FENCE_S", 0.1)
+    monkeypatch.setattr(decode, "FENCE_MARGIN_S", 0.1)
+    outs = wire.submit("r", PROMPT * 4, GREEDY, timeout_s=2.0)
+    wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, outs))
+    wire.to_p = wire.to_d = False  # P vanishes: nothing reaches it, nothing comes back
+    wire.run_until(lambda: ended(outs), p=False)
+    assert outs[-1].finish_reason == "error" and "died" in (outs[-1].error or ""), outs[-1]
+    room = _d_room(wire)
+    assert room is not None and room.state is DState.FENCED  # P might still write: quarantined
+    assert wire.d.pool.allocator.num_used > 0
+    wire.run_until(lambda: _d_room(wire) is None, p=False)  # the fence expires
+    assert wire.d.pool.allocator.num_used == 0 and wire.d.leases.violations() == []
+
+
+def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch):
+    wire.submit("r", PROMPT * 4, GREEDY)
+    wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, []))
+    wire.to_p = wire.to_d = False  # D vanishes mid-prefill
+    monkeypatch.setattr(decode_peers, "PEER_SILENCE_S", 0.05)
+    time.sleep(0.1)
+    wire.tick(d=False)  # P's first tick past the silence drops D and aborts its room
+    assert wire.p_role.stats.peers_dropped == {"silent": 1}
+    # PEER_DEAD stops the compute and ends the room as an abort once no write is in flight.
+    assert _p_room(wire) is None and wire.p_role.stats.aborted == 1
+    assert wire.p_role.stats.done == 0 and not wire.p.scheduler.has_work()
+    assert wire.p.pool.allocator.num_used == 0 and wire.p.leases.violations() == []

@@ -1,0 +1,105 @@
+"""A prefill role and a decode role in one process, with no sockets between them.
+
+Each engine's transport hands the messages its role returns to the other engine's inbox, as
+`Inbound`s, the way the control plane would (the prefill side answers Pings on the calling
+thread first, as `Engine.on_control` does on the control thread). KV moves over the real shm
+data plane: the decode engine's pool is shared memory that the prefill role maps. Links can be
+cut in either direction to play a lost peer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.offline import build_engine
+from pdserve.protocol.messages import Send
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.transfer.control import Inbound
+from pdserve.worker.decode import DecodeRole
+from pdserve.worker.prefill import PrefillRole
+
+P_ADDR = "tcp://prefill.test:1"  # what D calls P (never dialled)
+P_ID, D_ID = "prefill-test", "decode-test"
+
+
+class Wire:
+    def __init__(self, model_dir: Path, *, page_size: int = 4, chunk: int = 16) -> None:
+        def engine(shared: bool) -> Engine:
+            return build_engine(
+                model_dir,
+                page_size=page_size,
+                max_batched_tokens=chunk,
+                kv_budget_mb=4.0,
+                max_model_len=1024,
+                shared_pool=shared,
+            )
+
+        self.p, self.d = engine(False), engine(True)
+        self.p_role = PrefillRole(self.p, P_ID)
+        self.d_role = DecodeRole(self.d, D_ID, "shm")
+        self.p.attach(self.p_role, self._from_p)
+        self.d.attach(self.d_role, self._from_d)
+        self.to_p = self.to_d = True  # links up
+        self.sent: list[tuple[str, str]] = []  # (direction, message type), delivered or not
+
+    def _from_d(self, out: Send) -> None:
+        assert out.peer == P_ADDR, out.peer
+        self.sent.append(("d>p", type(out.msg).__name__))
+        if self.to_p:
+            inbound = Inbound(out.msg.sender, out.msg, out.frames)
+            self.p.on_control(inbound)
+            self.p.inbox.put(inbound)
+
+    def _from_p(self, out: Send) -> None:
+        assert out.peer == D_ID, out.peer
+        self.sent.append(("p>d", type(out.msg).__name__))
+        if self.to_d:
+            self.d.inbox.put(Inbound(P_ADDR, out.msg, out.frames))
+
+    def submit(
+        self, rid: str, prompt: list[int], params: SamplingParams, timeout_s: float | None = None
+    ) -> list[RequestOutput]:
+        """Submit to D with P as its prefill worker; returns the list its outputs land in."""
+        outs: list[RequestOutput] = []
+        self.d.submit(rid, prompt, params, outs.append, timeout_s, prefill=P_ADDR)
+        return outs
+
+    def tick(self, p: bool = True, d: bool = True) -> None:
+        if d:
+            self.d.tick()
+        if p:
+            self.p.tick()
+
+    def run_until(
+        self, done: Callable[[], bool], timeout_s: float = 30.0, p: bool = True, d: bool = True
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s}s; messages: {self.sent}")
+            self.tick(p, d)
+
+    def idle(self) -> bool:
+        """No room open on either side and no page held: nothing leaked."""
+        return (
+            not self.d_role.by_room
+            and not self.d_role.admitting
+            and not self.p_role.by_room
+            and self.d.pool.allocator.num_used == 0
+            and self.p.pool.allocator.num_used == 0
+        )
+
+    def violations(self) -> list[str]:
+        return self.d.leases.violations() + self.p.leases.violations()
+
+
+def ended(outs: list[RequestOutput]) -> bool:
+    return bool(outs) and outs[-1].finish_reason is not None
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
