@@ -24,7 +24,7 @@ from pdserve.config import (
 from pdserve.doctor.cli import add_doctor_command
 from pdserve.engine_flags import add_engine_args, engine_config
 from pdserve.launch import add_launch_command
-from pdserve.router.cli import add_front_end_args, add_router_command
+from pdserve.router.cli import add_front_end_args, add_http_args, add_router_command, http_limits
 from pdserve.runtime import logs
 
 DESCRIPTION = """\
@@ -140,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=load_api_key(args.api_key, args.api_key_file),
         protect_health=args.protect_health,
         max_queue=args.max_queue,
+        http=http_limits(args),
+        drain_timeout_s=args.drain_timeout,
     )
     from pdserve.transfer.nixl import BackendUnavailable
 
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_key_arg(sv)
     add_front_end_args(sv)
+    add_http_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     add_router_command(sub)

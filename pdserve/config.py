@@ -77,6 +77,23 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """An HTTP server's connection limits (server/listener.py enforces them)."""
+
+    max_connections: int | None = None  # None: connection_cap(fds_per_connection)
+    idle_timeout_s: float = 5.0  # keep-alive: no request byte this long after connect/response
+    header_timeout_s: float = 10.0  # a request head must be complete this long after its start
+    write_stall_s: float = 30.0  # a client reading none of its response this long is cut off
+
+    def __post_init__(self) -> None:
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("idle_timeout_s", "header_timeout_s", "write_stall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
@@ -92,6 +109,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
     protect_health: bool = False  # /health and /metrics need a key too
     max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
+    http: HttpLimits = field(default_factory=HttpLimits)
+    drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):

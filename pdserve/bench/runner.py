@@ -74,7 +74,8 @@ async def run_workloads(
     caps = [w.arrival.max_concurrency for w in workloads]
     # aiohttp's default pool of 100 connections would silently queue an uncapped run.
     limit = 0 if any(c is None for c in caps) else sum(c for c in caps if c is not None)
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
+    # Below the servers' 5 s idle close, so a kept-alive connection is never reused as it closes.
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=2.5)
     async with aiohttp.ClientSession(connector=connector, headers=client.headers) as session:
         model = client.model or await discover_model(session, client.url)
         warm = await _warm_up(session, client, model, workloads, warmup)

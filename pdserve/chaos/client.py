@@ -201,7 +201,7 @@ async def main_async(cfg: LoadConfig, progress_path: Path) -> int:
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.5), timeout=timeout
     ) as http:
         rep = asyncio.create_task(reporter())
         tasks = [

@@ -114,7 +114,8 @@ async def fuzz(
     report = FuzzReport()
     todo = list(cases(seed, n, model, vocab))
     t0 = time.monotonic()
-    async with aiohttp.ClientSession(headers=headers) as session:
+    connector = aiohttp.TCPConnector(keepalive_timeout=2.5)  # below the servers' 5 s idle close
+    async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
         sem = asyncio.Semaphore(CONCURRENCY)
 
         async def one(case: Case) -> None:

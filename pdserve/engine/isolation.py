@@ -4,7 +4,8 @@ A step runs one forward over every scheduled chunk and samples every row at once
 either raises, the engine does not fail the whole batch: it runs the forward again one chunk
 at a time, or samples one row at a time, and fails only the requests that raise alone. The
 others go on with the tokens they would have had: a chunk's KV and logits do not depend on
-the other chunks of its batch, and a seeded row draws from its own generator.
+the other chunks of its batch, and a row's draw is a pure function of its logits, its
+params and its (seed, output position) (engine/sampling/): sampling has no state to rewind.
 
 Rerunning a chunk rewrites the KV slots the failed forward may have written, with the same
 values, so nothing half-written survives. Both paths cost a forward or a sample per chunk:
@@ -57,18 +58,12 @@ def sample_rows(
     sample: Sampler, logits: torch.Tensor, reqs: Sequence[Request], fail: Fail
 ) -> tuple[Picks, bool]:
     """Sample the batch; if that raises, each row alone (see sample_each). Returns the picks
-    and whether the batch had to be split.
-
-    A seeded row's generator may have advanced inside the failed batch: its state is put back
-    first, so that its token is the one it would have drawn in a clean batch."""
-    seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
+    and whether the batch had to be split."""
     try:
         ids, lps = sample(logits, reqs)
         return list(zip(reqs, ids, lps, strict=True)), False
     except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
         log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
-    for gen, state in seeded:
-        gen.set_state(state)
     return sample_each(sample, logits, reqs, fail), True
 
 

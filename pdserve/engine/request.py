@@ -7,11 +7,10 @@ which refuses an edge the table does not list; finished states are sticky.
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.lease import Lease, LeaseError
@@ -97,13 +96,14 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     state_since: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
     error: str | None = None
+    # Its random stream's seed: the params' seed, or one drawn here for a request that came
+    # without (the OpenAI front end always sets one, so PD and co-located draw alike). The
+    # draw at output position i is a function of (seed, i): engine/sampling/random_stream.py.
+    seed: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.params.seed)
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
 
     @property
     def pages(self) -> list[int]:

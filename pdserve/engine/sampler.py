@@ -1,11 +1,16 @@
 """The sampler: logits of a batch of requests -> one token each (and logprobs if asked).
 
-Order of operations per row: penalties (repetition on prompt+output; frequency/presence on
-output), min_tokens (EOS and stop ids masked), then greedy argmax (also for a temperature
-below GREEDY_TEMPERATURE: dividing by it overflows), or temperature ->
-top_k -> top_p -> min_p -> a draw. A seeded request draws from its own generator, so its
-tokens do not depend on what else is in the batch. Logprobs are reported from the model's
-raw distribution (before penalties and temperature), like vLLM's default.
+All rows are processed together as tensor operations (pdserve/engine/sampling/): logit_bias
+and the min_tokens bans (EOS and stop ids), the penalties, then the greedy argmax (also for a
+temperature below GREEDY_TEMPERATURE: dividing by it overflows), or temperature -> min_p ->
+top_k -> top_p -> a Gumbel-max draw. A row's draw reads only its own random stream, keyed by
+(seed, output position): the token at position i is the same whichever worker samples it (a
+prefill worker samples position 0, a decode worker the rest) and whatever else is batched
+with it. Every request has a seed (`Request.seed`: the client's, or one drawn for it).
+
+Logprobs are reported from the model's raw distribution (before bias, penalties and
+temperature), like vLLM's default. The sampled ids, and the logprobs when some row asks for
+them, come to the host in one device->host copy per step.
 """
 
 from __future__ import annotations
@@ -15,107 +20,52 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.request import Request, TokenLogprob
-
-
-def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    """In place, only for the rows whose request asks for a penalty."""
-    for i, req in enumerate(reqs):
-        p = req.params
-        if not p.needs_penalties:
-            continue
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if req.output_ids and (p.frequency_penalty or p.presence_penalty):
-            out = torch.tensor(req.output_ids, dtype=torch.long, device=row.device)
-            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    for i, req in enumerate(reqs):
-        p = req.params
-        if len(req.output_ids) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
-            if banned:
-                idx = torch.tensor(sorted(banned), dtype=torch.long, device=logits.device)
-                logits[i, idx] = float("-inf")
-
-
-def filter_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """top_k / top_p / min_p as a mask over each row's sorted distribution."""
-    vocab = logits.shape[1]
-    dev = logits.device
-    # Clamped to the vocab: top_k may be up to 2**31 - 1, whatever this model's vocab is.
-    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=logits.dtype)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    ranks = torch.arange(vocab, device=dev)
-    drop = ranks[None, :] >= top_k[:, None]
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    drop |= probs < min_p[:, None] * probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """One token per row; seeded rows use their own generator (Gumbel/exponential race)."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-    if unseeded:
-        idx = torch.tensor(unseeded, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
-    for i, r in enumerate(reqs):
-        if r.generator is not None:
-            noise = torch.empty(probs.shape[1], dtype=torch.float32).exponential_(
-                generator=r.generator
-            )
-            out[i] = (probs[i].float().cpu() / noise).argmax()
-    return out
+from pdserve.engine.sampling.batch import Logprobs, SamplingBatch
+from pdserve.engine.sampling.processors import add_sparse, apply_penalties, draw
 
 
 def sample(
     logits: torch.Tensor, reqs: Sequence[Request]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits [N, vocab] float32, one row per request -> (token ids, logprobs or None)."""
-    raw_logprobs = (
-        logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
-    )
-    logits = logits.clone()
-    apply_penalties(logits, reqs)
-    apply_min_tokens(logits, reqs)
-    tokens = logits.argmax(dim=-1)
-    # A temperature under GREEDY_TEMPERATURE counts as greedy, so no row is divided by it.
-    rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    if rand:
-        sub_reqs = [reqs[i] for i in rand]
-        idx = torch.tensor(rand, device=logits.device)
-        temps = torch.tensor([r.params.temperature for r in sub_reqs], device=logits.device)
-        sub = logits[idx] / temps[:, None]
-        if any(r.params.needs_filtering for r in sub_reqs):
-            sub = filter_logits(sub, sub_reqs)
-        tokens[idx] = draw(sub.softmax(dim=-1), sub_reqs)
-    ids = tokens.tolist()
-    lps: list[TokenLogprob | None] = [None] * len(reqs)
-    if raw_logprobs is not None:
-        for i, r in enumerate(reqs):
-            n = r.params.logprobs
-            if n is None:
-                continue
-            row = raw_logprobs[i]
-            top = row.topk(n) if n else None
-            lps[i] = TokenLogprob(
-                token_id=ids[i],
-                logprob=float(row[ids[i]]),
-                top=tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                if top
-                else (),
-            )
-    return ids, lps
+    if not reqs:
+        return [], []
+    batch = SamplingBatch.build(reqs, logits.shape[1], logits.device)
+    raw = None
+    if batch.logprobs is not None:
+        raw = logits.index_select(0, batch.logprobs.rows).log_softmax(dim=-1)  # [M, V]
+    if batch.sparse is not None or batch.penalties is not None:
+        logits = logits.clone()  # the caller's logits stay as the model produced them
+        if batch.sparse is not None:
+            add_sparse(logits, batch.sparse)
+        if batch.penalties is not None:
+            apply_penalties(logits, batch.penalties)
+    ids = logits.argmax(dim=-1)  # [N]
+    if batch.draw is not None:
+        picks = draw(logits.index_select(0, batch.draw.rows), batch.draw)
+        ids.index_copy_(0, batch.draw.rows, picks)
+    if raw is None or batch.logprobs is None:
+        return ids.tolist(), [None] * len(reqs)
+    return _with_logprobs(ids, raw, batch.logprobs)
+
+
+def _with_logprobs(
+    ids: torch.Tensor, raw: torch.Tensor, lp: Logprobs
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The ids and each asking row's logprob and top alternatives, in one device->host copy
+    (one float64 buffer: token ids below 2**53 are exact in it)."""
+    n, m, k = ids.shape[0], raw.shape[0], max(lp.counts)
+    chosen = raw.gather(1, ids.index_select(0, lp.rows)[:, None])  # [M, 1]
+    parts = [ids.double(), chosen.double().flatten()]
+    if k:
+        top = raw.topk(k, dim=-1)  # [M, k] descending
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    flat = torch.cat(parts).tolist()
+    tokens = [int(t) for t in flat[:n]]
+    values = flat[n + m : n + m + m * k]
+    indices = flat[n + m + m * k :]
+    out: list[TokenLogprob | None] = [None] * n
+    for j, (row, count) in enumerate(zip(lp.host_rows, lp.counts, strict=True)):
+        top_j = [(int(indices[j * k + c]), values[j * k + c]) for c in range(count)]
+        out[row] = TokenLogprob(token_id=tokens[row], logprob=flat[n + j], top=tuple(top_j))
+    return tokens, out

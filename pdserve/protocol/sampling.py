@@ -14,7 +14,11 @@ which raises InvalidParams naming the field and nothing else, whatever the peer 
 
 Float fields may hold an int (JSON `1` for 1.0); the type system's float accepts it too.
 Stop *strings* are text and are handled where text exists (the API layer); the engine only
-knows token ids. `validate_prompt` adds the checks that need the model's limits.
+knows token ids. `include_stop_str_in_output` (vLLM's name) travels with the params for that
+layer: whether the text of a stop string or stop token stays in the output. `logit_bias` is
+OpenAI's map of token id -> bias in [-100, 100], held as (id, bias) pairs in increasing id
+order (a frozen struct needs a hashable field; one order makes equal maps equal).
+`validate_prompt` adds the checks that need the model's limits (token ids < vocab).
 
 Sans-I/O and torch-free: the router imports this module.
 """
@@ -35,6 +39,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SEED_MIN, SEED_MAX = INT64_MIN, 2**64 - 1
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in one logit_bias map (OpenAI's limit)
+LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]
 # A temperature below this is greedy, as in vLLM: logits / 1e-40 overflow to inf, and the
 # softmax of a row holding several infs is NaN, which torch.multinomial refuses.
 GREEDY_TEMPERATURE = 1e-5
@@ -99,6 +105,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return per token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids increasing
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -132,6 +140,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, " (at most max_tokens)")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_logit_bias(self.logit_bias)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidParams(
+                "include_stop_str_in_output must be true or false, got "
+                f"{show(self.include_stop_str_in_output)}",
+                "include_stop_str_in_output",
+            )
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes`, validated like a new one (InvalidParams)."""
@@ -160,8 +175,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise e.__cause__ from None
             wrong_type = e
         # msgspec refused a field's type before our checks ran: run them for the usual message.
+        kw = dict(d)
         ids = d.get("stop_token_ids")
-        kw = {**d, "stop_token_ids": tuple(ids)} if isinstance(ids, list) else d
+        if isinstance(ids, list):
+            kw["stop_token_ids"] = tuple(ids)
+        bias = d.get("logit_bias")
+        if isinstance(bias, list):
+            kw["logit_bias"] = tuple(tuple(e) if isinstance(e, list) else e for e in bias)
         try:
             cls(**kw)
         except InvalidParams:
@@ -187,6 +207,35 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _check_logit_bias(bias: object) -> None:
+    if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidParams(
+            f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases, got {show(bias)}",
+            "logit_bias",
+        )
+    last = -1
+    for entry in bias:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise InvalidParams(
+                f"logit_bias entries must be (token id, bias) pairs, got {show(entry)}",
+                "logit_bias",
+            )
+        token, value = entry
+        if not (is_int(token) and last < token <= INT32_MAX):
+            raise InvalidParams(
+                f"logit_bias token ids must be integers in [0, {INT32_MAX}], each once and in "
+                f"increasing order, got {show(token)}",
+                "logit_bias",
+            )
+        if not (is_number(value) and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+            raise InvalidParams(
+                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                f"{LOGIT_BIAS_LIMIT:g}], got {show(value)} for token {token}",
+                "logit_bias",
+            )
+        last = token
 
 
 def validate_prompt(
@@ -218,4 +267,10 @@ def validate_prompt(
         raise InvalidParams(
             f"stop_token_ids must be in [0, {vocab_size}), got {show(outside[0])}",
             "stop_token_ids",
+        )
+    biased = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if biased:
+        raise InvalidParams(
+            f"logit_bias token ids must be in [0, {vocab_size}), got {show(biased[0])}",
+            "logit_bias",
         )

@@ -1,9 +1,12 @@
 """The router process: OpenAI API over a fleet of workers, plus health, metrics, debug.
 
-Lifecycle: startup (discover the fleet, refuse a fleet that cannot work; start the health
-loop; bind) -> serve -> drain (stop accepting; running requests may finish up to a bound)
--> stop (abort the rest on their workers, stop the health loop, close the client session).
-One aiohttp ClientSession carries every call to every worker; each call has its own timeout.
+Lifecycle: bind (before the tokenizer loads: a busy port is exit status 2 at once) ->
+startup (discover the fleet, refuse a fleet that cannot work; start the health loop) ->
+serve (listen, READY) -> drain (stop accepting; running requests may finish for at most
+`drain_timeout_s`) -> stop (abort the rest on their workers, stop the health loop, close the
+client session). A second SIGINT/SIGTERM stops at once (server/stopping.py). One aiohttp
+ClientSession carries every call to every worker; each call has its own timeout, and its
+pooled connections are dropped before a worker's idle timeout could close them under it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -35,12 +38,18 @@ from pdserve.runtime.ready import announce_ready
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
+from pdserve.server.listener import HttpLimits, Listener, bind, bind_error
 from pdserve.server.openai_api import OpenAIApi
+from pdserve.server.stopping import Stop
 
 log = logging.getLogger(__name__)
 
 CANARY_TEXT = "The health check says:"
 STOP_S = 5.0  # bound on stopping the health loop and on aiohttp's own shutdown
+HANDLERS_STOP_S = 1.0  # aiohttp cancels the handlers still running this long into cleanup
+# Idle connections to workers are dropped this soon, well before a worker's own idle timeout
+# closes them: a POST on a connection the worker is closing would fail, and is not retried.
+WORKER_KEEPALIVE_S = HttpLimits().idle_timeout_s / 2
 
 
 class Router:
@@ -49,7 +58,10 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.started = time.monotonic()
-        self._stop = asyncio.Event()
+        self._stop = asyncio.Event()  # the health loop's stop signal
+        self.forced = False  # a second signal stopped the process without draining
+        self.listener: Listener | None = None
+        self.admission = Admission(cfg.max_queue)
         self._monitor_task: asyncio.Task[None] | None = None
         # Set by startup(), inside the running loop.
         self.fleet: Fleet
@@ -65,6 +77,11 @@ class Router:
             u: WorkerClient(session, u, cfg.connect_timeout_s)
             for u in cfg.decode_urls + cfg.prefill_urls
         }
+        log.info(
+            "waiting at most %.0fs for %d workers to answer GET /info",
+            cfg.startup_timeout_s,
+            len(self.clients),
+        )
         self.fleet = fleet = await discover(cfg, self.clients)
         self.registry = Registry.build(fleet.decode, fleet.prefill, make_policy(cfg.policy))
         self.backend = RemoteBackend(
@@ -140,6 +157,7 @@ class Router:
                     "live_requests": self.backend.live_count,
                     "problems": self.problems(),
                     "health_loop_errors": self.monitor.loop_errors,
+                    "http": self.listener.snapshot() if self.listener is not None else None,
                     **self.registry.snapshot(),
                 },
                 "workers": {
@@ -149,20 +167,16 @@ class Router:
             }
         )
 
-    def app(self) -> web.Application:
+    def app(self, listener: Listener | None = None) -> web.Application:
         gate = Gate(
             self.cfg.api_key,
             ClusterKey.from_env(self.cfg.cluster_key_file),
             self.cfg.protect_health,
         )
-        app = web.Application(
-            client_max_size=64 * 2**20,
-            middlewares=[
-                error_middleware(),
-                gate.middleware(),
-                Admission(self.cfg.max_queue).middleware(),
-            ],
-        )
+        middlewares = [error_middleware(), gate.middleware(), self.admission.middleware()]
+        if listener is not None:  # outermost: a connection is busy for all of a request
+            middlewares.insert(0, listener.middleware())
+        app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
         app.add_routes(self.api.routes())
         app.add_routes(
             [
@@ -175,25 +189,36 @@ class Router:
         return app
 
     # -- lifecycle ----------------------------------------------------------------------
-    async def serve(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
+    async def serve(self, listener: Listener) -> int:
+        """Serve on `listener`'s bound sockets until stopped; the exit status."""
+        stop = Stop()
+        stop.install(asyncio.get_running_loop())
+        self.listener = listener
         # No connection cap: a cap would silently queue streams behind each other; the
         # workers bound admission themselves and every call carries its own timeout.
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=WORKER_KEEPALIVE_S)
         key = ClusterKey.from_env(self.cfg.cluster_key_file)
         headers = key.http_headers if key is not None else None
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-            await self.startup(session)
+            startup = asyncio.ensure_future(self.startup(session))
+            await asyncio.wait(
+                {startup, asyncio.ensure_future(stop.requested.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not startup.done():  # stopped while the fleet was still being discovered
+                startup.cancel()
+                log.info("stopped (%s) before the fleet was ready", stop.reason)
+                return stop.exit_code or 0
+            startup.result()  # raises what startup raised
             runner = web.AppRunner(
-                self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=STOP_S
+                self.app(listener),
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=HANDLERS_STOP_S,
             )
             await runner.setup()
-            site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=1024)
-            await site.start()
-            port = runner.addresses[0][1]
-            announce_ready(f"http://{self.cfg.host}:{port}")
+            await listener.start(runner)
+            announce_ready(f"http://{self.cfg.host}:{listener.port}")
             log.info(
                 "routing %s over %d decode and %d prefill workers (%s) on http://%s:%d",
                 self.api.model_name,
@@ -201,21 +226,39 @@ class Router:
                 len(self.registry.prefill),
                 self.cfg.policy,
                 self.cfg.host,
-                port,
+                listener.port,
             )
-            await self._stop.wait()
-            log.info("shutting down: draining %d live requests", self.backend.live_count)
-            await site.stop()
-            if not await self.backend.wait_idle(self.cfg.drain_timeout_s):
+            await stop.requested.wait()
+            listener.stop_accepting()
+            self.admission.draining = True
+            drain_s = self.cfg.drain_timeout_s
+            log.info(
+                "shutting down (%s): %d requests live, waiting at most %.0fs for them; "
+                "signal again to stop at once",
+                stop.reason,
+                self.backend.live_count,
+                drain_s,
+            )
+            drained = await stop.drain(lambda: self.backend.live_count == 0, drain_s)
+            if not drained and not stop.forced.is_set():
                 log.warning(
                     "%d requests still live after %.0fs; aborting them",
                     self.backend.live_count,
-                    self.cfg.drain_timeout_s,
+                    drain_s,
                 )
-            await self.backend.close("the router is shutting down")
-            code = await self._stop_monitor()
-            await runner.cleanup()
-        return code
+            if stop.forced.is_set():
+                self.forced = True
+                log.warning("stopped at once: %d requests dropped", self.backend.live_count)
+                return stop.exit_code or 1
+            closing = self.backend.close("the router is shutting down")
+            await stop.unless_forced(closing, self.cfg.abort_timeout_s + 2.0)
+            code = await stop.unless_forced(self._stop_monitor(), STOP_S + 1.0)
+            await stop.unless_forced(runner.cleanup(), HANDLERS_STOP_S + STOP_S)
+            self.api.close()
+        if stop.forced.is_set():
+            self.forced = True
+            return stop.exit_code or 1
+        return 1 if code is None else code
 
     async def _stop_monitor(self) -> int:
         task = self._monitor_task
@@ -236,7 +279,28 @@ class Router:
 
 
 def run_router(cfg: RouterConfig) -> int:
-    tokenizer = Tokenizer.from_dir(Path(cfg.model_path))
-    code = asyncio.run(Router(cfg, tokenizer).serve())
+    """Bind, load the tokenizer, serve: the exit status (2: the port cannot be had)."""
+    try:
+        sockets = bind(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("%s", bind_error(cfg.host, cfg.port, e))
+        return 2
+    try:
+        router = Router(cfg, Tokenizer.from_dir(Path(cfg.model_path)))
+        # Two descriptors a request: the client's connection and one to a worker.
+        listener = Listener(sockets, cfg.http, fds_per_connection=2)
+    except BaseException:
+        _close(sockets)
+        raise
+    code = asyncio.run(router.serve(listener))
     sys.stdout.flush()
+    if router.forced:  # stop now: leave sockets and tasks to the end of the process
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
     return code
+
+
+def _close(sockets: list[socket.socket]) -> None:
+    for s in sockets:
+        s.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pdserve.config import HttpLimits
 from pdserve.router.policy import POLICIES
 
 
@@ -31,6 +32,44 @@ def add_front_end_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="completion calls in flight at most; past it 429 with Retry-After (default: 4096)",
+    )
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's connection limits and drain time, for `serve` and `router`."""
+    g = p.add_argument_group("HTTP connections")
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; past it 503 with Retry-After "
+        "(default: 8192, fewer under a low descriptor limit)",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request head may take after its first byte (slow clients are cut off)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C, seconds running requests may finish (a second Ctrl-C stops at once)",
+    )
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(
+        max_connections=args.max_connections,
+        idle_timeout_s=args.keep_alive_timeout,
+        header_timeout_s=args.header_timeout,
     )
 
 
@@ -94,6 +133,7 @@ def add_router_command(sub: Any) -> None:
         help="the workers' cluster key (default: $PDSERVE_CLUSTER_KEY_FILE)",
     )
     add_front_end_args(r)
+    add_http_args(r)
     r.set_defaults(func=cmd_router)
 
 
@@ -124,5 +164,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         api_key=load_api_key(args.api_key, args.api_key_file),
         protect_health=args.protect_health,
         max_queue=args.max_queue,
+        http=http_limits(args),
+        drain_timeout_s=args.drain_timeout,
     )
     return run_router(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.config import HttpLimits
 from pdserve.router.policy import POLICIES
 
 
@@ -26,6 +27,7 @@ class RouterConfig:
     abort_timeout_s: float = 2.0  # the fire-and-forget POST /abort to a worker
     debug_timeout_s: float = 3.0  # fetching one worker's /debug/state
     drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
+    http: HttpLimits = field(default_factory=HttpLimits)  # connection limits (server/listener.py)
     cluster_key_file: str | None = None  # None: $PDSERVE_CLUSTER_KEY_FILE, or no key
     api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
     protect_health: bool = False  # /health and /metrics need a key too

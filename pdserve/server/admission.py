@@ -6,7 +6,8 @@ bound. The front end (a co-located server or the router) counts its `/v1/complet
 `/v1/chat/completions` calls from arrival to the end of their answer; a call that would
 exceed the limit is answered at once with 429 and `Retry-After`, the way OpenAI and vLLM
 signal "slow down", and touches nothing else. Liveness, metrics and debug calls are never
-counted or refused.
+counted or refused. Once the server is stopping (`draining`), a new generation call is
+answered 503 at once: running ones may finish, new ones go elsewhere.
 """
 
 from __future__ import annotations
@@ -27,12 +28,21 @@ class Admission:
         self.max_queue = max_queue
         self.in_flight = 0
         self.refused = 0  # calls answered 429 since start (for /metrics and tests)
+        self.draining = False  # set when the server begins to stop
 
     def middleware(self) -> Middleware:
         @web.middleware
         async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
             if request.path not in GENERATION_PATHS or request.method != "POST":
                 return await handler(request)
+            if self.draining:
+                e = ApiError(
+                    503,
+                    "the server is shutting down; send the request to another one",
+                    type_="server_error",
+                    code="shutting_down",
+                )
+                return web.json_response(e.body(), status=503, headers={"Connection": "close"})
             if self.in_flight >= self.max_queue:
                 self.refused += 1
                 e = ApiError(

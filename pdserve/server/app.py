@@ -1,8 +1,10 @@
 """The co-located server process: engine thread + supervisor + aiohttp API.
 
-Lifecycle: startup (load, warm up, bind) -> serve -> drain (stop accepting, let requests
-finish up to a bound) -> stop (abort the rest, stop threads with a timeout). A supervised
-thread that dies for good triggers the same shutdown with a non-zero exit code.
+Lifecycle: bind (before the model loads: a busy port is exit status 2 at once) -> startup
+(load, warm up) -> serve (listen, READY) -> drain (stop accepting, let requests finish for at
+most DRAIN_S) -> stop (end the rest, stop threads with a timeout). A second SIGINT/SIGTERM
+during any of it stops at once (server/stopping.py). A supervised thread that dies for good
+triggers the same shutdown with a non-zero exit code. HTTP limits: server/listener.py.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
+import socket
 import sys
 import time
 import uuid
@@ -31,8 +33,10 @@ from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
+from pdserve.server.listener import Listener, bind, bind_error
 from pdserve.server.openai_api import OpenAIApi, error_response, read_json
 from pdserve.server.openai_protocol import ApiError
+from pdserve.server.stopping import Stop, in_thread
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.receiver import needs_shared_pool
@@ -43,12 +47,19 @@ from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
 
+DRAIN_S = 10.0  # a graceful stop waits this long at most for running requests
+ABORT_GRACE_S = 1.0  # then ends them, and waits this long for their answers to go out
+HANDLERS_STOP_S = 1.0  # aiohttp then cancels the handlers still running after this
+THREADS_STOP_S = 5.0
+
 
 class Server:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.fatal: str | None = None
-        self._stop_event: asyncio.Event | None = None
+        self._stop: Stop | None = None
+        self.forced = False  # a second signal stopped the process without draining
+        self.listener: Listener | None = None
         self.supervisor = Supervisor(on_fatal=self._on_fatal)
         # First, before any model is loaded: a worker without its key cannot serve.
         self.key = ClusterKey.from_env(cfg.cluster_key_file)
@@ -79,7 +90,9 @@ class Server:
             else:
                 shared = needs_shared_pool(cfg.backend)
                 self.engine = Engine.build(cfg.engine, eos, shared_pool=shared)
-                d_role = DecodeRole(self.engine, identity, cfg.backend, self.control)
+                d_role = DecodeRole(
+                    self.engine, identity, cfg.backend, self.control, self.control.forget
+                )
                 self.engine.attach(d_role, self._send)
             info.update(identity=identity, backend=cfg.backend)
         self.api = OpenAIApi(
@@ -111,9 +124,9 @@ class Server:
 
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
-        loop, ev = getattr(self, "_loop", None), self._stop_event
-        if loop is not None and ev is not None:
-            loop.call_soon_threadsafe(ev.set)
+        loop, stop = getattr(self, "_loop", None), self._stop
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.request, f"fatal: {why}")
 
     # -- endpoints ------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -146,6 +159,7 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "threads": self.supervisor.snapshot(),
             "problems": self.problems(),
+            "http": self.listener.snapshot() if self.listener is not None else None,
         }
         try:
             state["engine"] = await asyncio.to_thread(self.engine.snapshot, 2.0)
@@ -212,13 +226,14 @@ class Server:
             return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
         return web.json_response(FAULTS.snapshot())
 
-    def app(self) -> web.Application:
-        # The error middleware is the outer one: a 401 passes through it unchanged.
+    def app(self, listener: Listener | None = None) -> web.Application:
+        # The listener's middleware is the outermost (a connection is busy for all of a
+        # request), then the error middleware: a 401 passes through it unchanged.
         gate = Gate(self.cfg.api_key, self.key, self.cfg.protect_health)
-        app = web.Application(
-            client_max_size=64 * 2**20,
-            middlewares=[error_middleware(), gate.middleware(), self.admission.middleware()],
-        )
+        middlewares = [error_middleware(), gate.middleware(), self.admission.middleware()]
+        if listener is not None:
+            middlewares.insert(0, listener.middleware())
+        app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
         if self.cfg.role == "colocated":
             app.add_routes(self.api.routes())
         if self.cfg.role != "prefill":
@@ -238,56 +253,124 @@ class Server:
         return app
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def serve(self, drain_timeout_s: float = 10.0) -> int:
+    async def serve(self, listener: Listener, drain_timeout_s: float = DRAIN_S) -> int:
+        """Serve on `listener`'s bound sockets until stopped; the exit status."""
         self._loop = asyncio.get_running_loop()
-        self._stop_event = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._loop.add_signal_handler(sig, self._stop_event.set)
+        stop = self._stop = Stop()
+        stop.install(self._loop)
+        self.listener = listener
         self.supervisor.spawn("engine", self.engine.tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
         if self.control is not None:
             self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
         if self.copier is not None:
             self.supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            self.app(listener),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=HANDLERS_STOP_S,
+        )
         await runner.setup()
-        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=1024)
-        await site.start()
-        port = runner.addresses[0][1]
+        await listener.start(runner)
+        url = f"http://{self.cfg.host}:{listener.port}"
         if self.fatal is None:  # never announce a process that is already dying
-            announce_ready(f"http://{self.cfg.host}:{port}")
-        log.info("serving %s on http://%s:%d", self.cfg.engine.model.name, self.cfg.host, port)
-        await self._stop_event.wait()
-        log.info("shutting down%s", f" (fatal: {self.fatal})" if self.fatal else "")
-        # Drain: stop accepting, give running requests a bounded time to finish.
-        await site.stop()
-        deadline = time.monotonic() + drain_timeout_s
-        while self.engine.scheduler.has_work() and time.monotonic() < deadline and not self.fatal:
-            await asyncio.sleep(0.05)
-        await runner.cleanup()
-        stuck = self.supervisor.stop(timeout_s=5.0)
-        if not stuck:  # the engine thread no longer touches the transfer agents
+            announce_ready(url)
+        log.info("serving %s on %s", self.cfg.engine.model.name, url)
+        await stop.requested.wait()
+        await self._drain(listener, stop, drain_timeout_s)
+        if not stop.forced.is_set():
+            await stop.unless_forced(runner.cleanup(), HANDLERS_STOP_S + 2.0)
+        self.api.close()
+        stuck = None
+        if not stop.forced.is_set():
+            stuck = await stop.unless_forced(
+                in_thread(lambda: self.supervisor.stop(timeout_s=THREADS_STOP_S)),
+                THREADS_STOP_S + 1.0,
+            )
+        code = stop.exit_code
+        if code is not None:  # forced: leave the threads and sockets to the process's end
+            self.forced = True
+            log.warning("stopped at once: %d connections dropped", len(listener.connections))
+            return code
+        if stuck == []:  # the engine thread no longer touches the transfer agents
             self.engine.role.settle()
         if self.control is not None:
             self.control.close()
         self.engine.pool.close()
-        if stuck:
-            log.error("threads did not stop in time: %s", stuck)
-        return 1 if self.fatal or stuck else 0
+        if stuck is None or stuck:
+            log.error("threads did not stop in time: %s", stuck or "the supervisor did not answer")
+        return 1 if self.fatal or stuck is None or stuck else 0
+
+    async def _drain(self, listener: Listener, stop: Stop, drain_timeout_s: float) -> None:
+        """Stop accepting; let running requests finish for at most `drain_timeout_s`; then end
+        the rest. A fatal error skips the wait: the process cannot be trusted to finish them."""
+        listener.stop_accepting()
+        self.admission.draining = True
+        if self.fatal is not None:
+            log.info("shutting down (fatal: %s)", self.fatal)
+            return
+        log.info(
+            "shutting down (%s): %d requests running, waiting at most %.0fs for them; "
+            "signal again to stop at once",
+            stop.reason,
+            listener.busy,
+            drain_timeout_s,
+        )
+
+        def idle() -> bool:
+            return listener.busy == 0 and not self.engine.scheduler.has_work()
+
+        if await stop.drain(idle, drain_timeout_s) or stop.forced.is_set():
+            return
+        log.warning(
+            "%d requests still running after %.0fs: ending them (%d choices aborted)",
+            listener.busy,
+            drain_timeout_s,
+            self.api.abort_all(),
+        )
+        await stop.drain(lambda: listener.busy == 0, ABORT_GRACE_S)
 
 
 def run_server(cfg: ServerConfig) -> int:
-    server = Server(cfg)
+    """Bind, load, serve: the process's exit status (2: the port cannot be had)."""
+    try:
+        sockets = bind(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("%s", bind_error(cfg.host, cfg.port, e))
+        return 2
+    try:
+        if cfg.role == "prefill" and cfg.control_port:
+            _check_free(cfg.host, cfg.control_port)
+    except OSError as e:
+        log.error("%s", bind_error(cfg.host, cfg.control_port, e, flag="--control-port"))
+        for s in sockets:
+            s.close()
+        return 2
+    try:
+        server = Server(cfg)
+    except BaseException:
+        for s in sockets:
+            s.close()
+        raise
     code = 1
     try:
-        code = asyncio.run(server.serve())
+        code = asyncio.run(server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s))
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")
     sys.stdout.flush()
-    if server.engine.role.hard_exit:
-        # Do not let the interpreter destroy the NIXL agent: UCX aborts the process (an
-        # assertion) when it tears down an endpoint that still has requests queued for a
-        # peer that is stopped. The orderly shutdown is done; leave without that teardown.
+    if server.forced or server.engine.role.hard_exit:
+        # Forced: stop now, without joining threads (the engine may be mid-step). NIXL: do
+        # not let the interpreter destroy the agent: UCX aborts the process (an assertion)
+        # when it tears down an endpoint that still has requests queued for a peer that is
+        # stopped. The orderly part of the shutdown is done; leave without that teardown.
         logging.shutdown()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _check_free(host: str, port: int) -> None:
+    """Raise OSError if host:port cannot be bound now (the prefill control port, which ZMQ
+    binds after the model loads)."""
+    with socket.create_server((host, port)):
+        pass

@@ -73,6 +73,7 @@ class Generation:
         self.backend = backend
         self.id = uuid.uuid4().hex
         self.params = params
+        self.include_stop = include_stop
         self.timeout_s = timeout_s
         self.choices = [
             Choice(
@@ -123,7 +124,10 @@ class Generation:
     def _apply(self, c: Choice, out: RequestOutput) -> Delta | None:
         if c.finish_reason is not None:
             return None  # e.g. the engine's end after we stopped on a stop string
-        text = "".join(c.text.push(t) for t in out.token_ids)
+        shown = out.token_ids
+        if out.finish_reason == "stop" and shown and not self.include_stop:
+            shown = shown[:-1]  # the stop token (or EOS) itself, as vLLM: ids and logprobs keep it
+        text = "".join(c.text.push(t) for t in shown)
         c.token_ids.extend(out.token_ids)
         c.logprobs.extend(out.logprobs)
         if c.text.stopped:

@@ -3,15 +3,22 @@
 Text lives here (tokenize, chat template, detokenize, stop strings); the backend sees token
 ids only. Errors are OpenAI-shaped bodies with a 4xx/5xx status; a failure after a stream
 has begun ends the stream with an error finish_reason and an error event, never a fake stop.
+
+Tokenizing a prompt and rendering a chat template run on a small thread pool, never on the
+event loop: a 40 MB prompt once froze a router for 34 s. (That helps only as far as the
+tokenizer releases the GIL while it works.) Detokenizing streamed tokens stays on the loop:
+about 5 us a token. A request body must arrive within BODY_TIMEOUT_S.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -28,6 +35,11 @@ from pdserve.server.openai_protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 4  # prompts tokenized at once, per front end; the rest wait their turn
+BODY_TIMEOUT_S = 30.0  # a request body slower than this is refused (408)
+T = TypeVar("T")
+A = TypeVar("A")
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -63,35 +75,41 @@ class OpenAIApi:
         self.max_model_len = max_model_len
         self.default_timeout_s = default_timeout_s
         self.created = int(time.time())
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._live: set[Generation] = set()  # generations whose answer is not over
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),
         ]
 
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdserve",
+            "max_model_len": self.max_model_len,
+        }
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "pdserve",
-                        "max_model_len": self.max_model_len,
-                    }
-                ],
-            }
-        )
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the one model this server serves, else 404 (as OpenAI)."""
+        model_id = request.match_info["model_id"]
+        if model_id != self.model_name:
+            return error_response(_no_such_model(model_id, self.model_name))
+        return web.json_response(self._card())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             spec = parse_completion(await read_json(request))
             self._check_model(spec)
-            prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in spec.prompts]
+            prompts = await self._off_loop(self._encode_prompts, spec.prompts)
             return await self._serve(request, spec, prompts)
         except ApiError as e:
             return error_response(e)
@@ -100,25 +118,51 @@ class OpenAIApi:
         try:
             spec = parse_chat(await read_json(request))
             self._check_model(spec)
-            try:
-                text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
-            except (ValueError, TypeError) as e:
-                # The tokenizer reports whatever the template raised as ValueError; a TypeError
-                # is a keyword clash at the call, which parse_chat should already have refused.
-                raise bad(f"chat template: {e}", "messages") from e
-            prompt = self.tok.encode(text, add_special_tokens=False)
+            prompt = await self._off_loop(self._chat_prompt, spec)
             return await self._serve(request, spec, [prompt])
         except ApiError as e:
             return error_response(e)
 
+    # -- on the tokenizer threads ---------------------------------------------------------
+    async def _off_loop(self, fn: Callable[[A], T], arg: A) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, arg)
+
+    def _encode_prompts(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        return [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _chat_prompt(self, spec: GenerationSpec) -> list[int]:
+        try:
+            text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
+        except (ValueError, TypeError) as e:
+            # The tokenizer reports whatever the template raised as ValueError; a TypeError
+            # is a keyword clash at the call, which parse_chat should already have refused.
+            raise bad(f"chat template: {e}", "messages") from e
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Generations whose answer has not ended."""
+        return len(self._live)
+
+    def abort_all(self) -> int:
+        """End every unfinished choice (shutdown, past the drain time); its answer ends in
+        error. Returns how many choices were aborted."""
+        n = 0
+        for gen in list(self._live):
+            for c in gen.choices:
+                if c.finish_reason is None:
+                    self.backend.abort(c.request_id)
+                    n += 1
+        return n
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (what is running finishes; what waits is dropped)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
     def _check_model(self, spec: GenerationSpec) -> None:
         if spec.model and spec.model != self.model_name:
-            raise ApiError(
-                404,
-                f"The model `{spec.model}` does not exist; this server serves `{self.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
+            raise _no_such_model(spec.model, self.model_name)
 
     async def _serve(
         self, request: web.Request, spec: GenerationSpec, prompts: list[list[int]]
@@ -144,11 +188,26 @@ class OpenAIApi:
             spec.timeout_s or self.default_timeout_s,
         )
         gen.start()
+        self._live.add(gen)
         fmt = _Formatter(self, spec, gen, prompts)
-        if spec.stream:
-            return await self._stream(request, gen, fmt)
-        async for d in gen.deltas():
-            fmt.accumulate(d)
+        try:
+            if spec.stream:
+                return await self._stream(request, gen, fmt)
+            async for d in gen.deltas():
+                fmt.accumulate(d)
+        except (asyncio.CancelledError, ConnectionError):
+            # aiohttp cancels the handler of a client that disconnects; a write to it fails.
+            # Generation.deltas aborted what was still running. One line, no traceback.
+            if _client_gone(request):
+                log.info(
+                    "%s %s: the client disconnected after %d tokens; its request was aborted",
+                    request.path,
+                    fmt.id,
+                    gen.completion_tokens,
+                )
+            raise
+        finally:
+            self._live.discard(gen)
         errors = [c for c in gen.choices if c.finish_reason == "error"]
         if errors:
             return error_response(failure(errors[0].error))
@@ -178,9 +237,33 @@ async def read_json(request: web.Request) -> Any:
     """The request's JSON body, through the checks every JSON endpoint shares.
 
     A body past the app's client_max_size raises aiohttp's 413, which the error middleware
-    (pdserve.server.errors) turns into an OpenAI-style body.
+    (pdserve.server.errors) turns into an OpenAI-style body; one that has not arrived within
+    BODY_TIMEOUT_S is a 408.
     """
-    return parse_json_body(await request.read(), request.charset)
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError as e:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
+            type_="timeout_error",
+            code="body_timeout",
+        ) from e
+    return parse_json_body(raw, request.charset)
+
+
+def _no_such_model(asked: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{asked}` does not exist; this server serves `{served}`",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 class _Formatter:

@@ -3,19 +3,28 @@
 Everything a client can get wrong is caught here and reported as an ApiError with the HTTP
 status and the offending parameter, before anything reaches the engine: the body's bytes
 (charset, JSON, nesting depth, lone surrogates: `parse_json_body`, shared with the worker
-API), then every field's type and range (sampling fields through SamplingParams), then the
-limits on how much one body may ask for (prompts x n, stop strings).
+API), then which fields it may hold (`openai_fields`: honoured, refused, or unknown: logged,
+or refused when `strict`), then every field's type and range (sampling fields through
+SamplingParams), then the limits on how much one body may ask for (prompts x n, stop
+strings). An error names the field as the client sent it (`max_completion_tokens`,
+`top_logprobs`), not the SamplingParams field it feeds.
+
+Every SamplingParams built here has a seed: the client's, or one drawn here. The random
+stream of a request is a function of (seed, output position) (engine/sampling/), so a
+request sampled by a prefill and a decode worker draws the same tokens as co-located; choice
+i of n gets seed + i (server/generation.py).
 """
 
 from __future__ import annotations
 
-import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol.sampling import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     InvalidParams,
     SamplingParams,
@@ -23,8 +32,13 @@ from pdserve.protocol.sampling import (
     is_number,
     show,
 )
+from pdserve.server.api_error import ApiError as ApiError  # re-exported
+from pdserve.server.api_error import bad
+from pdserve.server.json_body import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # re-exported
+from pdserve.server.json_body import check_json as check_json  # re-exported
+from pdserve.server.json_body import parse_json_body as parse_json_body  # re-exported
+from pdserve.server.openai_fields import check_unknown, refuse_unsupported
 
-MAX_JSON_DEPTH = 64
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one completions body
 MAX_CHOICES = 256  # prompts x n: the requests one body may start
@@ -46,39 +60,6 @@ RESERVED_TEMPLATE_NAMES = frozenset(
         "pad_token",
     }
 )
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -103,67 +84,6 @@ class GenerationSpec:
 
 
 _MISSING = object()
-
-
-def parse_json_body(raw: bytes, charset: str | None) -> Any:
-    """A request body's bytes -> its JSON value; a body no JSON endpoint can take is a 400.
-
-    Python's json accepts what later code cannot: nesting deep enough to exhaust the stack
-    (RecursionError), ints past the int-digit limit (ValueError), lone surrogates (they fail
-    UTF-8 encoding in the tokenizer or in the response). NaN and Infinity do parse: the
-    field checks refuse them and name the field.
-    """
-    encoding = charset or "utf-8"
-    try:
-        text = raw.decode(encoding)
-    except LookupError as e:  # also a codec that is not a text encoding ("hex", "rot13")
-        raise bad(f"unsupported charset {show(charset)} in Content-Type; send UTF-8") from e
-    except UnicodeError as e:
-        raise bad(f"the request body is not valid JSON in {show(encoding)}: {e}") from e
-    try:
-        value = json.loads(text)
-    except RecursionError as e:
-        raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from e
-    except ValueError as e:  # JSONDecodeError, or an int past Python's int-digit limit
-        raise bad(f"the request body is not valid JSON: {e}") from e
-    check_json(value)
-    return value
-
-
-def check_json(value: Any) -> None:
-    """Refuse nesting deeper than MAX_JSON_DEPTH and a lone surrogate in any string or key.
-
-    The error names the top-level field the problem sits under.
-    """
-    stack: list[tuple[Any, int, str | None]] = [(value, 0, None)]
-    while stack:
-        v, depth, top = stack.pop()
-        if isinstance(v, str):
-            _check_text(v, top)
-            continue
-        if not isinstance(v, (dict, list)):
-            continue  # a number, a bool or null: only the top-level value gets here
-        if depth >= MAX_JSON_DEPTH:
-            raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", top)
-        if isinstance(v, dict):
-            for k, x in v.items():
-                _check_text(k, top)
-                if isinstance(x, (str, list, dict)):
-                    stack.append((x, depth + 1, k if depth == 0 else top))
-        else:
-            stack.extend((x, depth + 1, top) for x in v if isinstance(x, (str, list, dict)))
-
-
-def _check_text(s: str, param: str | None) -> None:
-    if s.isascii():
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(
-            f"a string holds a lone surrogate (U+{ord(s[e.start]):04X}), which is not text",
-            param,
-        ) from e
 
 
 def check_timeout(value: Any, param: str) -> float | None:
@@ -211,11 +131,17 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _params(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: dict[str, Any], max_tokens: int, logprobs: int | None, names: dict[str, str]
+) -> SamplingParams:
+    """The body's SamplingParams; `names` maps a SamplingParams field to the body field that
+    fed it where they differ, for the error's wording and param."""
     # Range, type and finiteness of each field are SamplingParams' checks; numbers go in as
     # the client sent them (float() of a 400-digit int would raise OverflowError).
     seed = _get(body, "seed", int, None)
-    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+    if seed is None:
+        seed = secrets.randbits(63)  # choice i of n adds i: still inside SEED_MAX
+    elif not INT64_MIN <= seed <= INT64_MAX:
         raise bad(
             f"'seed' must be an integer in [{INT64_MIN}, {INT64_MAX}], got {show(seed)}", "seed"
         )
@@ -236,9 +162,42 @@ def _params(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Samp
             stop_token_ids=tuple(_get(body, "stop_token_ids", list, [])),
             min_tokens=_get(body, "min_tokens", int, 0),
             logprobs=logprobs,
+            logit_bias=_logit_bias(body),
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
         )
     except InvalidParams as e:
-        raise bad(str(e), e.param) from e
+        message, field = str(e), e.param
+        if field is not None and field in names:  # name the field the client sent
+            if message.startswith(field):
+                message = names[field] + message[len(field) :]
+            field = names[field]
+        raise bad(message, field) from e
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> sorted (id, bias) pairs; the ranges are SamplingParams'."""
+    bias = _get(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias"
+        )
+    pairs = []
+    for k, v in bias.items():
+        token = k if is_int(k) else _token_key(k)
+        if token is None:
+            raise bad(
+                f"'logit_bias' keys must be token ids (decimal integers), got {show(k)}",
+                "logit_bias",
+            )
+        pairs.append((token, v))
+    return tuple(sorted(pairs, key=lambda p: p[0]))
+
+
+def _token_key(k: object) -> int | None:
+    """A JSON object key holding a token id ("50256"), else None."""
+    if isinstance(k, str) and 0 < len(k) <= 10 and k.isascii() and k.isdigit():
+        return int(k)
+    return None
 
 
 def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
@@ -250,13 +209,17 @@ def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
             f"'n' x the number of prompts must be at most {MAX_CHOICES}, got {n} x {num_prompts}",
             "n",
         )
+    _get(body, "user", str, None)  # accepted, no effect: OpenAI's end-user id for monitoring
+    stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict, {})
+    if body.get("stream_options") is not None and not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise bad("'stream_options.include_usage' must be true or false", "stream_options")
     return {
         "n": n,
-        "stream": _get(body, "stream", bool, False),
+        "stream": stream,
         "include_usage": bool(include_usage),
         "stop": _stop(body),
         "include_stop_str": _get(body, "include_stop_str_in_output", bool, False),
@@ -265,19 +228,41 @@ def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
     }
 
 
-def _max_tokens(body: dict[str, Any], *names: str) -> tuple[int, bool]:
+def _max_tokens(body: dict[str, Any], *names: str) -> tuple[int, bool, str]:
+    """(max tokens, whether the body gave it, the name it came by)."""
     for name in names:
         v = _get(body, name, int, None)
         if v is not None:
             if v < 1:
                 raise bad(f"'{name}' must be >= 1, got {show(v)}", name)
-            return v, True
-    return 16, False
+            return v, True, name
+    return 16, False, names[0]
 
 
-def parse_completion(body: Any) -> GenerationSpec:
+def _fields(body: Any, kind: str, strict: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    try:
+        check_unknown(body, kind, strict)
+        refuse_unsupported(body, kind)
+    except InvalidParams as e:
+        raise bad(str(e), e.param) from e
+    return body
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs` is a count of alternatives; as in vLLM (whose int field takes
+    JSON true as 1), `true` asks for 1; `false` asks for none (vLLM would read 0)."""
+    v = body.get("logprobs")
+    if isinstance(v, bool):
+        return 1 if v else None
+    n: int | None = _get(body, "logprobs", int, None)
+    return n
+
+
+def parse_completion(body: Any, strict: bool = False) -> GenerationSpec:
+    """A /v1/completions body -> its GenerationSpec; `strict` refuses unknown fields."""
+    body = _fields(body, "completion", strict)
     model = _get(body, "model", str, "")
     prompt = body.get("prompt")
     prompts: list[str | tuple[int, ...]]
@@ -301,28 +286,27 @@ def parse_completion(body: Any) -> GenerationSpec:
         raise bad("'prompt' must not be empty", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
-    max_tokens, given = _max_tokens(body, "max_tokens")
-    logprobs = _get(body, "logprobs", int, None)
+    max_tokens, given, _ = _max_tokens(body, "max_tokens")
     return GenerationSpec(
         kind="completion",
         model=model,
         prompts=tuple(prompts),
-        params=_params(body, max_tokens, logprobs),
+        params=_params(body, max_tokens, _completion_logprobs(body), {}),
         max_tokens_given=given,
         echo=_get(body, "echo", bool, False),
         **_common(body, len(prompts)),
     )
 
 
-def parse_chat(body: Any) -> GenerationSpec:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
+def parse_chat(body: Any, strict: bool = False) -> GenerationSpec:
+    """A /v1/chat/completions body -> its GenerationSpec; `strict` refuses unknown fields."""
+    body = _fields(body, "chat", strict)
     model = _get(body, "model", str, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     norm = tuple(_message(m, i) for i, m in enumerate(messages))
-    max_tokens, given = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    max_tokens, given, max_name = _max_tokens(body, "max_completion_tokens", "max_tokens")
     top = _get(body, "top_logprobs", int, None)
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {show(top)}", "top_logprobs")
@@ -333,7 +317,9 @@ def parse_chat(body: Any) -> GenerationSpec:
         kind="chat",
         model=model,
         prompts=(),
-        params=_params(body, max_tokens, logprobs),
+        params=_params(
+            body, max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"}
+        ),
         max_tokens_given=given,
         messages=norm,
         chat_kwargs={

@@ -102,6 +102,7 @@ class Control:
         # Messages a `reorder` fault holds back, oldest first, with when they were held.
         self.held_in: deque[tuple[float, Inbound]] = deque()
         self.held_out: deque[tuple[float, Outgoing]] = deque()
+        self._forget: deque[str] = deque()  # dealers to close (D): see forget()
         self.stats = ControlStats()
         self.address = ""
         # send() writes a byte here to wake the I/O thread out of poll.
@@ -136,6 +137,12 @@ class Control:
             return
         self.wake()
 
+    def forget(self, peer: str) -> None:
+        """Close our socket to `peer` (a prefill worker D no longer pairs with) once the
+        messages queued before this call are out. Any thread."""
+        self._forget.append(peer)
+        self.wake()
+
     def wake(self) -> None:
         """Make the I/O thread's poll return now (any thread)."""
         try:
@@ -152,6 +159,8 @@ class Control:
             s.setsockopt(zmq.IDENTITY, self.identity.encode())
             s.setsockopt(zmq.SNDHWM, 1000)
             s.setsockopt(zmq.RECONNECT_IVL, 100)
+            # An unreachable peer costs a reconnect every 5 s at most, not ten a second.
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
             s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             s.connect(address)
             self.poller.register(s, zmq.POLLIN)
@@ -187,6 +196,11 @@ class Control:
             except queue.Empty:
                 break
             self._send_now(out)
+        while self._forget:
+            dealer = self.dealers.pop(self._forget.popleft(), None)
+            if dealer is not None:
+                self.poller.unregister(dealer)
+                dealer.close(0)
         too_old = time.monotonic() - HOLD_S
         while self.held_in and self.held_in[0][0] < too_old:
             self._dispatch(self.held_in.popleft()[1])

@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -41,6 +42,7 @@ from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver
 from pdserve.worker.api import params_to_json
 from pdserve.worker.decode_rooms import Admission, DRoom, PrefillPeer
+from pdserve.worker.prefill_peers import PrefillPeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import decode_snapshot
 
@@ -53,16 +55,23 @@ class DecodeRole:
     name = "decode"
 
     def __init__(
-        self, engine: Engine, identity: str, backend: str, control: Control | None = None
+        self,
+        engine: Engine,
+        identity: str,
+        backend: str,
+        control: Control | None = None,
+        forget: Callable[[str], None] | None = None,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender); `backend`: how
-        KV reaches its pool; `control`: only read for /debug/state's counters."""
+        KV reaches its pool; `control`: only read for /debug/state's counters; `forget`: close
+        the transport to a prefill worker no longer paired (Control.forget)."""
         self.engine = engine
         self.pool = engine.pool
         self.identity = identity
         self.receiver: KVReceiver = open_receiver(backend, identity, self.pool)
         self.control = control
-        self.peers: dict[str, PrefillPeer] = {}
+        self.peers = PrefillPeers()  # at most MAX_PREFILL_PEERS, idle ones forgotten
+        self.forget = forget or (lambda address: None)
         self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
         self.admitting: deque[Admission] = deque()  # waiting for destination pages
@@ -231,6 +240,10 @@ class DecodeRole:
         left = PREFILL_TIMEOUT_S
         if req.deadline is not None:
             left = min(left, req.deadline - time.monotonic())
+        # Pairing first: past the peer limit this request fails and leases nothing.
+        peer, gone = self.peers.open(sub.prefill, time.monotonic(), self._busy_peers())
+        for address in gone:
+            self.forget(address)
         rid = next(self._room_ids)
         # The lease is opened last and the room registered at once: nothing between can raise,
         # so a failed admission either has a room that owns the pages or holds none.
@@ -245,10 +258,10 @@ class DecodeRole:
         )
         self.by_room[room.room] = room
         self.by_request[req.request_id] = room
-        peer = self.peers.get(sub.prefill)
-        if peer is None or not peer.registered:
-            if peer is None or peer.refused is not None:
-                peer = self.peers[sub.prefill] = PrefillPeer(sub.prefill)
+        if peer.refused is not None:  # it refused us or was declared dead: pair anew
+            peer = self.peers.replace(sub.prefill)
+        if not peer.registered:
+            if not peer.queued:  # no Register in flight yet
                 self._send_register(peer)
             peer.queued.append(room.room)
         else:
@@ -292,7 +305,9 @@ class DecodeRole:
                 epoch=room.epoch,
                 prompt_ids=req.prompt_ids,
                 dst_pages=list(room.lease.pages),
-                params=params_to_json(req.params),
+                # The request's seed, drawn here if the caller gave none: P samples output
+                # position 0 by the same (seed, position) rule as D the rest.
+                params=params_to_json(req.params.replace(seed=req.seed)),
                 write_deadline=room.write_deadline,
             ),
         )
@@ -391,7 +406,7 @@ class DecodeRole:
                 own = req_deadline is not None and now >= req_deadline  # the client's timeout
                 what = DEADLINE_ERROR if own else "prefill deadline passed"
                 self._apply(room, event, f"{what} in state {room.state.value}")
-        for peer in list(self.peers.values()):
+        for peer in self.peers:
             open_rooms = [
                 r
                 for r in self.by_room.values()
@@ -414,6 +429,11 @@ class DecodeRole:
                 peer.refused = "declared dead"
                 for room in open_rooms:
                     self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
+        for address in self.peers.evict_idle(now, self._busy_peers()):
+            self.forget(address)
+
+    def _busy_peers(self) -> set[str]:
+        return {r.peer for r in self.by_room.values()}
 
     def settle(self) -> None:
         self.receiver.settle()
@@ -424,7 +444,7 @@ class DecodeRole:
 
     def snapshot(self) -> dict[str, Any]:
         return decode_snapshot(
-            self.peers.values(),
+            self.peers,
             self.by_room.values(),
             len(self.admitting),
             self.receiver,

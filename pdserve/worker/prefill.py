@@ -186,7 +186,10 @@ class PrefillRole:
         if len(msg.dst_pages) < need or any(not 0 <= p < peer.num_pages for p in msg.dst_pages):
             return reject(f"dst_pages invalid: {need} pages in [0, {peer.num_pages}) needed")
         try:
-            params = SamplingParams.from_builtins(msg.params).replace(max_tokens=1, min_tokens=0)
+            # P samples output position 0 only, by the same rule as D samples the rest: a
+            # min_tokens of 1 or more bans EOS and the stop ids from this token too.
+            asked = SamplingParams.from_builtins(msg.params)
+            params = asked.replace(max_tokens=1, min_tokens=min(asked.min_tokens, 1))
             self.engine.validate(msg.prompt_ids, params)
         except InvalidParams as e:  # the one converter raises nothing else
             return reject(f"bad request: {e}")
@@ -201,6 +204,7 @@ class PrefillRole:
             list(msg.prompt_ids),
             params,
             sink=lambda _o: None,
+            eos_token_ids=self.engine.eos_token_ids,  # min_tokens bans EOS here too
             deadline=deadline,
         )
         room = PRoom(

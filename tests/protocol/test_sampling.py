@@ -26,6 +26,8 @@ FULL = SamplingParams(
     stop_token_ids=(3, 4),
     min_tokens=2,
     logprobs=20,
+    logit_bias=((0, -100), (7, 2.5), (2**31 - 1, 100.0)),
+    include_stop_str_in_output=True,
 )
 
 
@@ -118,8 +120,49 @@ def test_validate_prompt_refuses_what_no_worker_can_serve() -> None:
         ([1] * 8, ok, "prompt", "the prompt has 8 tokens; this model's context is 8 tokens"),
         ([1] * 5, ok, "max_tokens", "max_tokens 4 + 5 prompt tokens exceeds the context of 8"),
         ([1], ok.replace(stop_token_ids=(9, 10)), "stop_token_ids", "[0, 10), got 10"),
+        ([1], ok.replace(logit_bias=((9, 1.0), (12, 1.0))), "logit_bias", "[0, 10), got 12"),
     ]
     for prompt, params, param, msg in cases:
         with pytest.raises(InvalidParams) as e:
             validate_prompt(prompt, params, vocab_size=10, max_model_len=8)
         assert e.value.param == param and msg in str(e.value)
+
+
+LOGIT_BIAS_BAD: list[tuple[Any, str]] = [
+    ([[1]], "(token id, bias) pairs"),
+    ([[1, 2, 3]], "(token id, bias) pairs"),
+    ([5], "(token id, bias) pairs"),
+    ([[2, 1.0], [1, 1.0]], "each once and in increasing order"),
+    ([[1, 1.0], [1, 2.0]], "each once and in increasing order"),
+    ([[-1, 1.0]], "token ids must be integers"),
+    ([[2**31, 1.0]], "token ids must be integers"),
+    ([[True, 1.0]], "token ids must be integers"),
+    ([["1", 1.0]], "token ids must be integers"),
+    ([[1, 100.5]], "values must be numbers in [-100, 100]"),
+    ([[1, -101]], "values must be numbers in [-100, 100]"),
+    ([[1, NAN]], "values must be numbers in [-100, 100]"),
+    ([[1, True]], "values must be numbers in [-100, 100]"),
+    ([[1, HUGE]], "values must be numbers in [-100, 100]"),
+    ([[i, 1.0] for i in range(301)], "at most 300 token ids"),
+    ({"1": 1.0}, "at most 300 token ids"),  # the wire form is pairs, not OpenAI's object
+]
+
+
+@pytest.mark.parametrize("bias,words", LOGIT_BIAS_BAD)
+def test_logit_bias_is_checked_on_the_wire_and_on_construction(bias: Any, words: str) -> None:
+    with pytest.raises(InvalidParams) as wire:
+        SamplingParams.from_builtins({"logit_bias": bias})
+    assert wire.value.param == "logit_bias" and words in str(wire.value)
+    as_tuples = tuple(tuple(e) if isinstance(e, list) else e for e in bias)
+    with pytest.raises(InvalidParams) as direct:
+        SamplingParams(logit_bias=as_tuples)
+    assert direct.value.param == "logit_bias"
+
+
+def test_logit_bias_and_include_stop_str_keep_their_values_over_the_wire() -> None:
+    p = SamplingParams.from_builtins({"logit_bias": [[3, -100], [9, 0.5]]})
+    assert p.logit_bias == ((3, -100.0), (9, 0.5))
+    for v in (1, "true", None):
+        with pytest.raises(InvalidParams) as e:
+            SamplingParams.from_builtins({"include_stop_str_in_output": v})
+        assert e.value.param == "include_stop_str_in_output"

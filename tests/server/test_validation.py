@@ -116,7 +116,7 @@ BAD_COMPLETION = [
     ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"max_tokens": 2**40}, "max_tokens"),
     ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "1"}, "logprobs"),
     ({"model": 5}, "model"),
 ]
 

@@ -14,7 +14,7 @@ from pdserve.engine.offline import build_engine, generate
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker import decode, decode_peers
-from tests.worker.wire import Wire, ended, tokens
+from tests.worker.wire import P_ADDR, Wire, ended, tokens
 
 PROMPT = [(i * 7) % 200 + 3 for i in range(37)]  # crosses pages (4) and chunks (16)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -132,3 +132,64 @@ def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch
     assert _p_room(wire) is None and wire.p_role.stats.aborted == 1
     assert wire.p_role.stats.done == 0 and not wire.p.scheduler.has_work()
     assert wire.p.pool.allocator.num_used == 0 and wire.p.leases.violations() == []
+
+
+def test_prefill_peers_are_bounded_and_the_idle_one_gives_way(wire):
+    from pdserve.worker.prefill_peers import PrefillPeers
+
+    wire.d_role.peers = PrefillPeers(cap=1, idle_s=60.0)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    busy = wire.submit("a", PROMPT * 4, params)
+    wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, busy))
+    refused: list = []
+    wire.d.submit("b", PROMPT, GREEDY, refused.append, prefill="tcp://elsewhere.test:1")
+    wire.run_until(lambda: ended(refused))
+    assert refused[-1].finish_reason == "error"
+    assert "already pairs with 1 prefill workers" in (refused[-1].error or "")
+    wire.run_until(lambda: ended(busy) and wire.idle())  # the busy request is unharmed
+    assert busy[-1].finish_reason == "length" and wire.forgotten == []
+    # P is idle now: a new address takes its place, and D closes its transport to P.
+    waiting: list = []
+    wire.d.submit("c", PROMPT, GREEDY, waiting.append, prefill="tcp://elsewhere.test:1")
+    wire.run_until(lambda: ("d>tcp://elsewhere.test:1", "Register") in wire.sent)
+    assert wire.forgotten == [P_ADDR] and wire.d_role.peers.get(P_ADDR) is None
+    wire.d.abort("c")  # nobody answers there
+    wire.run_until(lambda: ended(waiting))
+
+
+def test_min_tokens_bans_a_stop_token_from_the_prefill_workers_first_token(wire, tiny_dir):
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    first = generate(colocated, [PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0][0]
+    params = SamplingParams(
+        max_tokens=6, min_tokens=2, stop_token_ids=(first,), temperature=0.0, ignore_eos=True
+    )
+    want = generate(colocated, [PROMPT], params)[0]
+    assert want[0] != first  # co-located: the stop token was banned at position 0
+    outs = wire.submit("r", PROMPT, params)
+    wire.run_until(lambda: ended(outs))
+    assert tokens(outs) == want and wire.idle()
+
+
+def test_seeded_sampling_gives_the_same_text_as_colocated(tiny_dir):
+    """One sampling rule: P draws output position 0 and D the rest from (seed, position), so a
+    seeded temperature-1 request gives co-located's tokens, seed after seed."""
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    wire = Wire(tiny_dir)
+    for seed in range(20):
+        params = SamplingParams(
+            max_tokens=5, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True,
+            repetition_penalty=1.2, logit_bias=((7, 5.0),),
+        )  # fmt: skip
+        outs = wire.submit(f"s{seed}", PROMPT, params)
+        wire.run_until(lambda outs=outs: ended(outs))
+        assert tokens(outs) == generate(colocated, [PROMPT], params)[0], seed
+    assert wire.idle()
+
+
+def test_a_request_without_a_seed_takes_the_one_drawn_on_d_to_p(wire):
+    outs = wire.submit("r", PROMPT * 4, SamplingParams(max_tokens=3, temperature=1.0))
+    wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, outs))
+    d_room, p_room = _d_room(wire), _p_room(wire)
+    assert d_room.request.params.seed is None
+    assert p_room.request.seed == d_room.request.seed
+    wire.run_until(lambda: ended(outs) and wire.idle())

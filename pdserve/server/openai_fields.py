@@ -1,0 +1,151 @@
+"""Which OpenAI request fields pdserve honours, which it refuses, and what it does with others.
+
+Every field a client sends is in one of three sets, per endpoint:
+- honoured: parsed and acted on (`COMPLETION_FIELDS`, `CHAT_FIELDS`; `user` is accepted and
+  has no effect, as its OpenAI meaning is only an end-user id for abuse monitoring);
+- refused unless it asks for what pdserve does anyway (`refuse_unsupported`): best_of (only
+  null, 1 or n), suffix, tools / tool_choice / functions / function_call, response_format
+  (only {"type": "text"}), audio and modalities (only ["text"]) -> 400 naming the field;
+- unknown: anything else. Like vLLM, the default is lenient: the field is ignored and logged
+  once per field name (a bounded set: a client cannot grow it or flood the log); `strict`
+  refuses it with a 400 naming it.
+
+Raises InvalidParams (the caller turns it into its 400); torch-free and I/O-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdserve.protocol.sampling import InvalidParams, is_int, show
+
+log = logging.getLogger(__name__)
+
+# vLLM's extensions that pdserve implements, in both endpoints.
+_EXTENSIONS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "min_tokens",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "timeout",
+    }
+)
+_COMMON = frozenset(
+    {
+        "model",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "n",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "user",
+    }
+)
+# The refused fields are "known" too: refuse_unsupported answers them.
+_REFUSED_COMPLETION = frozenset({"best_of", "suffix"})
+_REFUSED_CHAT = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "audio",
+        "modalities",
+    }
+)
+COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _REFUSED_COMPLETION | {"prompt", "echo"}
+CHAT_FIELDS = (
+    _COMMON
+    | _EXTENSIONS
+    | _REFUSED_CHAT
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+    }
+)
+
+MAX_LOGGED_FIELDS = 256
+
+
+class _OncePerName:
+    """Logs each name's first sighting, for at most MAX_LOGGED_FIELDS names in all."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.full = False
+
+    def warn(self, kind: str, name: str) -> None:
+        if name in self.names or self.full:
+            return
+        if len(self.names) >= MAX_LOGGED_FIELDS:
+            self.full = True
+            log.warning("more unknown request fields are ignored; no longer logging them")
+            return
+        self.names.add(name)
+        log.warning("ignoring the unknown %s request field %s", kind, show(name))
+
+
+_unknown_log = _OncePerName()
+
+
+def _refuse(field: str, why: str) -> InvalidParams:
+    return InvalidParams(f"'{field}' is not supported: {why}", field)
+
+
+def refuse_unsupported(body: dict[str, Any], kind: str) -> None:
+    """400 (InvalidParams naming the field) for a field pdserve cannot honour; a value that
+    asks for the default behaviour passes."""
+    if kind == "completion":
+        best_of, n = body.get("best_of"), body.get("n")
+        if best_of is not None and not (is_int(best_of) and best_of in (1, 1 if n is None else n)):
+            raise _refuse(
+                "best_of",
+                f"pdserve returns every choice it samples; best_of must be 1 or n, "
+                f"got {show(best_of)}",
+            )
+        if body.get("suffix") not in (None, ""):
+            raise _refuse("suffix", "insertion (text after the completion) is not implemented")
+        return
+    if body.get("tools") not in (None, []):
+        raise _refuse("tools", "tool calling is not implemented")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _refuse("tool_choice", "tool calling is not implemented")
+    for field in ("functions", "function_call", "audio"):
+        if body.get(field) is not None:
+            raise _refuse(field, "not implemented")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise _refuse("response_format", 'only {"type": "text"} (no structured output)')
+    if body.get("modalities") not in (None, ["text"]):
+        raise _refuse("modalities", 'only ["text"]')
+
+
+def check_unknown(body: dict[str, Any], kind: str, strict: bool) -> None:
+    """Fields outside the endpoint's set: InvalidParams if `strict`, else logged once each."""
+    known = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(str(k) for k in body if k not in known)
+    if not unknown:
+        return
+    if strict:
+        raise InvalidParams(
+            f"unknown field {show(unknown[0])} (this server refuses fields it does not implement)",
+            unknown[0],
+        )
+    for name in unknown:
+        _unknown_log.warn(kind, name)
