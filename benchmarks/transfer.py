@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.engine import ROLE_POLL_S  # noqa: E402
 from pdserve.kvcache.layout import KVLayout  # noqa: E402
 from pdserve.kvcache.pool import KVPool  # noqa: E402
 from pdserve.protocol.messages import NixlPool  # noqa: E402
+from pdserve.runtime.timing import ROLE_POLL_S  # noqa: E402
 from pdserve.transfer.dataplane import ShmWriter  # noqa: E402
 from pdserve.transfer.nixl import NixlAgent, NixlWriter  # noqa: E402
 

@@ -114,8 +114,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.server.app import run_server
     from pdserve.server.auth import load_api_key
+    from pdserve.worker.process import run_server
 
     if args.role == "decode":
         from pdserve.transfer.receiver import unavailable

@@ -104,3 +104,44 @@ def test_the_graph_sees_lazy_and_type_checking_imports():
 
 def test_no_import_cycle_but_the_known_ones():
     assert set(cycles(graph())) == KNOWN_CYCLES
+
+
+# docs/architecture.md §Layers: a package imports only from packages of lower layers.
+LAYERS = {
+    "protocol": 0, "runtime": 0, "config": 0,
+    "kvcache": 1, "attention": 1, "kernels": 1, "model": 1,
+    "engine": 2,
+    "transfer": 3, "server": 3,
+    "frontend": 4,
+    "worker": 5, "router": 5,
+    "doctor": 6, "demo": 6, "bench": 6, "engine_flags": 6,
+    "chaos": 7, "launch": 7,
+    "cli": 8, "__main__": 9,
+}  # fmt: skip
+# Known exceptions, each in §Known deviations.
+ALLOWED_UPWARD = {
+    ("config", "protocol"),  # same layer: BACKENDS, the wire's names
+    ("model", "attention"),  # same layer: the AttentionContext a model's layers call
+    ("model", "kernels"),  # same layer: the fused ops
+    ("attention", "kvcache"),  # same layer: the pool's views
+    ("transfer", "kvcache"),
+    ("router", "engine"),  # LATENCY_BUCKETS (prometheus histogram buckets) from engine.metrics
+}
+
+
+def package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else module
+
+
+def test_packages_import_only_from_lower_layers():
+    wrong = set()
+    for module, imports in graph().items():
+        src = package(module)
+        for imported in imports:
+            dst = package(imported)
+            if dst == src or (src, dst) in ALLOWED_UPWARD:
+                continue
+            if LAYERS[dst] >= LAYERS[src]:
+                wrong.add((src, dst))
+    assert wrong == set(), sorted(wrong)

@@ -18,13 +18,13 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.commands import Abort, Command, SnapshotQuery, Submit
 from pdserve.engine.isolation import forward_each, sample_rows
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.params import SamplingParams, validate_prompt
@@ -40,7 +40,7 @@ from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
-from pdserve.engine.snapshot import engine_snapshot
+from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
@@ -51,25 +51,6 @@ from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Submit:
-    request: Request
-    prefill: str | None = None  # a prefill worker's control address: the decode role's request
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class SnapshotQuery:
-    reply: Future[dict[str, Any]]
-
-
-Command = Submit | Abort | SnapshotQuery
 
 
 def _unsent(msg: Send) -> None:
@@ -282,20 +263,8 @@ class Engine:
         if now - self._overdue_at < OVERDUE_EVERY_S:
             return  # the loop may tick every 0.5 ms; health needs this a few times a second
         self._overdue_at = now
-        late = now - OVERDUE_GRACE_S
         reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
-        self.overdue = tuple(
-            [
-                f"request {r.request_id} ({r.status.value}) {now - r.deadline:.1f}s past deadline"
-                for r in reqs
-                if r.deadline is not None and r.deadline < late
-            ]
-            + [
-                f"room {room.room} ({room.state.value}) {now - room.deadline:.1f}s past deadline"
-                for room in self.role.rooms()
-                if room.deadline < late
-            ]
-        )
+        self.overdue = overdue(now - OVERDUE_GRACE_S, now, reqs, self.role.rooms())
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -349,7 +318,12 @@ class Engine:
 
     # -- the verbs roles use ----------------------------------------------------------------
     def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
-        """A token was sampled for `req`: record it, stream it, stop if it ends the request."""
+        """A token was sampled for `req`: record it, stream it, stop if it ends the request.
+        A request that asked for no token (max_tokens 0: it scores its prompt) ends here
+        without it."""
+        if req.params.max_tokens == 0:
+            self.finish(req, Event.LENGTH)
+            return
         now = time.monotonic()
         req.output_ids.append(tok)
         self.metrics.generated_tokens.inc()
@@ -369,6 +343,7 @@ class Engine:
                 (tok,),
                 (lp,) if lp is not None else (),
                 num_prompt_tokens=len(req.prompt_ids),
+                prompt_logprobs=req.take_prompt_logprobs(),
             )
         )
 
@@ -420,6 +395,7 @@ class Engine:
                 reason,
                 req.error,
                 len(req.prompt_ids),
+                req.take_prompt_logprobs(),
             )
         )
         return lease

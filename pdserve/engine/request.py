@@ -97,6 +97,10 @@ class Request:
     last_token_at: float | None = None
     state_since: float = field(default_factory=time.monotonic)
     error: str | None = None
+    # params.prompt_logprobs' scores, of prompt tokens 1, 2, ... in order: the runner appends
+    # them chunk by chunk (a recomputed chunk adds nothing twice); the first output carries them.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    prompt_logprobs_sent: bool = False
     # Its random stream's seed: the params' seed, or one drawn here for a request that came
     # without (the OpenAI front end always sets one, so PD and co-located draw alike). The
     # draw at output position i is a function of (seed, i): engine/sampling/random_stream.py.
@@ -133,6 +137,13 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's scores, once: for the request's first output (empty if not asked)."""
+        if self.prompt_logprobs_sent or self.params.prompt_logprobs is None:
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
     @property
     def is_decoding(self) -> bool:

@@ -5,6 +5,12 @@ device in one staged copy; the attention backend derives its own metadata from i
 every layer reuses that. The model sees only tokens, positions and an AttentionContext. On
 CUDA, a decode-only step replays a captured graph instead (engine/cuda_graphs.py) when the
 backend supports it and graphs are on.
+
+Prompt logprobs (params.prompt_logprobs): for the chunks of requests that ask, and only for
+those rows, the forward also scores each prompt position against the next prompt token, in
+float32 log_softmax, a bounded number of rows at a time, and appends the scores to the request
+(Request.prompt_logprobs) after the whole step's scoring succeeded: a step that raises leaves
+none behind, and a recomputed chunk (preemption) adds none twice.
 """
 
 from __future__ import annotations
@@ -19,11 +25,15 @@ from pdserve.attention.backend import AttentionBackend, AttentionContext
 from pdserve.attention.batch import Batch, BatchBuilder, SeqSpan
 from pdserve.attention.registry import default_backend, make_backend
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphableBackend
+from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
 from pdserve.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
+
+# Prompt rows scored at once: bounds the [rows, vocab] float32 buffer of a long prompt chunk.
+PROMPT_LOGPROB_ROWS = 512
 
 
 class ModelRunner:
@@ -81,6 +91,62 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.run(batch))  # every decode samples
         ctx = AttentionContext(self.backend, self.backend.prepare(batch))
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        self._score_prompts(chunks, batch, hidden)
         if batch.num_samples == 0:
             return hidden.new_empty(0, self.model.arch.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_indices])
+
+    def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
+        """Append to each asking request the scores of the prompt tokens its chunk predicts:
+        hidden row of position p -> logprob of prompt token p + 1 and the top alternatives."""
+        rows: list[int] = []  # rows of `hidden`
+        targets: list[int] = []  # the next prompt token of each row
+        owners: list[tuple[Request, int, int]] = []  # (request, its rows, its top count)
+        for i, c in enumerate(chunks):
+            req, top_n = c.request, c.request.params.prompt_logprobs
+            if top_n is None:
+                continue
+            first = max(c.start, len(req.prompt_logprobs))  # positions before are scored
+            end = min(c.start + c.length, len(req.prompt_ids) - 1)
+            if first >= end:
+                continue
+            base = batch.host_query_start[i] - c.start
+            rows.extend(range(base + first, base + end))
+            targets.extend(req.prompt_ids[first + 1 : end + 1])
+            owners.append((req, end - first, top_n))
+        if not rows:
+            return
+        k = max(n for _, _, n in owners)
+        scored: list[TokenLogprob] = []
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            scored += self._score_rows(
+                hidden, rows[s : s + PROMPT_LOGPROB_ROWS], targets[s : s + PROMPT_LOGPROB_ROWS], k
+            )
+        at = 0
+        for req, count, top_n in owners:
+            for x in scored[at : at + count]:
+                req.prompt_logprobs.append(TokenLogprob(x.token_id, x.logprob, x.top[:top_n]))
+            at += count
+
+    def _score_rows(
+        self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int
+    ) -> list[TokenLogprob]:
+        """One slice of rows, in one device->host copy (float64: ids below 2**53 are exact)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        lp = self.model.compute_logits(hidden.index_select(0, idx)).log_softmax(dim=-1)  # [R, V]
+        parts = [lp.gather(1, tgt[:, None]).double().flatten()]
+        if k:
+            top = lp.topk(k, dim=-1)  # [R, k] descending
+            parts += [top.values.double().flatten(), top.indices.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        r = len(rows)
+        values, indices = flat[r : r + r * k], flat[r + r * k :]
+        return [
+            TokenLogprob(
+                targets[j],
+                flat[j],
+                tuple((int(indices[j * k + c]), values[j * k + c]) for c in range(k)),
+            )
+            for j in range(r)
+        ]

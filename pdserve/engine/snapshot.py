@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.engine.request import Request
+from pdserve.engine.role import Room
 from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool
 
@@ -54,3 +55,22 @@ def engine_snapshot(
         },
         "requests": [request_row(r, now) for r in requests],
     }
+
+
+def overdue(
+    late: float, now: float, requests: Sequence[Request], rooms: Sequence[Room]
+) -> tuple[str, ...]:
+    """What is still here past its deadline before `late` (monotonic): a deadline that did not
+    end it, which /health reports."""
+    return tuple(
+        [
+            f"request {r.request_id} ({r.status.value}) {now - r.deadline:.1f}s past deadline"
+            for r in requests
+            if r.deadline is not None and r.deadline < late
+        ]
+        + [
+            f"room {room.room} ({room.state.value}) {now - room.deadline:.1f}s past deadline"
+            for room in rooms
+            if room.deadline < late
+        ]
+    )

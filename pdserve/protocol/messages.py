@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import msgspec
 
+from pdserve.protocol.outputs import TokenLogprob
+
 PROTO_VERSION = 1
 
 
@@ -95,6 +97,9 @@ class PrefillDone(Msg, frozen=True):
     first_token: int
     first_logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # id, lp, top
     kv_bytes: int = 0  # bytes P wrote into the room's pages (D checks conservation)
+    # The prompt's scores when the request asked (params.prompt_logprobs): one per prompt token
+    # after the first (D checks the count).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class PrefillFailed(Msg, frozen=True):

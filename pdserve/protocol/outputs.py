@@ -3,7 +3,8 @@
 The worker writes each RequestOutput as one line of msgspec JSON (`encode_line`); the router
 reads each line back with a decoder typed by RequestOutput (`decode_line`), which refuses
 anything else with a ValueError: bad JSON, a wrong type anywhere, an unknown finish_reason,
-or another request's id. A TokenLogprob travels as an array `[id, logprob, [[id, lp], ...]]`.
+or another request's id. A TokenLogprob travels as an array `[id, logprob, [[id, lp], ...]]`,
+in `logprobs` (generated tokens) and `prompt_logprobs` (the prompt's, on the first line).
 
 Sans-I/O and torch-free: the router imports this module.
 """
@@ -48,6 +49,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     num_prompt_tokens: Count = 0
+    # Asked by params.prompt_logprobs, on a request's first output only: one entry per prompt
+    # token after the first (the first has no context to be scored in).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 _encoder = msgspec.json.Encoder()

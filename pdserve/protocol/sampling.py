@@ -91,6 +91,9 @@ def _number(name: str, v: object, lo: float, hi: float, lo_open: bool = False) -
         raise InvalidParams(f"{name} must be a finite number in {span}, got {show(v)}", name)
 
 
+_MAX_TOKENS_NOTE = {0: "", 1: " (0 only with prompt_logprobs)"}
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 16
     temperature: float = 1.0  # below GREEDY_TEMPERATURE = greedy
@@ -107,9 +110,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None  # number of top alternatives to return per token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids increasing
     include_stop_str_in_output: bool = False
+    # Score the prompt: each prompt token after the first gets its logprob and this many top
+    # alternatives (vLLM's name). With it, max_tokens may be 0: the prompt only is computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        _int("max_tokens", self.max_tokens, lowest, INT32_MAX, _MAX_TOKENS_NOTE[lowest])
         _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _int("top_k", self.top_k, 0, INT32_MAX, " (0 disables it)")

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.frontend.api import OpenAIApi
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import validate_prompt
 from pdserve.router.backend import RemoteBackend
@@ -39,7 +40,6 @@ from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import HttpLimits, Listener, bind, bind_error
-from pdserve.server.openai_api import OpenAIApi
 from pdserve.server.stopping import Stop
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.server.openai_protocol import ApiError
+from pdserve.server.api_error import ApiError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.runtime.cluster_key import ClusterKey
-from pdserve.server.openai_protocol import ApiError
+from pdserve.server.api_error import ApiError
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 HEALTH_PATHS = frozenset({"/health", "/health/deep", "/metrics"})

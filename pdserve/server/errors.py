@@ -26,7 +26,7 @@ import logging
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.server.openai_protocol import ApiError
+from pdserve.server.api_error import ApiError
 
 log = logging.getLogger(__name__)
 

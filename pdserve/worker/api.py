@@ -26,10 +26,10 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.frontend.api import read_json
+from pdserve.frontend.protocol import ApiError, bad, check_timeout
 from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
-from pdserve.server.openai_api import read_json
-from pdserve.server.openai_protocol import ApiError, bad, check_timeout
 
 GRACE_S = 10.0
 MAX_REQUEST_ID_CHARS = 256

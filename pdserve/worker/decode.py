@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.engine import Engine, Submit
+from pdserve.engine.commands import Submit
+from pdserve.engine.engine import Engine
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Room
 from pdserve.engine.scheduler import StepPlan
@@ -163,6 +164,16 @@ class DecodeRole:
                 DEvent.FAILED,
                 f"incomplete KV: received {room.bytes_received} of {msg.kv_bytes} bytes",
             )
+        req = room.request
+        if req.params.prompt_logprobs is not None:
+            if len(msg.prompt_logprobs) != len(req.prompt_ids) - 1:
+                return self._apply(
+                    room,
+                    DEvent.FAILED,
+                    f"the prefill worker sent {len(msg.prompt_logprobs)} prompt logprobs for "
+                    f"{len(req.prompt_ids)} prompt tokens",
+                )
+            req.prompt_logprobs = list(msg.prompt_logprobs)
         room.first_token = msg.first_token
         self.stats.bytes_acked += msg.kv_bytes
         if msg.first_logprob is not None:

@@ -260,6 +260,7 @@ class PrefillRole:
                         first_logprob=(lp.token_id, lp.logprob, list(lp.top))
                         if lp is not None
                         else None,
+                        prompt_logprobs=tuple(room.request.prompt_logprobs),
                     ),
                 )
             case Cmd.SEND_FAILED:

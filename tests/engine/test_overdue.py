@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from pdserve.engine.engine import OVERDUE_GRACE_S
 from pdserve.engine.params import SamplingParams
+from pdserve.runtime.timing import OVERDUE_GRACE_S
 from tests.helpers import make_engine
 
 

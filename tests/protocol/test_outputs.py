@@ -22,6 +22,7 @@ def test_a_line_round_trips_and_has_the_documented_shape() -> None:
         "finish_reason": "stop",
         "error": None,
         "num_prompt_tokens": 7,
+        "prompt_logprobs": [],
     }
     for finish in (None, "length", "abort", "error"):
         o = RequestOutput("r", (), finish_reason=finish, error="e" if finish else None)

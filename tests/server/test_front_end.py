@@ -1,4 +1,4 @@
-"""The OpenAI front end's surface and its use of the event loop (server/openai_api.py).
+"""The OpenAI front end's surface and its use of the event loop (frontend/api.py).
 
 Real aiohttp apps in this process over a fake engine: tokenizing runs on the tokenizer
 threads, so a tokenizer that blocks leaves /health answering; `GET /v1/models/{id}`; a slow
@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from pdserve.frontend import api as openai_api
+from pdserve.frontend.api import OpenAIApi
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
-from pdserve.server import openai_api
 from pdserve.server.errors import error_middleware
-from pdserve.server.openai_api import OpenAIApi
 
 VOCAB, MAX_LEN = 100, 64
 WAIT_S = 10.0

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from pdserve.frontend import fields as openai_fields
+from pdserve.frontend.fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
+from pdserve.frontend.protocol import ApiError, parse_chat, parse_completion
 from pdserve.protocol.sampling import InvalidParams
-from pdserve.server import openai_fields
-from pdserve.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
-from pdserve.server.openai_protocol import ApiError, parse_chat, parse_completion
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 DONE = {"prompt": "x"}
@@ -127,7 +127,7 @@ class Lines(logging.Handler):
 
 @pytest.fixture
 def lines() -> Any:
-    logger = logging.getLogger("pdserve.server.openai_fields")
+    logger = logging.getLogger("pdserve.frontend.fields")
     handler, level = Lines(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)

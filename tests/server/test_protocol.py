@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.server.openai_protocol import ApiError, parse_chat, parse_completion
+from pdserve.frontend.protocol import ApiError, parse_chat, parse_completion
 
 
 def err(fn, body) -> ApiError:

@@ -1,4 +1,4 @@
-from pdserve.server.textstream import TextStream
+from pdserve.frontend.textstream import TextStream
 
 
 class CharDetok:

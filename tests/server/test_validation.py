@@ -21,6 +21,14 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
+from pdserve.frontend.api import OpenAIApi
+from pdserve.frontend.protocol import (
+    ApiError,
+    check_json,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import (
     INT64_MAX,
@@ -31,14 +39,6 @@ from pdserve.protocol.sampling import (
     validate_prompt,
 )
 from pdserve.server.errors import INTERNAL_ERROR, error_middleware
-from pdserve.server.openai_api import OpenAIApi
-from pdserve.server.openai_protocol import (
-    ApiError,
-    check_json,
-    parse_chat,
-    parse_completion,
-    parse_json_body,
-)
 from pdserve.worker.api import (
     WorkerApi,
     check_prefill_address,

@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from pdserve.engine.engine import ROLE_POLL_S
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
+from pdserve.runtime.timing import ROLE_POLL_S
 from pdserve.transfer.nixl import NixlAgent
 
 

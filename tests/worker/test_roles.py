@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pdserve.engine.offline import build_engine, generate
+from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker import decode, decode_peers
@@ -193,3 +194,27 @@ def test_a_request_without_a_seed_takes_the_one_drawn_on_d_to_p(wire):
     assert d_room.request.params.seed is None
     assert p_room.request.seed == d_room.request.seed
     wire.run_until(lambda: ended(outs) and wire.idle())
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_prompt_logprobs_travel_with_prefill_done_and_equal_colocated(wire, tiny_dir, max_tokens):
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=2
+    )
+    outs = wire.submit("plp", PROMPT, params)
+    wire.run_until(lambda: ended(outs))
+    assert outs[-1].finish_reason == "length", outs[-1]
+    assert len(tokens(outs)) == max_tokens
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    local: list = []
+    colocated.submit("plp", PROMPT, params, local.append)
+    deadline = time.monotonic() + 60
+    while not ended(local):
+        assert time.monotonic() < deadline
+        colocated.tick()
+    assert len(outs[0].prompt_logprobs) == len(PROMPT) - 1
+    assert outs[0].prompt_logprobs == local[0].prompt_logprobs
+    done = m.PrefillDone(first_token=1, prompt_logprobs=outs[0].prompt_logprobs)
+    assert m.decode(m.encode(done)) == done  # the control plane's codec carries them whole
+    assert tokens(outs) == tokens(local)
+    assert wire.idle() and wire.violations() == []

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.frontend.textstream import Detokenizer, TextStream
 from pdserve.protocol.outputs import RequestOutput, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.server.textstream import Detokenizer, TextStream
 
 GRACE_S = 10.0  # how long past the engine's own deadline we wait for its final word
 
@@ -43,6 +43,7 @@ class Choice:
     text: TextStream
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ...
     finish_reason: str | None = None
     error: str | None = None
 
@@ -130,6 +131,7 @@ class Generation:
         text = "".join(c.text.push(t) for t in shown)
         c.token_ids.extend(out.token_ids)
         c.logprobs.extend(out.logprobs)
+        c.prompt_logprobs.extend(out.prompt_logprobs)
         if c.text.stopped:
             c.finish_reason = "stop"
         elif out.finish_reason is not None:

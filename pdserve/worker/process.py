@@ -23,6 +23,8 @@ from aiohttp import web
 
 from pdserve.config import ServerConfig
 from pdserve.engine.engine import Engine
+from pdserve.frontend.api import OpenAIApi, error_response, read_json
+from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg, Send
 from pdserve.runtime.cluster_key import ClusterKey
@@ -34,8 +36,6 @@ from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import Listener, bind, bind_error
-from pdserve.server.openai_api import OpenAIApi, error_response, read_json
-from pdserve.server.openai_protocol import ApiError
 from pdserve.server.stopping import Stop, in_thread
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier

@@ -22,10 +22,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from pdserve.protocol.outputs import is_deadline_error
-from pdserve.protocol.sampling import InvalidParams
-from pdserve.server.generation import Backend, Delta, Generation
-from pdserve.server.openai_protocol import (
+from pdserve.frontend.generation import Backend, Choice, Delta, Generation
+from pdserve.frontend.protocol import (
     ApiError,
     GenerationSpec,
     bad,
@@ -33,6 +31,8 @@ from pdserve.server.openai_protocol import (
     parse_completion,
     parse_json_body,
 )
+from pdserve.protocol.outputs import TokenLogprob, is_deadline_error
+from pdserve.protocol.sampling import InvalidParams
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class _Formatter:
         if spec.echo:
             for c in gen.choices:
                 self.texts[c.index] = self.decode(c.prompt_ids)
+                self.offsets[c.index] = len(self.texts[c.index])  # a stream's offsets follow it
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = ("chat.completion" if self.chat else "text_completion") + (
@@ -310,7 +311,10 @@ class _Formatter:
     def full_response(self) -> dict[str, Any]:
         choices = []
         for c in self.gen.choices:
-            lp = self._logprobs(c.logprobs, 0) if self.spec.params.logprobs is not None else None
+            lp = None
+            if self.spec.params.logprobs is not None:
+                prompt, first = self._echoed(c)
+                lp = self._logprobs(prompt + c.logprobs, 0, first)
             if self.chat:
                 choices.append(
                     {
@@ -381,7 +385,15 @@ class _Formatter:
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": self.usage()}
 
-    def _logprobs(self, lps: list[Any], offset: int) -> dict[str, Any]:
+    def _echoed(self, c: Choice) -> tuple[list[TokenLogprob], int | None]:
+        """With echo and prompt scores (a whole completion): the prompt's scored entries, and
+        its first token, which vLLM shows with a null logprob (nothing came before it)."""
+        if self.chat or not self.spec.echo or self.spec.params.prompt_logprobs is None:
+            return [], None
+        return list(c.prompt_logprobs), c.prompt_ids[0]
+
+    def _logprobs(self, lps: list[Any], offset: int, first: int | None = None) -> dict[str, Any]:
+        """`first`: a token shown before `lps` with null logprob and alternatives."""
         tok = self.api.tok
         if self.chat:
 
@@ -398,16 +410,22 @@ class _Formatter:
                     for x in lps
                 ]
             }
-        tokens = [tok.decode([x.token_id], skip_special_tokens=False) for x in lps]
+        lead: list[TokenLogprob | None] = [None] if first is not None else []
+        entries = lead + lps
+        ids = ([first] if first is not None else []) + [x.token_id for x in lps]
+        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
+            "token_logprobs": [x.logprob if x is not None else None for x in entries],
             "top_logprobs": [
-                {tok.decode([t], skip_special_tokens=False): v for t, v in x.top} for x in lps
+                {tok.decode([t], skip_special_tokens=False): v for t, v in x.top}
+                if x is not None
+                else None
+                for x in entries
             ],
             "text_offset": offsets,
         }

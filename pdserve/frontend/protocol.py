@@ -3,7 +3,7 @@
 Everything a client can get wrong is caught here and reported as an ApiError with the HTTP
 status and the offending parameter, before anything reaches the engine: the body's bytes
 (charset, JSON, nesting depth, lone surrogates: `parse_json_body`, shared with the worker
-API), then which fields it may hold (`openai_fields`: honoured, refused, or unknown: logged,
+API), then which fields it may hold (`fields.py`: honoured, refused, or unknown: logged,
 or refused when `strict`), then every field's type and range (sampling fields through
 SamplingParams), then the limits on how much one body may ask for (prompts x n, stop
 strings). An error names the field as the client sent it (`max_completion_tokens`,
@@ -12,7 +12,7 @@ strings). An error names the field as the client sent it (`max_completion_tokens
 Every SamplingParams built here has a seed: the client's, or one drawn here. The random
 stream of a request is a function of (seed, output position) (engine/sampling/), so a
 request sampled by a prefill and a decode worker draws the same tokens as co-located; choice
-i of n gets seed + i (server/generation.py).
+i of n gets seed + i (frontend/generation.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.frontend.fields import check_unknown, refuse_unsupported
 from pdserve.protocol.sampling import (
     INT64_MAX,
     INT64_MIN,
@@ -37,7 +38,6 @@ from pdserve.server.api_error import bad
 from pdserve.server.json_body import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # re-exported
 from pdserve.server.json_body import check_json as check_json  # re-exported
 from pdserve.server.json_body import parse_json_body as parse_json_body  # re-exported
-from pdserve.server.openai_fields import check_unknown, refuse_unsupported
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one completions body
@@ -132,7 +132,11 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _params(
-    body: dict[str, Any], max_tokens: int, logprobs: int | None, names: dict[str, str]
+    body: dict[str, Any],
+    max_tokens: int,
+    logprobs: int | None,
+    names: dict[str, str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The body's SamplingParams; `names` maps a SamplingParams field to the body field that
     fed it where they differ, for the error's wording and param."""
@@ -164,6 +168,7 @@ def _params(
             logprobs=logprobs,
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidParams as e:
         message, field = str(e), e.param
@@ -228,13 +233,16 @@ def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
     }
 
 
-def _max_tokens(body: dict[str, Any], *names: str) -> tuple[int, bool, str]:
-    """(max tokens, whether the body gave it, the name it came by)."""
+def _max_tokens(body: dict[str, Any], *names: str, echo: bool = False) -> tuple[int, bool, str]:
+    """(max tokens, whether the body gave it, the name it came by); 0 only with `echo`
+    (completions: score the prompt, generate nothing)."""
+    lowest = 0 if echo else 1
     for name in names:
         v = _get(body, name, int, None)
         if v is not None:
-            if v < 1:
-                raise bad(f"'{name}' must be >= 1, got {show(v)}", name)
+            if v < lowest:
+                note = "" if echo else " (0 only with 'echo')"
+                raise bad(f"'{name}' must be >= {lowest}{note}, got {show(v)}", name)
             return v, True, name
     return 16, False, names[0]
 
@@ -286,14 +294,20 @@ def parse_completion(body: Any, strict: bool = False) -> GenerationSpec:
         raise bad("'prompt' must not be empty", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
-    max_tokens, given, _ = _max_tokens(body, "max_tokens")
+    echo = _get(body, "echo", bool, False)
+    max_tokens, given, _ = _max_tokens(body, "max_tokens", echo=echo)
+    logprobs = _completion_logprobs(body)
+    # echo + logprobs scores the echoed prompt too, as vLLM; max_tokens 0 needs it scored.
+    prompt_logprobs = logprobs if echo and logprobs is not None else None
+    if max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
     return GenerationSpec(
         kind="completion",
         model=model,
         prompts=tuple(prompts),
-        params=_params(body, max_tokens, _completion_logprobs(body), {}),
+        params=_params(body, max_tokens, logprobs, {}, prompt_logprobs),
         max_tokens_given=given,
-        echo=_get(body, "echo", bool, False),
+        echo=echo,
         **_common(body, len(prompts)),
     )
 

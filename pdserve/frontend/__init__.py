@@ -1,0 +1,4 @@
+"""The OpenAI front end, shared by the co-located worker and the router: request parsing and
+validation (`protocol.py`, `fields.py`), the endpoints (`api.py`), a call's fan-out and fan-in
+over a backend (`generation.py`) and incremental detokenisation (`textstream.py`). Speaks to an
+engine or a remote decode worker only through the `Backend` protocol; loads no torch."""
