@@ -216,8 +216,8 @@ def run_pdserve(
     for rid in ids:
         engine.abort(rid)
     engine.tick()  # handles the aborts: every page goes back
-    if engine.pool.allocator.num_used:
-        raise RuntimeError(f"{engine.pool.allocator.num_used} pages still used after the aborts")
+    if engine.pool.allocator.num_held:  # the prefix cache may keep pages: those are evictable
+        raise RuntimeError(f"{engine.pool.allocator.num_held} pages still held after the aborts")
     fwd_ms, tick_ms = statistics.median(fwd) * 1e3, statistics.median(tick) * 1e3
     return {
         "ctx": round(ctx, 1),

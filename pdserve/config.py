@@ -27,6 +27,8 @@ class ModelSpec:
 class CacheConfig:
     page_size: int = 16
     kv_budget_bytes: int = 256 * 2**20
+    # Reuse the KV of cached prompt prefixes (kvcache/prefix_cache.py); --no-prefix-cache.
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -33,6 +33,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    # Two store_true flags, not one BooleanOptionalAction: `launch` passes flags on by name.
+    g.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="reuse the KV pages of cached prompt prefixes"
+        + (" (the default)" if CacheConfig.prefix_cache else ""),
+    )
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="no prefix cache: every request computes its whole prompt's KV",
+    )
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
     g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
@@ -77,7 +89,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             dtype=dtype,
             device=resolve_device(args.device),
         ),
-        cache=CacheConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * 2**20)),
+        cache=CacheConfig(
+            page_size=args.page_size,
+            kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+            prefix_cache=(CacheConfig.prefix_cache or args.prefix_cache)
+            and not args.no_prefix_cache,
+        ),
         scheduler=SchedulerConfig(
             max_batched_tokens=args.max_batched_tokens,
             max_running=args.max_running,

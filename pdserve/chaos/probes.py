@@ -90,7 +90,8 @@ class Quiet:
         for inv in self.workers.values():
             pool = inv.get("pool") if isinstance(inv, dict) else None
             if pool:
-                total += pool["pages_total"] - pool["pages_free"]
+                cached = pool.get("pages_cached", 0)  # the prefix cache's: evictable, not leaked
+                total += pool["pages_total"] - pool["pages_free"] - cached
         return total
 
 

@@ -44,6 +44,7 @@ from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import load_model
 from pdserve.protocol.messages import Send
@@ -70,7 +71,10 @@ class Engine:
             cfg.scheduler.max_model_len, model.arch.max_position_embeddings, pool.capacity_tokens
         )
         self.leases = Leases(pool.allocator)  # every page taken from the pool is leased
-        self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size)
+        self.prefix_cache = (
+            PrefixCache(self.leases, pool.page_size) if cfg.cache.prefix_cache else None
+        )
+        self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size, self.prefix_cache)
         runner = cfg.runner
         self.runner = ModelRunner(
             model,
@@ -282,6 +286,8 @@ class Engine:
         self.metrics.running.set(counts["running"])
         self.metrics.waiting.set(counts["waiting"])
         self.metrics.pages_used.set(counts["pages_used"])
+        if self.prefix_cache is not None:
+            self.metrics.prefix_cache.update(self.prefix_cache.stats)
 
     def _run(self, plan: StepPlan) -> None:
         chunks = list(plan.chunks)
@@ -408,4 +414,5 @@ class Engine:
             self.pool,
             self.leases,
             list(self.scheduler.running) + list(self.scheduler.waiting),
+            self.prefix_cache,
         )

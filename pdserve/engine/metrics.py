@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.kvcache.prefix_cache import CacheStats
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -45,5 +47,33 @@ class EngineMetrics:
             registry=r,
         )
 
+        self.prefix_cache = PrefixCacheMetrics(r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheMetrics:
+    """The prefix cache's counters, advanced to its stats (kvcache/prefix_cache.py) each step."""
+
+    FIELDS = {  # CacheStats field -> (metric name, help)
+        "queries": ("pdserve_prefix_cache_queries", "Prefix cache lookups"),
+        "query_tokens": ("pdserve_prefix_cache_queries_tokens", "Tokens looked up in the cache"),
+        "hits": ("pdserve_prefix_cache_hits", "Lookups that matched at least one page"),
+        "hit_tokens": ("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the cache"),
+        "inserted_pages": ("pdserve_prefix_cache_inserted_pages", "Pages added to the cache"),
+        "evicted_pages": ("pdserve_prefix_cache_evicted_pages", "Pages evicted from the cache"),
+    }
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._counters = {
+            f: Counter(name, doc, registry=registry) for f, (name, doc) in self.FIELDS.items()
+        }
+        self._seen = CacheStats()
+
+    def update(self, stats: CacheStats) -> None:
+        for f, counter in self._counters.items():
+            delta = getattr(stats, f) - getattr(self._seen, f)
+            if delta > 0:
+                counter.inc(delta)
+                setattr(self._seen, f, getattr(stats, f))

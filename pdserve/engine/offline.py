@@ -34,10 +34,11 @@ def build_engine(
     attention_backend: str | None = None,
     enforce_eager: bool = False,
     cuda_graph_max_bs: int = 256,
+    prefix_cache: bool = CacheConfig.prefix_cache,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
-        CacheConfig(page_size, int(kv_budget_mb * 2**20)),
+        CacheConfig(page_size, int(kv_budget_mb * 2**20), prefix_cache),
         SchedulerConfig(
             max_batched_tokens=max_batched_tokens,
             max_running=max_running,

@@ -11,6 +11,12 @@ way, the request that needs a page waits a step instead.
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
 its caller (`hand_over`, adopt). Nothing else here takes or gives back a page.
+
+With a prefix cache (kvcache/prefix_cache.py), a request that gets pages starts with the
+longest cached prefix of its tokens shared into its lease and counted as computed (always
+leaving one token to compute: its logits are sampled), and a request that leaves (finished
+other than by FAIL, preempted, or handed to a prefill room) first inserts its full computed
+pages. Pages only the cache holds are evicted by the allocator when its free list is short.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Event, Request
 from pdserve.kvcache.lease import Lease, Leases
+from pdserve.kvcache.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,18 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, leases: Leases, page_size: int) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        leases: Leases,
+        page_size: int,
+        cache: PrefixCache | None = None,
+    ) -> None:
         self.cfg = cfg
         self.leases = leases
         self.allocator = leases.allocator
         self.page_size = page_size
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pinned: Callable[[Request], bool] = lambda _req: False
@@ -81,14 +95,17 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, event: Event) -> None:
-        """Move `req` to a finished state and release its pages (its lease ends here)."""
+        """Move `req` to a finished state and release its pages (its lease ends here); its
+        computed pages are cached first unless it failed (its KV may be partial)."""
         self._remove(req, event)
-        self._release(req)
+        self._release(req, cache=event is not Event.FAIL)
 
     def hand_over(self, req: Request, event: Event, owner: str) -> Lease | None:
         """Finish `req` but keep its pages: its lease passes to `owner` (a prefill room whose
         writes still read them), who releases it. None if it held no pages."""
         self._remove(req, event)
+        if event is not Event.FAIL:
+            self._cache(req)
         lease, req.lease = req.lease, None
         return lease.hand_over(owner) if lease is not None else None
 
@@ -119,11 +136,16 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
+            queried = self._match(req)
             n = min(req.num_uncomputed, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
             if not self.allocator.can_allocate(need):
+                self._release(req, cache=False)  # a waiting request holds no pages
+                req.num_computed = 0
                 break  # no preemption to admit new work
             self.waiting.popleft()
+            if self.cache is not None and queried:
+                self.cache.record(queried, req.num_computed)
             self._grow(req, need)
             req.transition(Event.SCHEDULE)
             self.running.append(req)
@@ -152,7 +174,7 @@ class Scheduler:
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
         req.transition(Event.PREEMPT)
-        self._release(req)
+        self._release(req, cache=True)
         req.num_computed = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -166,11 +188,32 @@ class Scheduler:
         else:
             req.lease.extend(need)
 
-    def _release(self, req: Request) -> None:
-        """The one place a request's pages go back: finish and preemption."""
+    def _release(self, req: Request, cache: bool) -> None:
+        """The one place a request's pages go back: finish and preemption; with `cache`, its
+        computed full pages stay in the prefix cache."""
         if req.lease is not None:
+            if cache:
+                self._cache(req)
             req.lease.release()
             req.lease = None
+
+    def _match(self, req: Request) -> int:
+        """A request about to get pages starts from the longest cached prefix of its tokens;
+        returns how many tokens were looked up. Not for one that scores its prompt (every
+        position's logits are needed)."""
+        if self.cache is None or req.lease is not None or req.params.prompt_logprobs is not None:
+            return 0
+        tokens = req.all_ids[: req.num_tokens - 1]  # its last token is computed: it samples
+        pages = self.cache.match(tokens)
+        if pages:
+            req.lease = self.leases.open(req.request_id)
+            req.lease.share(pages)
+            req.num_computed = len(pages) * self.page_size
+        return len(tokens)
+
+    def _cache(self, req: Request) -> None:
+        if self.cache is not None and req.lease is not None:
+            self.cache.insert(req.all_ids, req.lease.pages, req.num_computed)
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

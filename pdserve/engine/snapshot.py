@@ -14,6 +14,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.role import Room
 from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.prefix_cache import PrefixCache
 
 
 def request_row(r: Request, now: float) -> dict[str, Any]:
@@ -38,8 +39,12 @@ def engine_snapshot(
     pool: KVPool,
     leases: Leases,
     requests: Sequence[Request],
+    cache: PrefixCache | None = None,
 ) -> dict[str, Any]:
+    """`pool.leases` counts the leases of requests and rooms (the prefix cache's is its own);
+    `pool.pages_cached` the pages only the prefix cache holds (in use, but evictable)."""
     now = time.monotonic()
+    violations = leases.violations() + (cache.violations() if cache is not None else [])
     return {
         "role": role,
         "steps": steps,
@@ -49,10 +54,12 @@ def engine_snapshot(
             "page_size": pool.page_size,
             "pages_free": pool.allocator.num_free,
             "pages_used": pool.allocator.num_used,
-            "leases": len(leases),
-            "lease_violations": leases.violations(),
+            "pages_cached": pool.allocator.num_evictable,
+            "leases": len(leases) - (1 if cache is not None else 0),
+            "lease_violations": violations,
             "layout": pool.layout.to_dict(),
         },
+        "prefix_cache": cache.snapshot() if cache is not None else None,
         "requests": [request_row(r, now) for r in requests],
     }
 

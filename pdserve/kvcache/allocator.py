@@ -6,12 +6,17 @@ out pages with count 1, `retain` adds a reference to a page someone holds (a sha
 checks all its pages before it changes anything, so a double release or a release of a free
 page is a loud error at the call site, with nothing half done, not silent KV corruption later.
 Who holds the references is kvcache/lease.py's business; this file only counts them.
+
+Cached pages (kvcache/prefix_cache.py): a page marked `cached` whose only reference is the
+cache's is *evictable*; the allocator keeps their number as counts change, so `can_allocate`
+counts them as available, and `allocate` asks its `evict` hook for them when the free list is
+short. Pages anyone else holds are never evicted.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class PageAllocError(RuntimeError):
@@ -25,6 +30,10 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs: list[int] = [0] * num_pages
+        self._cached: set[int] = set()  # pages the prefix cache holds a reference on
+        self._evictable = 0  # cached pages whose count is 1: only the cache holds them
+        # Frees at least `n` evictable pages (PrefixCache.evict); None: nothing is cached.
+        self.evict: Callable[[int], object] | None = None
 
     @property
     def num_free(self) -> int:
@@ -35,8 +44,18 @@ class PageAllocator:
         """Pages with at least one reference (a shared page counts once)."""
         return self.num_pages - len(self._free)
 
+    @property
+    def num_evictable(self) -> int:
+        """Pages only the prefix cache holds: in use, but `allocate` can have them."""
+        return self._evictable
+
+    @property
+    def num_held(self) -> int:
+        """Pages a request or room holds (in use and not only cached): 0 when quiet."""
+        return self.num_used - self._evictable
+
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= len(self._free) + self._evictable
 
     def refcount(self, page: int) -> int:
         self._check_range(page, "read")
@@ -46,6 +65,8 @@ class PageAllocator:
         """`n` free pages, each with reference count 1."""
         if n < 0:
             raise PageAllocError(f"asked for {n} pages")
+        if n > len(self._free) and self.evict is not None and self.can_allocate(n):
+            self.evict(n - len(self._free))
         if n > len(self._free):
             raise PageAllocError(f"asked for {n} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
@@ -61,6 +82,8 @@ class PageAllocator:
                 raise PageAllocError(f"page {p} retained but it is free")
         for p in pages:
             self._refs[p] += 1
+            if self._refs[p] == 2 and p in self._cached:
+                self._evictable -= 1
 
     def release(self, pages: Sequence[int]) -> None:
         """One reference less on each page (a page listed twice loses two); a page left with
@@ -75,8 +98,27 @@ class PageAllocator:
                 )
         for p in pages:
             self._refs[p] -= 1
+            if p in self._cached and self._refs[p] < 2:
+                self._evictable += 1 if self._refs[p] == 1 else -1
             if self._refs[p] == 0:
                 self._free.append(p)
+
+    def mark_cached(self, pages: Sequence[int], cached: bool) -> None:
+        """The prefix cache took (True, after its reference) or dropped (False, after its
+        reference went) its reference on `pages`: the evictable count follows."""
+        for p in pages:
+            self._check_range(p, "marked")
+            if (p in self._cached) == cached:
+                raise PageAllocError(f"page {p} marked cached={cached} twice")
+            if cached and self._refs[p] == 0:
+                raise PageAllocError(f"page {p} marked cached but it is free")
+        for p in pages:
+            if cached:
+                self._cached.add(p)
+            else:
+                self._cached.discard(p)
+            if self._refs[p] == 1:
+                self._evictable += 1 if cached else -1
 
     def violations(self) -> list[str]:
         """The allocator's own consistency (for /debug/invariants): the free list holds each
@@ -87,6 +129,9 @@ class PageAllocator:
             listed, refs = in_free.get(p, 0), self._refs[p]
             if refs < 0 or listed != (1 if refs == 0 else 0):
                 out.append(f"page {p}: refcount {refs}, in the free list {listed} times")
+        evictable = sum(1 for p in self._cached if self._refs[p] == 1)
+        if evictable != self._evictable:
+            out.append(f"evictable pages: counted {self._evictable}, found {evictable}")
         return out
 
     def _check_range(self, page: int, verb: str) -> None:

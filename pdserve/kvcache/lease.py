@@ -1,12 +1,13 @@
 """Page leases: who holds the references the allocator counts, each lease ended in one place.
 
 A `Lease` is one holder's references on pages, in token order: a request's page table, a
-decode room's destination pages, or the source pages a prefill room keeps while its writes
-read them. `Leases.open` starts one; `extend` adds fresh pages and `share` takes references on
-pages other leases hold (a cached prefix). A lease ends exactly once: `release()` drops every
-reference, or `hand_over(owner)` moves them, counts unchanged, to a new lease (a room that
-outlives its request, a request that inherits its room's pages). A lease used after it ended
-raises LeaseError, so a double release is a loud error, never a second decrement.
+decode room's destination pages, the source pages a prefill room keeps while its writes read
+them, or the prefix cache's pages. `Leases.open` starts one; `extend` adds fresh pages, `share`
+takes references on pages other leases hold (a cached prefix) and `drop` gives some back (the
+cache evicting). A lease ends exactly once: `release()` drops every reference, or
+`hand_over(owner)` moves them, counts unchanged, to a new lease (a room that outlives its
+request, a request that inherits its room's pages). A lease used after it ended raises
+LeaseError, so a double release is a loud error, never a second decrement.
 
 Invariant (`Leases.violations`, checked by /debug/invariants): every page's reference count
 equals the number of live leases holding it; so a free page has count 0 and no lease holds it.
@@ -42,6 +43,7 @@ class Lease:
         self.heir: Hashable | None = None  # whom it was handed over to
         self._registry = registry
         self._pages = pages
+        self._held = set(pages)  # the same pages, for O(1) checks (the cache's lease is big)
 
     def __repr__(self) -> str:
         return f"Lease({self.owner!r}, {len(self._pages)} pages, {self.state.value})"
@@ -64,19 +66,32 @@ class Lease:
         self._check_live("extend")
         new = self._registry.allocator.allocate(n)
         self._pages.extend(new)
+        self._held.update(new)
         return new
 
     def share(self, pages: Sequence[int]) -> None:
         """Take a reference on each of `pages`, which other leases hold, and append them."""
         self._check_live("share")
-        held, seen = set(self._pages), set()
+        seen: set[int] = set()
         for p in pages:
-            if p in held or p in seen:
-                why = "it holds it already" if p in held else "it is listed twice"
+            if p in self._held or p in seen:
+                why = "it holds it already" if p in self._held else "it is listed twice"
                 raise LeaseError(f"lease of {self.owner!r} cannot share page {p}: {why}")
             seen.add(p)
         self._registry.allocator.retain(pages)  # refuses a free page, changing nothing
         self._pages.extend(pages)
+        self._held.update(pages)
+
+    def drop(self, pages: Sequence[int]) -> None:
+        """Drop the references on some of its pages, which leave it (the prefix cache evicting);
+        LeaseError, nothing dropped, if it does not hold each exactly once."""
+        self._check_live("drop")
+        gone = set(pages)
+        if len(gone) != len(pages) or not gone <= self._held:
+            raise LeaseError(f"lease of {self.owner!r} cannot drop {list(pages)}: not its pages")
+        self._registry.allocator.release(pages)
+        self._pages[:] = [p for p in self._pages if p not in gone]
+        self._held -= gone
 
     def release(self) -> None:
         """Drop every reference; the lease ends. A second call raises LeaseError."""
@@ -95,6 +110,7 @@ class Lease:
 
     def _end(self, state: LeaseState) -> None:
         self._pages = []
+        self._held = set()
         self.state = state
         self._registry._remove(self)
 

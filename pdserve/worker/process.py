@@ -183,8 +183,12 @@ class Server:
             violations.append(f"{len(role['rooms'])} transfer rooms still open")
         if role.get("admitting"):
             violations.append(f"{role['admitting']} requests still waiting for pages")
-        if pool["pages_free"] != pool["pages_total"]:
-            violations.append(f"pages free {pool['pages_free']} != total {pool['pages_total']}")
+        idle = pool["pages_free"] + pool.get("pages_cached", 0)  # cached pages are evictable
+        if idle != pool["pages_total"]:
+            violations.append(
+                f"pages free {pool['pages_free']} + cached {pool.get('pages_cached', 0)} "
+                f"!= total {pool['pages_total']}"
+            )
         if pool["leases"]:
             violations.append(f"{pool['leases']} page leases still live")
         violations += [f"lease check: {v}" for v in pool["lease_violations"]]

@@ -75,4 +75,4 @@ def test_one_failing_row_fails_alone(tiny_dir, monkeypatch, params, where):
         assert end.finish_reason == "length", (rid, end)
         assert tokens == clean[rid][0], rid  # byte-identical to the clean run
     assert eng.metrics.step_errors._value.get() >= 1  # noqa: SLF001 - the failure was counted
-    assert eng.pool.allocator.num_free == eng.pool.num_pages  # nothing leaked
+    assert eng.pool.allocator.num_held == 0  # nothing leaked (cached pages are free to evict)

@@ -63,7 +63,7 @@ def test_greedy_matches_hf(builtin_dir, name, page_size, chunk):
     ref = hf_greedy(path, prompts)
     mismatched = [(n, a, r) for n, a, r in zip(lengths, alone, ref, strict=True) if a != r]
     assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
-    assert engine.pool.allocator.num_used == 0
+    assert engine.pool.allocator.num_held == 0
 
 
 def test_concurrent_equals_alone(tiny_dir):
@@ -73,7 +73,7 @@ def test_concurrent_equals_alone(tiny_dir):
     alone = [run(engine, [p], GREEDY)[0] for p in prompts]
     together = run(engine, prompts, GREEDY)
     assert together == alone
-    assert engine.pool.allocator.num_used == 0
+    assert engine.pool.allocator.num_held == 0
 
 
 def test_preemption_keeps_greedy_output(tiny_dir):
@@ -87,7 +87,7 @@ def test_preemption_keeps_greedy_output(tiny_dir):
     )
     assert run(tight, prompts, GREEDY) == expected
     assert tight.metrics.preemptions._value.get() > 0
-    assert tight.pool.allocator.num_used == 0
+    assert tight.pool.allocator.num_held == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -113,4 +113,4 @@ def test_greedy_matches_hf_on_the_gpu_with_graphs(builtin_dir, name):
     ref = hf_greedy(path, prompts)
     mismatched = [(n, a, r) for n, a, r in zip(lengths, together, ref, strict=True) if a != r]
     assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
-    assert engine.runner.graphs.replays > 0 and engine.pool.allocator.num_used == 0
+    assert engine.runner.graphs.replays > 0 and engine.pool.allocator.num_held == 0

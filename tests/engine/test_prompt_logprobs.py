@@ -56,7 +56,7 @@ def test_prompt_logprobs_match_hf_across_chunks(tiny_dir):
     for j, x in enumerate(got):
         assert [t for t, _ in x.top] == top.indices[j].tolist()
         assert torch.allclose(torch.tensor([v for _, v in x.top]), top.values[j], atol=1e-4)
-    assert engine.pool.allocator.num_used == 0
+    assert engine.pool.allocator.num_held == 0
 
 
 def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_dir):
@@ -67,7 +67,7 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_dir):
     assert outs[-1].finish_reason == "length"
     assert [x.token_id for x in outs[0].prompt_logprobs] == prompt[1:]
     assert all(x.top == () for x in outs[0].prompt_logprobs)
-    assert engine.pool.allocator.num_used == 0
+    assert engine.pool.allocator.num_held == 0
 
 
 def test_max_tokens_zero_needs_prompt_logprobs():

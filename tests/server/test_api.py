@@ -198,7 +198,7 @@ def wait_idle(url: str, timeout_s: float = 20.0) -> dict:
     while True:
         state = http("GET", url + "/debug/state")[1]
         eng = state["engine"]
-        if not eng["requests"] and eng["pool"]["pages_used"] == 0:
+        if not eng["requests"] and eng["pool"]["pages_used"] == eng["pool"]["pages_cached"]:
             return state
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout_s}s: {eng}")

@@ -7,6 +7,7 @@ client would see and that both pools end with no page held and no lease out of s
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 
@@ -15,6 +16,7 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker import decode, decode_peers
+from tests.worker import wire as wire_module
 from tests.worker.wire import P_ADDR, Wire, ended, tokens
 
 PROMPT = [(i * 7) % 200 + 3 for i in range(37)]  # crosses pages (4) and chunks (16)
@@ -116,9 +118,9 @@ def test_a_silent_prefill_worker_is_declared_dead_and_its_pages_fenced(wire, mon
     assert outs[-1].finish_reason == "error" and "died" in (outs[-1].error or ""), outs[-1]
     room = _d_room(wire)
     assert room is not None and room.state is DState.FENCED  # P might still write: quarantined
-    assert wire.d.pool.allocator.num_used > 0
+    assert wire.d.pool.allocator.num_held > 0
     wire.run_until(lambda: _d_room(wire) is None, p=False)  # the fence expires
-    assert wire.d.pool.allocator.num_used == 0 and wire.d.leases.violations() == []
+    assert wire.d.pool.allocator.num_held == 0 and wire.d.leases.violations() == []
 
 
 def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch):
@@ -132,7 +134,7 @@ def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch
     # PEER_DEAD stops the compute and ends the room as an abort once no write is in flight.
     assert _p_room(wire) is None and wire.p_role.stats.aborted == 1
     assert wire.p_role.stats.done == 0 and not wire.p.scheduler.has_work()
-    assert wire.p.pool.allocator.num_used == 0 and wire.p.leases.violations() == []
+    assert wire.p.pool.allocator.num_held == 0 and wire.p.leases.violations() == []
 
 
 def test_prefill_peers_are_bounded_and_the_idle_one_gives_way(wire):
@@ -218,3 +220,23 @@ def test_prompt_logprobs_travel_with_prefill_done_and_equal_colocated(wire, tiny
     assert m.decode(m.encode(done)) == done  # the control plane's codec carries them whole
     assert tokens(outs) == tokens(local)
     assert wire.idle() and wire.violations() == []
+
+
+def test_a_repeated_prompt_hits_the_prefill_workers_prefix_cache(tiny_dir, monkeypatch):
+    """P caches a prompt's pages when its room lets them go; the repeat prefills only its last
+    token, P still writes every page D needs, and D decodes the same tokens."""
+    monkeypatch.setattr(wire_module, "build_engine", partial(build_engine, prefix_cache=True))
+    w = Wire(tiny_dir)
+    outs = []
+    for rid in ("first", "again"):
+        outs.append(w.submit(rid, PROMPT, GREEDY))
+        w.run_until(lambda: ended(outs[-1]) and not w.p_role.by_room and not w.d_role.by_room)
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    assert tokens(outs[0]) == tokens(outs[1]) == generate(colocated, [PROMPT], GREEDY)[0]
+    cache = w.p.prefix_cache
+    assert cache is not None and cache.stats.hits == 1
+    assert cache.stats.hit_tokens == 36  # 9 full pages of 4; the 37th token is computed
+    assert w.p._snapshot()["prefix_cache"]["hit_tokens"] == 36
+    for eng in (w.p, w.d):  # nothing held but the caches' pages, every count in step
+        assert eng.pool.allocator.num_used == eng.pool.allocator.num_evictable
+    assert w.violations() == [] and cache.violations() == []

@@ -92,8 +92,8 @@ class Wire:
             not self.d_role.by_room
             and not self.d_role.admitting
             and not self.p_role.by_room
-            and self.d.pool.allocator.num_used == 0
-            and self.p.pool.allocator.num_used == 0
+            and self.d.pool.allocator.num_held == 0
+            and self.p.pool.allocator.num_held == 0
         )
 
     def violations(self) -> list[str]:

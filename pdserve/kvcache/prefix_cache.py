@@ -1,0 +1,189 @@
+"""The prefix cache: KV pages of finished prompts, reused by later requests with the same prefix.
+
+Like vLLM's automatic prefix caching (and SGLang's radix cache at page granularity), the key of
+a page is a chain over its whole prefix: (the key of the page before it, this page's token ids).
+Only full pages whose KV was computed are cached, so a page is reused only after exactly the
+same tokens. Each entry keeps its token ids and its parent's key and a lookup compares them, so
+a hash collision is a miss, never someone else's KV.
+
+The cache holds its pages through its own lease (owner OWNER), so `Leases.violations` still
+sees every reference: a cached page's count is 1 (the cache's) plus the requests sharing it.
+A page only the cache holds is evictable (the allocator counts those and calls `evict` when its
+free list is short), least recently used first; a lookup or an insert makes its pages the most
+recently used, the first page of a prefix last, so a chain is evicted from its tail.
+Sans-I/O, engine-thread only, like the allocator under it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.kvcache.lease import Leases
+
+OWNER = "prefix cache"
+ROOT = 0  # the parent key of a prompt's first page
+
+
+def page_key(parent: int, tokens: tuple[int, ...]) -> int:
+    """A full page's key: its tokens after the page whose key is `parent` (collisions are
+    caught by the entry's check, so a fast hash will do)."""
+    return hash((parent, tokens))
+
+
+@dataclass(frozen=True)
+class Entry:
+    page: int
+    parent: int  # the key of the page before it (ROOT for a first page)
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # lookups
+    query_tokens: int = 0  # tokens looked up (those a hit could have covered)
+    hits: int = 0  # lookups that matched at least one page
+    hit_tokens: int = 0  # tokens served from the cache
+    inserted_pages: int = 0
+    evicted_pages: int = 0
+
+
+class PrefixCache:
+    def __init__(self, leases: Leases, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = leases.allocator
+        self.lease = leases.open(OWNER)
+        self.stats = CacheStats()
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # by key, least recent first
+        self._key_of: dict[int, int] = {}  # page -> key
+        if self.allocator.evict is not None:
+            raise ValueError("the allocator already has a cache evicting its pages")
+        self.allocator.evict = self.evict
+
+    def __len__(self) -> int:
+        """Cached pages (shared with requests or not)."""
+        return len(self._entries)
+
+    def _keys(self, token_ids: Sequence[int], num_pages: int) -> list[tuple[int, Entry]]:
+        """The key and the entry each of the first `num_pages` full pages would have."""
+        out, parent, ps = [], ROOT, self.page_size
+        for i in range(num_pages):
+            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
+            key = page_key(parent, tokens)
+            out.append((key, Entry(-1, parent, tokens)))
+            parent = key
+        return out
+
+    def _lookup(self, key: int, want: Entry) -> Entry | None:
+        got = self._entries.get(key)
+        if got is None or got.parent != want.parent or got.tokens != want.tokens:
+            return None  # absent, or a hash collision
+        return got
+
+    def match(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached pages of the longest run of full pages of `token_ids` from its start, in
+        order (no reference is taken: share them into a lease before anything can evict).
+        Counted in the stats by `record`, once the lookup is used."""
+        pages: list[int] = []
+        keys: list[int] = []
+        for key, want in self._keys(token_ids, len(token_ids) // self.page_size):
+            got = self._lookup(key, want)
+            if got is None:
+                break
+            pages.append(got.page)
+            keys.append(key)
+        self._touch(keys)
+        return pages
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """A lookup of `query_tokens` tokens served `hit_tokens` of them to an admitted request
+        (one that looks up again next step, still waiting for pages, is counted then)."""
+        self.stats.queries += 1
+        self.stats.query_tokens += query_tokens
+        self.stats.hits += int(hit_tokens > 0)
+        self.stats.hit_tokens += hit_tokens
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_computed: int) -> int:
+        """Cache the full pages among the first `num_computed` tokens of `token_ids`, whose KV
+        is in `pages` (a request's page table, which its lease holds). A page already cached
+        under its key stays (the new copy goes back with its request's lease). Returns how
+        many pages were added."""
+        full = min(num_computed, len(token_ids)) // self.page_size
+        if full > len(pages):
+            raise ValueError(f"{full} full pages computed but a page table of {len(pages)}")
+        added: list[int] = []
+        keys: list[int] = []
+        for i, (key, want) in enumerate(self._keys(token_ids, full)):
+            got = self._entries.get(key)
+            if got is None:
+                page = pages[i]
+                if page in self._key_of:
+                    break  # cached under another prefix: cannot be (KV is per position)
+                self._entries[key] = Entry(page, want.parent, want.tokens)
+                self._key_of[page] = key
+                added.append(page)
+            elif got.parent != want.parent or got.tokens != want.tokens:
+                break  # a collision: its key is taken, so is every later page's chain
+            keys.append(key)
+        if added:
+            self.lease.share(added)
+            self.allocator.mark_cached(added, True)
+        self._touch(keys)
+        self.stats.inserted_pages += len(added)
+        return len(added)
+
+    def _touch(self, keys: list[int]) -> None:
+        """Most recently used: the prefix's first page last, so eviction takes tails first."""
+        for key in reversed(keys):
+            self._entries.move_to_end(key)
+
+    def evict(self, n: int) -> int:
+        """Free at least `n` pages only the cache holds, least recently used first (fewer if
+        fewer are evictable). Returns how many were freed."""
+        gone: list[int] = []
+        for key, entry in self._entries.items():
+            if len(gone) >= n:
+                break
+            if self.allocator.refcount(entry.page) == 1:
+                gone.append(key)
+        pages = [self._entries[k].page for k in gone]
+        for key, page in zip(gone, pages, strict=True):
+            del self._entries[key]
+            del self._key_of[page]
+        if pages:
+            self.allocator.mark_cached(pages, False)
+            self.lease.drop(pages)
+        self.stats.evicted_pages += len(pages)
+        return len(pages)
+
+    def clear(self) -> int:
+        """Evict every page no request holds (tests, and a future flush endpoint)."""
+        return self.evict(len(self._entries))
+
+    def violations(self) -> list[str]:
+        """The cache agrees with its lease: the same pages, each under one key."""
+        out = []
+        mine = {e.page for e in self._entries.values()}
+        if mine != set(self.lease.pages) or len(mine) != len(self._entries):
+            out.append(
+                f"prefix cache: {len(self._entries)} entries on {len(mine)} pages, "
+                f"its lease holds {len(self.lease)}"
+            )
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "pages": len(self._entries),
+            "pages_evictable": self.allocator.num_evictable,
+            "queries": s.queries,
+            "query_tokens": s.query_tokens,
+            "hits": s.hits,
+            "hit_tokens": s.hit_tokens,
+            "inserted_pages": s.inserted_pages,
+            "evicted_pages": s.evicted_pages,
+        }
