@@ -33,11 +33,11 @@ from pdserve.frontend.protocol import (
 )
 from pdserve.protocol.outputs import TokenLogprob, is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
+from pdserve.runtime.timing import BODY_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # prompts tokenized at once, per front end; the rest wait their turn
-BODY_TIMEOUT_S = 30.0  # a request body slower than this is refused (408)
 T = TypeVar("T")
 A = TypeVar("A")
 

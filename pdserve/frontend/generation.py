@@ -18,8 +18,7 @@ from typing import Protocol
 from pdserve.frontend.textstream import Detokenizer, TextStream
 from pdserve.protocol.outputs import RequestOutput, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
-
-GRACE_S = 10.0  # how long past the engine's own deadline we wait for its final word
+from pdserve.runtime.timing import STREAM_GRACE_S
 
 
 class Backend(Protocol):
@@ -102,7 +101,7 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield text deltas until every choice has finished; aborts leftovers on exit."""
-        deadline = time.monotonic() + self.timeout_s + GRACE_S
+        deadline = time.monotonic() + self.timeout_s + STREAM_GRACE_S
         try:
             while any(c.finish_reason is None for c in self.choices):
                 remaining = deadline - time.monotonic()

@@ -36,6 +36,7 @@ from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.ready import announce_ready
+from pdserve.runtime.timing import HANDLERS_STOP_S, ROUTER_STOP_S
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
@@ -45,8 +46,6 @@ from pdserve.server.stopping import Stop
 log = logging.getLogger(__name__)
 
 CANARY_TEXT = "The health check says:"
-STOP_S = 5.0  # bound on stopping the health loop and on aiohttp's own shutdown
-HANDLERS_STOP_S = 1.0  # aiohttp cancels the handlers still running this long into cleanup
 # Idle connections to workers are dropped this soon, well before a worker's own idle timeout
 # closes them: a POST on a connection the worker is closing would fail, and is not retried.
 WORKER_KEEPALIVE_S = HttpLimits().idle_timeout_s / 2
@@ -252,8 +251,8 @@ class Router:
                 return stop.exit_code or 1
             closing = self.backend.close("the router is shutting down")
             await stop.unless_forced(closing, self.cfg.abort_timeout_s + 2.0)
-            code = await stop.unless_forced(self._stop_monitor(), STOP_S + 1.0)
-            await stop.unless_forced(runner.cleanup(), HANDLERS_STOP_S + STOP_S)
+            code = await stop.unless_forced(self._stop_monitor(), ROUTER_STOP_S + 1.0)
+            await stop.unless_forced(runner.cleanup(), HANDLERS_STOP_S + ROUTER_STOP_S)
             self.api.close()
         if stop.forced.is_set():
             self.forced = True
@@ -271,10 +270,10 @@ class Router:
                 log.error("the health loop had died before shutdown: %s", why)
                 return 1
             return 0
-        done, _ = await asyncio.wait({task}, timeout=STOP_S)
+        done, _ = await asyncio.wait({task}, timeout=ROUTER_STOP_S)
         if not done:
             task.cancel()
-            log.error("the health loop did not stop within %.0fs; cancelled", STOP_S)
+            log.error("the health loop did not stop within %.0fs; cancelled", ROUTER_STOP_S)
         return 0
 
 

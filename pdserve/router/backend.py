@@ -28,10 +28,10 @@ from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import NoRoute, Registry, Route
+from pdserve.runtime.timing import REMOTE_GRACE_S
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 5.0  # past a request's own timeout: D's final word may take a moment to arrive
 
 Sink = Callable[[RequestOutput], None]
 
@@ -210,7 +210,7 @@ class RemoteBackend:
         body = generate_body(rid, prompt_ids, params, timeout_s, route)
         first = True
         try:
-            async for out in client.generate(body, timeout_s + GRACE_S):
+            async for out in client.generate(body, timeout_s + REMOTE_GRACE_S):
                 if first and (out.token_ids or out.finish_reason):
                     self.metrics.ttft.observe(time.monotonic() - t0)
                     first = False

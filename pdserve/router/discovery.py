@@ -15,9 +15,7 @@ from typing import Any
 
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
-
-INFO_CALL_S = 5.0  # one /info call; the startup timeout bounds the retries
-RETRY_S = 0.5  # a worker may still be binding its port when the router starts
+from pdserve.runtime.timing import DISCOVERY_RETRY_S, INFO_CALL_S
 
 
 class RouterStartupError(ValueError):
@@ -43,7 +41,7 @@ async def discover(cfg: RouterConfig, clients: dict[str, WorkerClient]) -> Fleet
                 return await clients[url].info(min(remaining, INFO_CALL_S))
             except WorkerError as e:
                 last = e.what
-            await asyncio.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0.0)))
+            await asyncio.sleep(min(DISCOVERY_RETRY_S, max(deadline - time.monotonic(), 0.0)))
         raise RouterStartupError(
             f"worker {url} did not answer GET /info within {cfg.startup_timeout_s:.0f}s "
             f"(last error: {last})"

@@ -27,11 +27,10 @@ from typing import Any, TextIO
 
 from pdserve.runtime.child import Child, ChildFailed
 from pdserve.runtime.ready import announce_ready
+from pdserve.runtime.timing import LAUNCH_POLL_S, LAUNCH_WAKE_S
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # the startup barrier's look at the logs; far below any startup time
-WAKE_S = 1.0  # the run loop's bound on a missed wake-up
 WORKER_HOST = "127.0.0.1"  # only the router talks to the workers, from this machine
 
 
@@ -205,7 +204,7 @@ class Launcher:
                     f"line within --startup-timeout {self.cfg.startup_timeout_s:.0f}s",
                     late[0],
                 )
-            time.sleep(POLL_S)
+            time.sleep(LAUNCH_POLL_S)
 
     def _announce(self, router: Child) -> None:
         rows = [(c.name, c.pid, c.url, str(c.log_path)) for c in [*self.workers, router]]
@@ -255,7 +254,7 @@ class Launcher:
             if all(c.poll() is not None for c in self.workers):
                 log.error("!!! every worker has exited; stopping the cluster")
                 return 1
-            self._wake.wait(WAKE_S)
+            self._wake.wait(LAUNCH_WAKE_S)
 
     def _stop_all(self) -> bool:
         """Router first, then every worker; True if some child needed SIGKILL."""

@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.runtime.timing import LOG_REPEAT_WINDOW_S
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 BURST = 20
-WINDOW_S = 10.0
 MAX_KEYS = 4096  # distinct (logger, template) pairs remembered; oldest window forgotten first
 
 
 class RepeatFilter(logging.Filter):
-    def __init__(self, burst: int = BURST, window_s: float = WINDOW_S) -> None:
+    def __init__(self, burst: int = BURST, window_s: float = LOG_REPEAT_WINDOW_S) -> None:
         super().__init__()
         self.burst, self.window_s = burst, window_s
         # (logger, template) -> [window start, records this window, dropped this window]

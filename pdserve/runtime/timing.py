@@ -1,4 +1,6 @@
-"""Every time bound of the engine and the PD protocol, in one place, with why it has its value.
+"""Every time bound of pdserve's processes in one place, with why it has its value: the engine,
+the PD protocol, transfers, HTTP serving, the launcher. (The tools' own timeouts, chaos, bench,
+doctor and the demo, stay with them.)
 
 The bounds depend on each other (a peer is declared dead well before a fence ends; a Pong's
 engine stall is judged by P's own heartbeat bound), so they are read together here. Modules
@@ -42,3 +44,28 @@ COPIER_QUEUE_WAIT_S = 0.1  # the copier's tick blocks this long at most (its hea
 MAX_SKEW_S = 30.0  # a control frame stamped further than this from our clock is stale
 HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
 DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often
+
+# -- the decode worker's prefill peers and clocks (worker/prefill_peers.py, clock_skew.py) ---------
+PEER_IDLE_S = 60.0  # a prefill peer without rooms this long is forgotten and its socket closed
+MAX_RTT_S = 1.0  # a ping round trip slower than this says too little about the clocks' skew
+
+# -- HTTP serving: every process (server/, frontend/, worker/process.py, router/) ---------------
+BODY_TIMEOUT_S = 30.0  # a request body slower than this is refused (408)
+REFUSE_LINGER_S = 1.0  # a connection refused past the limit is closed this long after its 503
+RETRY_AFTER_S = 1  # the Retry-After a 429 or 503 answers with
+ACCEPT_BACKOFF_S = 1.0  # after EMFILE the accept loop rests this long (asyncio's own delay)
+STREAM_GRACE_S = 10.0  # past an engine's own deadline, how long a stream waits for its final word
+REMOTE_GRACE_S = 5.0  # the router's wait past a request's timeout for D's final word
+DRAIN_S = 10.0  # a graceful stop waits this long at most for running requests (--drain-timeout)
+ABORT_GRACE_S = 1.0  # then ends them, and waits this long for their answers to go out
+HANDLERS_STOP_S = 1.0  # aiohttp then cancels the handlers still running after this
+THREADS_STOP_S = 5.0  # and the supervised threads get this long to stop
+ROUTER_STOP_S = 5.0  # the router's bound on stopping its health loop and aiohttp
+STOP_POLL_S = 0.05  # how often a draining server looks whether it is idle
+INFO_CALL_S = 5.0  # the router's one /info call to a worker at startup
+DISCOVERY_RETRY_S = 0.5  # ...retried this often (a worker may still be binding its port)
+
+# -- the launcher and logs (runtime/) ---------------------------------------------------------
+LAUNCH_POLL_S = 0.05  # the startup barrier's look at the children's logs
+LAUNCH_WAKE_S = 1.0  # the launcher's run loop's bound on a missed wake-up
+LOG_REPEAT_WINDOW_S = 10.0  # a repeated log line is cut after 20 per this window

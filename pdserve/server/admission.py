@@ -15,10 +15,10 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from pdserve.runtime.timing import RETRY_AFTER_S
 from pdserve.server.api_error import ApiError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-RETRY_AFTER_S = 1
 
 
 class Admission:

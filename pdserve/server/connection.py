@@ -31,13 +31,11 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
+from pdserve.runtime.timing import REFUSE_LINGER_S, RETRY_AFTER_S
 from pdserve.server.api_error import ApiError
 from pdserve.server.errors import INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
-
-REFUSE_LINGER_S = 1.0  # a refused connection is closed this long after its 503 at the latest
-RETRY_AFTER_S = 1
 
 
 class Phase(enum.Enum):

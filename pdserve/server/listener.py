@@ -34,6 +34,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.config import HttpLimits as HttpLimits
+from pdserve.runtime.timing import ACCEPT_BACKOFF_S
 from pdserve.server.connection import Connection
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ BACKLOG = 1024
 MAX_CONNECTIONS = 8192  # the default cap where descriptors allow it (above --max-queue's 4096)
 MIN_CONNECTIONS = 16
 FD_RESERVE = 256  # descriptors kept for everything but client connections (files, ZMQ, pipes)
-ACCEPT_BACKOFF_S = 1.0  # asyncio's own retry delay after EMFILE (constants.ACCEPT_RETRY_DELAY)
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's context message
 

@@ -17,9 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from pdserve.runtime.timing import STOP_POLL_S
+
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
 T = TypeVar("T")
 
 
@@ -63,7 +64,7 @@ class Stop:
             if self.forced.is_set() or left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self.forced.wait(), min(POLL_S, left))
+                await asyncio.wait_for(self.forced.wait(), min(STOP_POLL_S, left))
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 pass
         return True

@@ -30,8 +30,8 @@ from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad, check_timeout
 from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
+from pdserve.runtime.timing import STREAM_GRACE_S
 
-GRACE_S = 10.0
 MAX_REQUEST_ID_CHARS = 256
 MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
 GENERATE_KEYS = frozenset({"request_id", "prompt_ids", "params", "timeout_s", "prefill"})
@@ -155,7 +155,8 @@ class WorkerApi:
         )
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
-        deadline = time.monotonic() + (timeout or self.engine.cfg.request_timeout_s) + GRACE_S
+        timeout = timeout or self.engine.cfg.request_timeout_s
+        deadline = time.monotonic() + timeout + STREAM_GRACE_S
         try:
             await resp.prepare(request)
             while not finished:

@@ -17,11 +17,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.runtime.timing import CLOCK_SKEW_WARN_EVERY_S, CLOCK_SKEW_WARN_S, FENCE_MARGIN_S
+from pdserve.runtime.timing import (
+    CLOCK_SKEW_WARN_EVERY_S,
+    CLOCK_SKEW_WARN_S,
+    FENCE_MARGIN_S,
+    MAX_RTT_S,
+)
 
 log = logging.getLogger(__name__)
-
-MAX_RTT_S = 1.0  # a slower round trip says too little about the skew to use it
 
 
 def estimate_skew(ping_sent_at: float, pong_sent_at: float, received_at: float) -> float | None:

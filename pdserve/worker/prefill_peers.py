@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 
+from pdserve.runtime.timing import PEER_IDLE_S
 from pdserve.worker.decode_rooms import PrefillPeer
 
 MAX_PREFILL_PEERS = 64  # prefill workers one decode worker pairs with at once
-PEER_IDLE_S = 60.0  # a peer without rooms this long is forgotten and its socket closed
 
 
 class PeerLimit(ValueError):

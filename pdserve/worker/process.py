@@ -31,7 +31,13 @@ from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
-from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
+from pdserve.runtime.timing import (
+    ABORT_GRACE_S,
+    DRAIN_S,
+    ENGINE_HEARTBEAT_S,
+    HANDLERS_STOP_S,
+    THREADS_STOP_S,
+)
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
@@ -46,11 +52,6 @@ from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
-
-DRAIN_S = 10.0  # a graceful stop waits this long at most for running requests
-ABORT_GRACE_S = 1.0  # then ends them, and waits this long for their answers to go out
-HANDLERS_STOP_S = 1.0  # aiohttp then cancels the handlers still running after this
-THREADS_STOP_S = 5.0
 
 
 class Server:

@@ -265,7 +265,7 @@ def test_abort_cancels_the_stream_and_posts_abort_within_100ms():
 
 
 def test_a_stalled_worker_times_out_with_an_error(monkeypatch):
-    monkeypatch.setattr(backend_mod, "GRACE_S", 0.0)
+    monkeypatch.setattr(backend_mod, "REMOTE_GRACE_S", 0.0)
 
     async def body() -> None:
         async def script(req: web.Request) -> web.StreamResponse:
