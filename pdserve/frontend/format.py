@@ -151,8 +151,7 @@ class Formatter:
         if self.chat:
 
             def entry(tid: int, lp: float) -> dict[str, Any]:
-                s = tok.decode([tid], skip_special_tokens=False)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+                return {"token": self._key(tid), "logprob": lp, "bytes": list(tok.token_bytes(tid))}
 
             return {
                 "content": [
@@ -175,10 +174,15 @@ class Formatter:
             "tokens": tokens,
             "token_logprobs": [x.logprob if x is not None else None for x in entries],
             "top_logprobs": [
-                {tok.decode([t], skip_special_tokens=False): v for t, v in x.top}
-                if x is not None
-                else None
-                for x in entries
+                {self._key(t): v for t, v in x.top} if x is not None else None for x in entries
             ],
             "text_offset": offsets,
         }
+
+    def _key(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or, for a token holding part of a UTF-8
+        character (its text is U+FFFD), `bytes:\\xNN...`, so that such tokens never collide."""
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.tok.token_bytes(token_id))

@@ -12,6 +12,7 @@ to nothing, as in HF; `token_to_str` returns "" for them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -28,6 +29,25 @@ from tokenizers import Tokenizer as HFTokenizer
 # Bytes of an unfinished UTF-8 character decode to this; it means "wait for more tokens".
 REPLACEMENT_CHAR = "\ufffd"
 
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): the printable
+    Latin-1 bytes stand for themselves, the other 68 take the code points from 256 on, in
+    byte order. Inverted: stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class Tokenizer:
     """Encode, decode and chat-format for one model; immutable after construction."""
@@ -100,6 +120,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for: a byte-level BPE token's bytes, a `<0xNN>` byte
+        token's byte, else its text in UTF-8. A token holding part of a multi-byte character
+        decodes to U+FFFD; its bytes say which part."""
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._backend.id_to_token(token_id) or ""
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        if piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
+            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        return text.encode()
 
     def token_to_str(self, token_id: int) -> str:
         """One token's text for display (logprobs); a partial UTF-8 character shows as U+FFFD."""
