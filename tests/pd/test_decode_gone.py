@@ -42,7 +42,9 @@ def test_a_disconnected_decode_worker_fails_all_its_rooms_at_once(backend, tiny_
 
             def doomed(i: int) -> None:
                 try:
-                    lines = pd.generate(f"doomed-{i}", prompt, max_tokens=4, timeout=60)
+                    # Its own first token: P's prefix cache must not serve it from "ref".
+                    own = [300 + i, *prompt[1:]]
+                    lines = pd.generate(f"doomed-{i}", own, max_tokens=4, timeout=60)
                     ended.append(lines[-1]["finish_reason"] if lines else "cut off")
                 except (OSError, HTTPException, ValueError) as e:  # D is killed under it
                     ended.append(f"connection: {type(e).__name__}")
