@@ -209,14 +209,7 @@ class Router:
                 log.info("stopped (%s) before the fleet was ready", stop.reason)
                 return stop.exit_code or 0
             startup.result()  # raises what startup raised
-            runner = web.AppRunner(
-                self.app(listener),
-                handler_cancellation=True,
-                access_log=None,
-                shutdown_timeout=HANDLERS_STOP_S,
-            )
-            await runner.setup()
-            await listener.start(runner)
+            runner = await listener.serve(self.app(listener))
             announce_ready(f"http://{self.cfg.host}:{listener.port}")
             log.info(
                 "routing %s over %d decode and %d prefill workers (%s) on http://%s:%d",

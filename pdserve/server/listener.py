@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.config import HttpLimits as HttpLimits
-from pdserve.runtime.timing import ACCEPT_BACKOFF_S
+from pdserve.runtime.timing import ACCEPT_BACKOFF_S, HANDLERS_STOP_S
 from pdserve.server.connection import Connection
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,16 @@ class Listener:
                 conn.request_finished()
 
         return track
+
+    async def serve(self, app: web.Application) -> web.AppRunner:
+        """Set `app` up and serve it on every socket; the caller cleans the runner up. Handlers
+        still running HANDLERS_STOP_S into that cleanup are cancelled."""
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLERS_STOP_S
+        )
+        await runner.setup()
+        await self.start(runner)
+        return runner
 
     async def start(self, runner: web.BaseRunner) -> None:
         """Listen and serve `runner` (set up already) on every socket."""

@@ -269,14 +269,7 @@ class Server:
             self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
         if self.copier is not None:
             self.supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
-        runner = web.AppRunner(
-            self.app(listener),
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=HANDLERS_STOP_S,
-        )
-        await runner.setup()
-        await listener.start(runner)
+        runner = await listener.serve(self.app(listener))
         url = f"http://{self.cfg.host}:{listener.port}"
         if self.fatal is None:  # never announce a process that is already dying
             announce_ready(url)
