@@ -9,8 +9,10 @@ engine; then, with every request decoding at context ~ctx, three numbers per ste
   * forward: `ModelRunner.forward` over the B decode chunks (batch build, its one upload, the
     model, the logits), the context held fixed, timed step by step with CUDA events after a
     warm-up (the median is reported);
-  * engine step: `Engine.tick()` (schedule, forward, sample, emit), wall clock, context
-    growing by one a step;
+  * engine step: `Engine.tick()` (schedule, forward, sample, emit), context growing by one a
+    step, measured twice on the same requests: the plain loop, then overlapped scheduling
+    (engine/inflight.py: the CPU prepares step N+1 while the GPU runs step N), the period
+    between steps' ends on the stream (and the overlapped wall clock per tick beside it);
   * roofline: max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured in this
     run: bytes = the weights (a tied head once) + the KV read and written; FLOPs = 2 per
     weight per token (the head included) + 4 * ctx * heads * head_dim per layer per token.
@@ -189,10 +191,12 @@ def run_pdserve(
     engine: Engine, runner: ModelRunner, batch: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     device = engine.pool.device
-    max_tokens = 2 * (args.warmup + args.steps) + 8  # never ends inside the measurement
+    overlap_default = engine.overlap
+    max_tokens = 4 * (args.warmup + args.steps) + 8  # never ends inside the measurement
     t0 = time.perf_counter()
     ended: dict[str, str] = {}
     ids = prefill(engine, batch, args.ctx, max_tokens, ended)
+    engine.sync()  # no step in flight: the planned decode below has every input on the host
     sync(device)
     prefill_s = time.perf_counter() - t0
     check_none_ended(ended)
@@ -207,10 +211,20 @@ def run_pdserve(
     sync(device)
     fwd_wall = (time.perf_counter() - wall0) / args.steps
     before = [len(r.output_ids) for r in reqs]
+    engine.overlap = False
     tick = time_steps(engine.tick, device, args.warmup, args.steps)
+    engine.overlap = True  # overlapped scheduling (engine/inflight.py), same requests
+    overlapped = time_steps(engine.tick, device, args.warmup, args.steps)
+    wall0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.tick()
+    sync(device)
+    overlap_wall = (time.perf_counter() - wall0) / args.steps
+    engine.sync()
+    engine.overlap = overlap_default
     check_none_ended(ended)
     if [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)] != [
-        args.warmup + args.steps
+        3 * args.steps + 2 * args.warmup
     ] * batch:
         raise RuntimeError("an engine tick did not decode every request once")
     for rid in ids:
@@ -219,6 +233,7 @@ def run_pdserve(
     if engine.pool.allocator.num_held:  # the prefix cache may keep pages: those are evictable
         raise RuntimeError(f"{engine.pool.allocator.num_held} pages still held after the aborts")
     fwd_ms, tick_ms = statistics.median(fwd) * 1e3, statistics.median(tick) * 1e3
+    overlap_ms = statistics.median(overlapped) * 1e3
     return {
         "ctx": round(ctx, 1),
         "prefill_s": round(prefill_s, 3),
@@ -227,6 +242,10 @@ def run_pdserve(
         "engine_step_ms": round(tick_ms, 4),
         "forward_tok_s": round(batch / fwd_ms * 1e3, 1),
         "engine_tok_s": round(batch / tick_ms * 1e3, 1),
+        "overlap_step_ms": round(overlap_ms, 4),
+        "overlap_wall_ms": round(overlap_wall * 1e3, 4),
+        "overlap_tok_s": round(batch / overlap_ms * 1e3, 1),
+        "overlap_over_forward": round(overlap_ms / fwd_ms, 3),
     }
 
 
@@ -248,7 +267,7 @@ def bench_model(
     path = resolve_model(f"builtin:{name}")
     report.meta.setdefault("model_build_s", {})[name] = round(time.perf_counter() - t0, 1)
     top = max(args.batches)
-    tokens = top * (-(-(args.ctx + 2 * (args.warmup + args.steps) + 16) // PAGE_SIZE) * PAGE_SIZE)
+    tokens = top * (-(-(args.ctx + 4 * (args.warmup + args.steps) + 16) // PAGE_SIZE) * PAGE_SIZE)
     engine = build_engine(
         path,
         dtype=args.dtype,
@@ -331,7 +350,9 @@ class Report:
         cols = [
             ("model", "model"), ("batch", "batch"), ("ctx", "ctx"),
             ("forward_ms", "forward ms"), ("engine_step_ms", "engine step ms"),
-            ("engine_tok_s", "engine tok/s"), ("roofline_ms", "roofline ms"),
+            ("overlap_step_ms", "overlapped step ms"),
+            ("overlap_over_forward", "overlapped / forward"),
+            ("overlap_tok_s", "overlapped tok/s"), ("roofline_ms", "roofline ms"),
             ("forward_over_roofline", "forward / roofline"), ("hf_step_ms", "HF static+compile ms"),
             ("hf_tok_s", "HF tok/s"), ("hf_over_engine", "HF / engine step"),
         ]  # fmt: skip

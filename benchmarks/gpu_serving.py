@@ -44,8 +44,10 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
 
 def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
     topology = ["--prefill", "0", "--decode", "1"]
-    if name != "colocated":
+    if not name.startswith("colocated"):
         topology = ["--prefill", "1", "--decode", "1", "--backend", args.backend]
+    if name.endswith("-plain"):  # without overlapped scheduling, for the comparison
+        topology.append("--no-overlap-schedule")
     cmd = [
         sys.executable, "-m", "pdserve", "launch", *topology,
         "--port", str(port),
@@ -100,7 +102,11 @@ def main() -> int:
     ap.add_argument("--model", default="builtin:llama3.2-1b-shape")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
-    ap.add_argument("--clusters", default="colocated,1p1d")
+    ap.add_argument(
+        "--clusters",
+        default="colocated,1p1d",
+        help="of colocated, 1p1d, and either with -plain (no overlapped scheduling)",
+    )
     ap.add_argument("--concurrency", default="1,32,128")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--prompts-at-1", type=int, default=64, help="prompts at concurrency 1")

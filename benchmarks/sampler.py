@@ -11,7 +11,10 @@ with `git show REV:pdserve/engine/sampler.py > FILE`), for a before/after in one
 a `generator` attribute for implementations that read one. `--compile-noise` times the current
 sampler with its Gumbel noise (the elementwise hash, ~20 passes over [batch, vocab]) fused by
 `torch.compile`, after checking the compiled noise against the eager one. Prints one JSON line
-per config.
+per config; the `penalties` config adds a line timing the stateless path (every id uploaded
+from the host) against the engine's `Sampler` (counts kept on the device) over decode steps:
+
+    python benchmarks/sampler.py --device cuda --only penalties --history 320 --repeat 50
 """
 
 from __future__ import annotations
@@ -119,6 +122,52 @@ def time_config(
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
 
 
+def time_penalties(rows: list[Request], logits: torch.Tensor, repeat: int) -> dict[str, Any]:
+    """The penalised rows' step two ways, side by side on the same rows: `sample` uploading
+    every prompt + output id from the host (the stateless path, as before the device state)
+    and the engine's `Sampler`, whose counts live on the device (built at the first, untimed
+    step; then each step counts its own draws). Each step's tokens join the rows' outputs, as
+    in decoding; both paths must draw the same tokens."""
+    from pdserve.engine.sampler import Sampler, sample
+
+    dev = logits.device
+    sampler = Sampler(max_slots=len(rows))
+
+    def timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        ids = fn()  # host lists: its own device->host copy synchronises
+        return ids, time.perf_counter() - t0
+
+    host_ids: list[float] = []
+    device_state: list[float] = []
+    same = True
+    for step in range(repeat + 1):  # step 0: warm-up, and the slots are built
+        old, t_old = timed(lambda: sample(logits, rows)[0])
+        new, t_new = timed(lambda: sampler.launch(logits, rows).result()[0])
+        same = same and old == new
+        for r, tok in zip(rows, new, strict=True):
+            r.output_ids.append(tok)
+        if step:
+            host_ids.append(t_old)
+            device_state.append(t_new)
+    state = sampler.penalties
+    slot_bytes = (
+        0
+        if state.counts is None or state.seen is None
+        else (state.counts[0].nbytes + state.seen[0].nbytes)
+    )
+    return {
+        "host_ids_median_ms": statistics.median(host_ids) * 1e3,
+        "device_state_median_ms": statistics.median(device_state) * 1e3,
+        "host_ids_min_ms": min(host_ids) * 1e3,
+        "device_state_min_ms": min(device_state) * 1e3,
+        "same_tokens": same,
+        "state_mib": state.capacity * slot_bytes / 2**20,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -143,6 +192,10 @@ def main() -> None:
         line = {"config": name, "batch": args.batch, "vocab": args.vocab, "device": args.device}
         label = args.sampler or ("current+compiled-noise" if args.compile_noise else "current")
         print(json.dumps({**line, "sampler": label, **result}), flush=True)
+        if name == "penalties" and args.sampler is None:
+            rows = make_rows(kinds, args.batch, args.vocab, args.history)
+            both = time_penalties(rows, logits, args.repeat)
+            print(json.dumps({**line, "sampler": "host ids vs device state", **both}), flush=True)
 
 
 if __name__ == "__main__":

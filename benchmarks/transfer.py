@@ -1,17 +1,33 @@
-"""KV transfer speed: pdserve's nixl backend vs a raw NIXL WRITE vs memcpy, in one run.
+"""KV transfer speed: pdserve's nixl backend vs raw NIXL vs memcpy, in one run.
 
 The payload is a 2,048-token prompt's KV of the qwen2-0.5b shape (24 layers, 2 KV heads,
-head dim 64, bfloat16, pages of 16 tokens: 24 MiB). Measured side by side:
-  * pdserve nixl — `NixlWriter.write` of 128 scattered source pages into 128 scattered
-    destination pages of a decode pool in another process (one 192 KiB run per page: the
-    pool keeps a page of every layer together), waited to completion as the engine polls it;
-  * raw NIXL — one WRITE of the same number of bytes, contiguous to contiguous, between the
-    same two agents (the best NIXL can do here);
-  * memcpy — torch copy of the same bytes within this process (contiguous), and pdserve's
-    shm backend (scattered pages into a /dev/shm pool, what `--backend shm` does).
-With `--device cuda` both pools, the raw regions and the memcpy live in GPU memory (NIXL
-registers them as VRAM; the shm backend is CPU-only and is left out).
-Usage: python benchmarks/transfer.py [--tokens 2048] [--iters 30] [--device cpu|cuda] [--out F]
+head dim 64, bfloat16, pages of 16 tokens: 128 pages of 192 KiB, 24 MiB), written from a
+prefill pool in this process into a decode pool in another process. A write costs its bytes
+plus one UCX operation per descriptor, and NIXL merges pages consecutive on *both* sides into
+one descriptor, so each page pattern is measured three ways, side by side:
+  * pdserve_<pattern> — `NixlWriter.write` of those pages, polled to completion like the
+    engine polls it (make the request, post, poll, release: everything pdserve does);
+  * raw_descs_<pattern> — raw NIXL posting exactly the rows pdserve posts for those pages
+    (the same prepared lists, indices and notification), its request made once and reposted:
+    the cost of the pattern without pdserve;
+  * raw_nixl_contiguous — one WRITE of the same bytes as one region (one descriptor), the
+    best NIXL can do here; memcpy (a torch copy in one process) and, on the CPU, pdserve's
+    shm backend (scattered pages into a /dev/shm pool).
+Patterns (source pages on P, destination pages on D):
+  * scattered — random pages on both sides (what the old FIFO allocator handed out once its
+    free list was shuffled): one descriptor per page;
+  * dst_contiguous — random source pages into consecutive destination pages (a fresh D, a
+    busy P): still one descriptor per page, as both sides must be consecutive to merge;
+  * contiguous — consecutive on both sides (fresh or quiet pools): one descriptor;
+  * churned — what `PageAllocator` hands out on each side after a simulated serving churn
+    (requests of 1-64 pages start, grow by a page and finish at random): a few descriptors.
+Ratios are medians of per-call-pair ratios (calls are interleaved). pdserve / raw_descs is
+pdserve's own overhead; raw_descs / raw_nixl_contiguous is what the page pattern costs.
+With `--device cuda` all pools and regions live in GPU memory (NIXL registers them as VRAM;
+shm is left out). `--poll-s 0` polls without sleeping (the transfer alone); the default is the
+engine's polling period while a transfer is open (ROLE_POLL_S).
+Usage: python benchmarks/transfer.py [--tokens 2048] [--iters 30] [--device cpu|cuda]
+       [--poll-s S] [--out F]
 """
 
 from __future__ import annotations
@@ -20,11 +36,13 @@ import argparse
 import json
 import os
 import platform
+import random
 import select
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,14 +50,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdserve.kvcache.allocator import PageAllocator  # noqa: E402
 from pdserve.kvcache.layout import KVLayout  # noqa: E402
 from pdserve.kvcache.pool import KVPool  # noqa: E402
 from pdserve.protocol.messages import NixlPool  # noqa: E402
 from pdserve.runtime.timing import ROLE_POLL_S  # noqa: E402
 from pdserve.transfer.dataplane import ShmWriter  # noqa: E402
-from pdserve.transfer.nixl import NixlAgent, NixlWriter  # noqa: E402
+from pdserve.transfer.nixl import NixlAgent, NixlWriter, notif, page_spans, run_indices  # noqa: E402
 
 LAYOUT = KVLayout.llama("bfloat16", page_size=16, num_layers=24, num_kv_heads=2, head_dim=64)
+PATTERNS = ("scattered", "dst_contiguous", "contiguous", "churned")
 
 
 def peer_main(num_pages: int, raw_bytes: int, device: str) -> None:
@@ -72,18 +92,59 @@ def checksum(pool: KVPool, pages: list[int]) -> int:
     return sum(int(pool.page(p).long().sum()) for p in pages)
 
 
-def timed(fn) -> float:
+def churned_pages(num_pages: int, need: int, seed: int, steps: int = 3000) -> list[int]:
+    """The pages `PageAllocator` hands a request of `need` pages after a serving churn."""
+    rng = random.Random(seed)
+    alloc = PageAllocator(num_pages)
+    live: list[list[int]] = []
+    for _ in range(steps):
+        if live and (rng.random() < 0.45 or not alloc.can_allocate(64)):
+            alloc.release(live.pop(rng.randrange(len(live))))  # a request finished
+        else:
+            live.append(alloc.allocate(rng.randint(1, 64)))  # a request started
+        if live and alloc.can_allocate(1):
+            rng.choice(live).extend(alloc.allocate(1))  # a decoding request grew by a page
+    while not alloc.can_allocate(need):
+        alloc.release(live.pop(rng.randrange(len(live))))
+    return alloc.allocate(need)
+
+
+def page_patterns(pages: int, pool_pages: int, seed: int) -> dict[str, tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    src_rand = torch.randperm(pool_pages, generator=g)[:pages].tolist()
+    dst_rand = torch.randperm(pool_pages, generator=g)[:pages].tolist()
+    run = list(range(pages, 2 * pages))
+    return {
+        "scattered": (src_rand, dst_rand),
+        "dst_contiguous": (src_rand, run),
+        "contiguous": (run, list(range(2 * pages, 3 * pages))),
+        "churned": (
+            churned_pages(pool_pages, pages, seed + 1),
+            churned_pages(pool_pages, pages, seed + 2),
+        ),
+    }
+
+
+def timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
 
 
+def paired(results: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over neighbouring calls of rate(num) / rate(den) = time(den) / time(num)."""
+    return round(
+        statistics.median(d / n for n, d in zip(results[num], results[den], strict=True)), 3
+    )
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--poll-s", type=float, default=ROLE_POLL_S)
     ap.add_argument("--out", default=None)
     ap.add_argument("--peer", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -92,12 +153,15 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    def pause() -> None:
+        if args.poll_s > 0:
+            time.sleep(args.poll_s)
+
     pages = args.tokens // LAYOUT.page_size
     pool_pages = 4 * pages
     nbytes = pages * LAYOUT.page_bytes
+    patterns = page_patterns(pages, pool_pages, args.seed)
     g = torch.Generator().manual_seed(args.seed)
-    src_pages = torch.randperm(pool_pages, generator=g)[:pages].tolist()
-    dst_pages = torch.randperm(pool_pages, generator=g)[:pages].tolist()
 
     peer = subprocess.Popen(
         [sys.executable, __file__, "--peer", str(pool_pages), str(nbytes), "--device", args.device],
@@ -107,37 +171,59 @@ def main() -> None:
     )
     try:
         assert peer.stdout is not None and peer.stdin is not None
-        line = ""
-        while not line.startswith("PEER "):
-            line = peer.stdout.readline()
-            if not line:
-                raise SystemExit("the decode-side peer exited before it was ready")
-        info = json.loads(line[5:])
+        stdin, stdout = peer.stdin, peer.stdout
+
+        def peer_line() -> str:
+            line = ""
+            while not line.startswith("PEER "):
+                line = stdout.readline()
+                if not line:
+                    raise SystemExit("the decode-side peer exited")
+            return line[5:]
+
+        info = json.loads(peer_line())
         src = KVPool(LAYOUT, pool_pages, dev)
         src.data.copy_(torch.randint(0, 256, tuple(src.data.shape), dtype=torch.uint8, generator=g))
         agent = NixlAgent(f"bench-p-{os.getpid()}", src)
+        nx = agent.agent
         remote = NixlPool(bytes.fromhex(info["md"]), info["base"], 0, info["mem"])
         mem = info["mem"]
         writer = NixlWriter(agent, remote, LAYOUT, pool_pages)
 
-        def pdserve_nixl() -> None:
-            x = writer.write(1, 1, src, src_pages, dst_pages, time.monotonic() + 30)
-            while not x.poll():
-                time.sleep(ROLE_POLL_S)  # the idle engine's polling period
-
-        raw_src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g).to(dev)
-        agent.agent.register_memory(raw_src)
-        local = agent.agent.get_xfer_descs([(raw_src.data_ptr(), nbytes, 0)], mem)
-        far = agent.agent.get_xfer_descs([(info["raw"], nbytes, 0)], mem)
-        handle = agent.agent.initialize_xfer("WRITE", local, far, writer.remote_name, b"raw")
-
-        def raw_nixl() -> None:
-            state = agent.agent.transfer(handle)
+        def run_raw(handle: object) -> None:
+            state = nx.transfer(handle)
             while state == "PROC":
-                time.sleep(ROLE_POLL_S)  # polled like pdserve's, so only the transfer differs
-                state = agent.agent.check_xfer_state(handle)
+                pause()  # polled like pdserve's writes, so only the transfer differs
+                state = nx.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL write ended {state}")
+
+        def pdserve_write(src_pages: list[int], dst_pages: list[int]) -> Callable[[], None]:
+            def go() -> None:
+                x = writer.write(1, 1, src, src_pages, dst_pages, time.monotonic() + 30)
+                while not x.poll():
+                    pause()
+
+            return go
+
+        handles = []
+        methods: list[tuple[str, Callable[[], None]]] = []
+        for name, (sp, dp) in patterns.items():
+            h = nx.make_prepped_xfer(
+                "WRITE", agent.local, run_indices(sp), writer.remote, run_indices(dp),
+                notif(1, 1, nbytes),
+            )  # fmt: skip
+            handles.append(h)
+            methods.append((f"pdserve_{name}", pdserve_write(sp, dp)))
+            methods.append((f"raw_descs_{name}", lambda h=h: run_raw(h)))
+
+        raw_src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g).to(dev)
+        nx.register_memory(raw_src)
+        local = nx.get_xfer_descs([(raw_src.data_ptr(), nbytes, 0)], mem)
+        far = nx.get_xfer_descs([(info["raw"], nbytes, 0)], mem)
+        raw_handle = nx.initialize_xfer("WRITE", local, far, writer.remote_name, b"raw")
+        handles.append(raw_handle)
+        methods.append(("raw_nixl_contiguous", lambda: run_raw(raw_handle)))
 
         # Real bytes: an untouched torch.empty maps the zero page, and copying it is cache-fast.
         a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=g).to(dev)
@@ -147,40 +233,34 @@ def main() -> None:
             b.copy_(a)
             sync()
 
-        methods = [
-            ("pdserve_nixl_scattered", pdserve_nixl),
-            ("raw_nixl_contiguous", raw_nixl),
-            ("memcpy_contiguous", memcpy),
-        ]
+        methods.append(("memcpy_contiguous", memcpy))
         if dev.type == "cpu":
             shm_dst = KVPool(LAYOUT, pool_pages, dev, shared=True)
             assert shm_dst.shm is not None
             shm = ShmWriter(shm_dst.shm, LAYOUT, pool_pages)
-            methods.append(
-                ("pdserve_shm_scattered", lambda: shm.write(1, 1, src, src_pages, dst_pages, 0))
-            )
+            shm_src, shm_to = patterns["scattered"]
+            methods.append(("shm_scattered", lambda: shm.write(1, 1, src, shm_src, shm_to, 0)))
 
         for _, fn in methods:
             fn()  # warm-up: connection, registration caches
         results: dict[str, list[float]] = {name: [] for name, _ in methods}
         # Interleave the methods call by call, so that a noisy neighbour or a drifting clock
-        # hits all alike; the ratio is then taken per pair of neighbouring calls.
+        # hits all alike; ratios are then taken per pair of neighbouring calls.
         for i in range(args.iters):
             for name, fn in methods if i % 2 == 0 else methods[::-1]:  # no fixed order bias
                 results[name].append(timed(fn))
-        # The bytes really landed (checked once, outside the timing).
-        src.page(src_pages[0]).fill_(0xA5)  # so that a stale copy cannot pass
-        pdserve_nixl()
-        peer.stdin.write(f"check {json.dumps(dst_pages)}\n")
-        peer.stdin.flush()
-        line = peer.stdout.readline()
-        while not line.startswith("PEER "):
-            line = peer.stdout.readline()
-        if int(line[5:]) != checksum(src, src_pages):
-            raise SystemExit("pdserve nixl write: the destination pages differ from the source")
-        handle.release()
-        peer.stdin.write("quit\n")
-        peer.stdin.flush()
+        # The bytes really landed (checked once per pattern, outside the timing).
+        for k, (sp, dp) in enumerate(patterns.values()):
+            src.page(sp[0]).fill_(k + 1)  # so that a stale copy cannot pass
+            pdserve_write(sp, dp)()
+            stdin.write(f"check {json.dumps(dp)}\n")
+            stdin.flush()
+            if int(peer_line()) != checksum(src, sp):
+                raise SystemExit("pdserve nixl write: the destination pages differ from the source")
+        for h in handles:
+            h.release()
+        stdin.write("quit\n")
+        stdin.flush()
     finally:
         if peer.poll() is None:
             peer.kill()
@@ -188,6 +268,19 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in results.items()}
     gbps = {k: nbytes / t / 1e9 for k, t in med.items()}
+    by_pattern = {
+        name: {
+            "descriptors": len(page_spans(*patterns[name])),
+            "pdserve_GB_per_s": round(gbps[f"pdserve_{name}"], 3),
+            "raw_descs_GB_per_s": round(gbps[f"raw_descs_{name}"], 3),
+            "pdserve_vs_raw_contiguous": paired(results, f"pdserve_{name}", "raw_nixl_contiguous"),
+            "pdserve_vs_raw_same_descs": paired(results, f"pdserve_{name}", f"raw_descs_{name}"),
+            "raw_same_descs_vs_raw_contiguous": paired(
+                results, f"raw_descs_{name}", "raw_nixl_contiguous"
+            ),
+        }
+        for name in PATTERNS
+    }
     doc = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
@@ -196,32 +289,30 @@ def main() -> None:
             "tokens": args.tokens,
             "bytes": nbytes,
             "pages": pages,
-            "descriptors_per_write": pages,
-            "descriptor_bytes": LAYOUT.page_bytes,
+            "page_bytes": LAYOUT.page_bytes,
         },
         "median_s": {k: round(v, 6) for k, v in med.items()},
         "GB_per_s": {k: round(v, 3) for k, v in gbps.items()},
-        "pdserve_nixl_vs_raw_nixl": round(
-            gbps["pdserve_nixl_scattered"] / gbps["raw_nixl_contiguous"], 3
-        ),
-        # The same ratio call by call (raw time / pdserve time of neighbouring calls): the
-        # median of these is steadier than the ratio of medians on a busy machine.
-        "pdserve_nixl_vs_raw_nixl_paired": round(
-            statistics.median(
-                r / p
-                for p, r in zip(
-                    results["pdserve_nixl_scattered"], results["raw_nixl_contiguous"], strict=True
-                )
-            ),
-            3,
-        ),
-        "pdserve_nixl_vs_memcpy": round(
-            gbps["pdserve_nixl_scattered"] / gbps["memcpy_contiguous"], 3
+        "patterns": by_pattern,
+        "pdserve_scattered_vs_memcpy": round(
+            gbps["pdserve_scattered"] / gbps["memcpy_contiguous"], 3
         ),
         "device": args.device,
+        "poll_s": args.poll_s,
         "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
     }
     print(json.dumps(doc, indent=2))
+    print(f"\n{'pattern':<15} {'descs':>5} {'pdserve GB/s':>12} {'raw same descs':>14} "
+          f"{'pd/raw1':>7} {'pd/rawsame':>10} {'rawsame/raw1':>12}")  # fmt: skip
+    for name, r in by_pattern.items():
+        print(
+            f"{name:<15} {r['descriptors']:>5} {r['pdserve_GB_per_s']:>12.2f} "
+            f"{r['raw_descs_GB_per_s']:>14.2f} {r['pdserve_vs_raw_contiguous']:>7.2f} "
+            f"{r['pdserve_vs_raw_same_descs']:>10.2f} "
+            f"{r['raw_same_descs_vs_raw_contiguous']:>12.2f}"
+        )
+    print(f"raw NIXL, one contiguous descriptor: {gbps['raw_nixl_contiguous']:.2f} GB/s; "
+          f"memcpy {gbps['memcpy_contiguous']:.2f} GB/s")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -24,7 +24,13 @@ from pdserve.config import (
 from pdserve.doctor.cli import add_doctor_command
 from pdserve.engine_flags import add_engine_args, engine_config
 from pdserve.launch import add_launch_command
-from pdserve.router.cli import add_front_end_args, add_http_args, add_router_command, http_limits
+from pdserve.router.cli import (
+    add_front_end_args,
+    add_http_args,
+    add_router_command,
+    add_unknown_fields_arg,
+    http_limits,
+)
 from pdserve.runtime import logs
 
 DESCRIPTION = """\
@@ -114,6 +120,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.frontend.fields import reject_unknown_fields
     from pdserve.server.auth import load_api_key
     from pdserve.worker.process import run_server
 
@@ -145,6 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from pdserve.transfer.nixl import BackendUnavailable
 
+    reject_unknown_fields(args.reject_unknown_fields)
     try:
         return run_server(cfg)
     except BackendUnavailable as e:
@@ -189,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         "as a Hugging Face model directory that transformers loads as it is.",
     )
     mk.add_argument(
-        "name", help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape | llama3.2-1b-shape"
+        "name",
+        help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape | llama3.2-1b-shape | "
+        "deepseek-v3-tiny | deepseek-v32-tiny",
     )
     mk.add_argument("--out", required=True, help="output directory")
     mk.set_defaults(func=cmd_make_model)
@@ -241,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_key_arg(sv)
     add_front_end_args(sv)
+    add_unknown_fields_arg(sv)
     add_http_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)

@@ -23,18 +23,34 @@ class ModelSpec:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
+INDEX_K_DTYPES = ("auto", "fp8")  # --index-k-dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     kv_budget_bytes: int = 256 * 2**20
     # Reuse the KV of cached prompt prefixes (kvcache/prefix_cache.py); --no-prefix-cache.
     prefix_cache: bool = True
+    # Host memory for pages evicted from the prefix cache (kvcache/host_pool.py); 0: none.
+    host_cache_bytes: int = 0
+    # DeepSeek-V3.2's index-K (kvcache/layout.py index_k_buffers): "auto" = the model dtype,
+    # "fp8" = float8_e4m3fn plus a float32 scale per token. Other models ignore it.
+    index_k_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.kv_budget_bytes < 1:
             raise ValueError(f"kv budget must be positive, got {self.kv_budget_bytes}")
+        if self.index_k_dtype not in INDEX_K_DTYPES:
+            raise ValueError(
+                f"index-K dtype must be one of {INDEX_K_DTYPES}, got {self.index_k_dtype!r}"
+            )
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host cache size must be >= 0, got {self.host_cache_bytes}")
+        if self.host_cache_bytes and not self.prefix_cache:
+            raise ValueError("a host cache (--host-cache-mb) needs the prefix cache")
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,9 @@ class RunnerConfig:
     attention_backend: str | None = None  # an attention backend's name; None: the device's
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_bs: int = 256  # the largest decode batch replayed as a graph (CUDA only)
+    # Overlapped scheduling (engine/inflight.py): the CPU prepares step N+1 while the device
+    # runs step N. None: on for CUDA, off elsewhere (a CPU runs the "device" work itself).
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):

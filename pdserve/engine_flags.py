@@ -4,9 +4,11 @@ EngineConfig they make."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from pdserve.config import (
     ATTENTION_BACKENDS,
+    INDEX_K_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelSpec,
@@ -14,6 +16,8 @@ from pdserve.config import (
     SchedulerConfig,
     resolve_device,
 )
+
+log = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +49,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefix cache: every request computes its whole prompt's KV",
     )
+    g.add_argument(
+        "--host-cache-mb",
+        type=float,
+        default=0.0,
+        help="host memory (pinned on CUDA) for KV pages evicted from the prefix cache, "
+        "loaded back on a later hit (0: none)",
+    )
+    g.add_argument(
+        "--index-k-dtype",
+        default="auto",
+        choices=INDEX_K_DTYPES,
+        help="DeepSeek-V3.2's indexer keys in the KV cache: auto = the model dtype (exact "
+        "against HF), fp8 = float8_e4m3fn with a float32 scale per token; P and D must agree",
+    )
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
     g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
@@ -60,6 +78,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="no CUDA graphs: every decode step runs eagerly",
     )
     g.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prepare each step on the CPU while the device runs the one before (default: on "
+        "for CUDA, off on a CPU)",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=256,
@@ -71,6 +96,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds a request may live before it is failed",
     )
+
+
+def host_cache_bytes(args: argparse.Namespace) -> int:
+    """--host-cache-mb, but none on a decode worker: it never looks its cache up (its prompts
+    are computed by prefill workers), and a page it evicted may be written by a peer's RDMA
+    into the reused page before an asynchronous copy to the host has read it."""
+    if getattr(args, "role", "colocated") == "decode":
+        if args.host_cache_mb:
+            log.warning("--host-cache-mb is ignored on a decode worker")
+        return 0
+    return int(args.host_cache_mb * 2**20)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -94,6 +130,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_budget_bytes=int(args.kv_budget_mb * 2**20),
             prefix_cache=(CacheConfig.prefix_cache or args.prefix_cache)
             and not args.no_prefix_cache,
+            host_cache_bytes=host_cache_bytes(args),
+            index_k_dtype=args.index_k_dtype,
         ),
         scheduler=SchedulerConfig(
             max_batched_tokens=args.max_batched_tokens,
@@ -104,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            overlap_schedule=args.overlap_schedule,
         ),
         request_timeout_s=args.request_timeout,
     )

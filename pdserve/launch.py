@@ -23,11 +23,17 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
     probe = argparse.ArgumentParser(add_help=False)
     add_engine_args(probe)
     argv: list[str] = []
+    negatable = {
+        a.dest for a in probe._actions if isinstance(a, argparse.BooleanOptionalAction)
+    }
     for dest in vars(probe.parse_args([])):
         value = getattr(args, dest)
+        flag = "--" + dest.replace("_", "-")
+        if value is False and dest in negatable:  # --no-<flag>: off, not the default
+            argv.append("--no-" + dest.replace("_", "-"))
+            continue
         if dest in ("model", "served_model_name") or value is None or value is False:
             continue
-        flag = "--" + dest.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
     # The flags are rebuilt by naming convention; refuse to pass on anything that does not
     # parse back to the same values.
@@ -45,7 +51,11 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def add_launch_command(sub: Any) -> None:
     """Register `launch` on the subparsers object of `pdserve`'s top-level parser."""
     from pdserve.engine_flags import add_engine_args
-    from pdserve.router.cli import add_front_end_args
+    from pdserve.router.cli import (
+        add_front_end_args,
+        add_prefix_policy_args,
+        add_unknown_fields_arg,
+    )
     from pdserve.router.policy import POLICIES
 
     p: argparse.ArgumentParser = sub.add_parser(
@@ -64,8 +74,11 @@ def add_launch_command(sub: Any) -> None:
         "--policy",
         default="least-outstanding",
         choices=sorted(POLICIES),
-        help="the router's choice of worker: the fewest requests in flight, or in turn",
+        help="the router's choice of worker: the fewest requests in flight, in turn, or "
+        "prefix (where the prompt's prefix should be cached, balanced against load)",
     )
+    add_prefix_policy_args(p)
+    add_unknown_fields_arg(p)  # the router's: it parses the OpenAI requests
     p.add_argument(
         "--debug-faults",
         action="store_true",
@@ -151,6 +164,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cluster_key_file=str(Path(key_file).resolve()),
         api_key_file=str(api_key_file.resolve()) if api_key_file else None,
         protect_health=args.protect_health,
+        reject_unknown_fields=args.reject_unknown_fields,
+        prefix_index_pages=args.prefix_index_pages,
+        prefix_max_imbalance=args.prefix_max_imbalance,
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,

@@ -17,6 +17,7 @@ def make_engine(
     max_running: int = 32,
     kv_mb: float = 16.0,
     max_model_len: int = 1024,
+    overlap: bool | None = None,
 ) -> Engine:
     return build_engine(
         path,
@@ -25,4 +26,5 @@ def make_engine(
         max_running=max_running,
         kv_budget_mb=kv_mb,
         max_model_len=max_model_len,
+        overlap_schedule=overlap,
     )

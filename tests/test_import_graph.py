@@ -123,9 +123,9 @@ ALLOWED_UPWARD = {
     ("config", "protocol"),  # same layer: BACKENDS, the wire's names
     ("model", "attention"),  # same layer: the AttentionContext a model's layers call
     ("model", "kernels"),  # same layer: the fused ops
+    ("model", "kvcache"),  # same layer: V3.2's indexer names its index-K buffers (layout.py)
     ("attention", "kvcache"),  # same layer: the pool's views
     ("transfer", "kvcache"),
-    ("router", "engine"),  # LATENCY_BUCKETS (prometheus histogram buckets) from engine.metrics
 }
 
 

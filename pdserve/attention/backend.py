@@ -5,6 +5,12 @@ the metadata that kernel wants, and how new K/V reach the pool's pages. The mode
 q, k, v (and RoPE) and calls, per layer, `store_kv` then `attend`; it never sees the pool or
 the metadata's contents.
 
+A model whose attention the backend has no kernel for (DeepSeek's latent attention, in HF's
+expanded form) uses the generic pair of a `GatherBackend` instead: `store` writes a named KV
+buffer's new tokens (any buffer of the layout, e.g. "latent") and `gather` hands back each
+sequence's whole causal context of that buffer, padded, with the index that says which keys
+each new token sees (`CausalContext`); the model then attends itself.
+
 Per step the runner calls `prepare(batch)` once; every layer then reuses its result (the
 metadata), so per-step work (page tables, masks, index arithmetic) is never repeated per
 layer. A backend keeps the pool's per-layer KV views from construction on.
@@ -13,11 +19,11 @@ layer. A backend keeps the pool's per-layer KV views from construction on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from pdserve.attention.batch import Batch
+from pdserve.attention.batch import Batch, CausalIndex
 
 MetaT = TypeVar("MetaT")
 
@@ -62,6 +68,56 @@ class AttentionBackend(Protocol[MetaT]):
     ) -> torch.Tensor:  # [T, Hq, D], q's dtype
         """Causal attention of each new token over its sequence's keys: the context in the pool
         and the new tokens up to itself. GQA: query head h reads KV head h // (Hq / Hkv)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CausalContext:
+    """What `gather` returns: `values[b, :kv_len[b]]` are sequence b's tokens of one buffer (the
+    rest is padding that `mask` hides); `pad`/`unpad` move [T, ...] tensors to [B, Q, ...]."""
+
+    values: torch.Tensor  # [B, L, *buffer shape], the buffer's dtype
+    index: CausalIndex
+
+    @property
+    def mask(self) -> torch.Tensor:  # [B, Q, L] bool: query slot (b, q) sees key l
+        return self.index.mask
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [B, Q, ...]
+        return self.index.pad(x)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:  # [B, Q, ...] -> [T, ...]
+        return self.index.unpad(y)
+
+
+@runtime_checkable
+class GatherBackend(Protocol):
+    """The generic pair of a backend that can serve attention a model computes itself: today
+    the `torch` backend (the runner gives latent-attention models that one)."""
+
+    name: str
+
+    def store(
+        self,
+        layer: int,
+        name: str,  # a buffer of the pool's KV layout present in `layer`
+        values: torch.Tensor,  # [T, *buffer shape]: the step's new tokens, in batch order
+        metadata: Any,  # the backend's own, from its `prepare`
+    ) -> None:
+        """Write the new tokens' values of buffer `name` into their pool slots, converted to the
+        buffer's dtype; nothing else in the pool changes. Called before `gather`. Values that
+        are not already fp8 are refused for an fp8 buffer: quantising needs a scale, which
+        is the model's to compute (ValueError)."""
+        ...
+
+    def buffer_dtype(self, layer: int, name: str) -> torch.dtype:
+        """How the pool stores buffer `name` in `layer` (KeyError if absent): a model whose
+        buffer has several storage modes (V3.2's index-K) reads its mode from the pool."""
+        ...
+
+    def gather(self, layer: int, name: str, metadata: Any) -> CausalContext:
+        """Each sequence's whole causal context of buffer `name` (its cached tokens and this
+        step's, as stored), padded to the step's longest, with the index of who sees what."""
         ...
 
 

@@ -121,7 +121,18 @@ class BatchBuilder:
                     f"a sequence of {s.start} + {end - s.start} tokens needs {need} pages of "
                     f"{ps} tokens, it holds {len(s.pages)}"
                 )
-            pages = list(s.pages[:need])
+            pages = s.pages[:need]  # a copy of a list (SeqSpan.pages may be a live view)
+            if end - s.start == 1:  # a decode: one token, one slot (most rows of most steps)
+                ids.append(s.token_ids[0])
+                positions.append(s.start)
+                slots.append(pages[s.start // ps] * ps + s.start % ps)
+                table.extend(pages)
+                if need < width:
+                    table.extend([0] * (width - need))
+                query_start.append(query_start[-1] + 1)
+                if s.samples:
+                    samples.append(query_start[-1] - 1)
+                continue
             ids.extend(s.token_ids)
             positions.extend(range(s.start, end))
             pos = s.start
@@ -155,3 +166,42 @@ class BatchBuilder:
             host_query_start=tuple(query_start),
             host_kv_lens=tuple(kv_lens),
         )
+
+
+@dataclass(frozen=True)
+class CausalIndex:
+    """Where each new token sits among its sequence's causal context, for attention that a model
+    computes itself over gathered keys (attention/backend.py `gather`): B sequences, at most Q new
+    tokens and L keys each. Derived from a Batch on its device, without a device read."""
+
+    rows: torch.Tensor  # [T] int64: each new token's sequence b
+    cols: torch.Tensor  # [T] int64: its index among b's new tokens
+    mask: torch.Tensor  # [B, Q, L] bool: query slot (b, q) sees key l (False for padding slots)
+    pages: torch.Tensor  # [B, pages_needed(L)]: each sequence's pages in token order, padded
+    max_kv_len: int  # L
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] in batch order -> [B, Q, ...], zeros in the padding slots."""
+        b, q = self.mask.shape[:2]
+        out = x.new_zeros(b, q, *x.shape[1:])
+        out[self.rows, self.cols] = x
+        return out
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> [T, ...] in batch order (the inverse of `pad`)."""
+        return y[self.rows, self.cols]
+
+
+def causal_index(batch: Batch) -> CausalIndex:
+    """Token t of sequence b, at position p, sees keys 0..p of b: the cached context and this
+    step's tokens up to itself."""
+    device = batch.positions.device
+    num_seqs, q, length = batch.num_seqs, batch.max_query_len, batch.max_kv_len
+    seqs = torch.arange(num_seqs, device=device)
+    rows = torch.repeat_interleave(seqs, batch.query_lens.long(), output_size=batch.num_tokens)
+    cols = torch.arange(batch.num_tokens, device=device) - batch.query_start.long()[rows]
+    pos = torch.full((num_seqs, q), -1, dtype=torch.long, device=device)  # -1: sees nothing
+    pos[rows, cols] = batch.positions.long()
+    mask = torch.arange(length, device=device)[None, None, :] <= pos[:, :, None]
+    pages = batch.page_table[:, : -(-length // batch.page_size)]
+    return CausalIndex(rows, cols, mask, pages, length)

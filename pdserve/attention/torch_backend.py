@@ -11,6 +11,11 @@ a CPU the per-slot gather was most of a decode step's attention. Decode rows are
 length (`group_by_length`) so that one long sequence does not pad every short one to its
 length; a group's rows are a slice of the decode rows stably sorted by page count, computed on
 the device by the same rule the host uses to size the groups.
+
+Any other buffer of the layout (DeepSeek's "latent") is served by the generic pair: `store`
+writes a step's tokens into their slots, `gather` reads each sequence's first kv_len tokens a
+page at a time through the Batch's page table (`CausalIndex`, computed once per step in
+`prepare` when the layout has such a buffer).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.attention.backend import AttentionShape
-from pdserve.attention.batch import Batch
+from pdserve.attention.backend import AttentionShape, CausalContext
+from pdserve.attention.batch import Batch, CausalIndex, causal_index
 from pdserve.kvcache.pool import KVPool
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def group_by_length(kv_lens: Sequence[int], page_size: int) -> list[list[int]]:
@@ -71,6 +78,7 @@ class TorchMetadata:
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    causal: CausalIndex | None = None  # for `gather`: a layout with buffers beyond k and v
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -83,7 +91,13 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, pool: KVPool, shape: AttentionShape) -> None:
-        self.kv = [pool.layer(i) for i in range(pool.layout.num_layers)]
+        self.pool = pool
+        names = {b.name for b in pool.layout.buffers}
+        self.kv = (
+            [pool.layer(i) for i in range(pool.layout.num_layers)] if {"k", "v"} <= names else []
+        )
+        self.generic = not names <= {"k", "v"}  # a buffer only `store`/`gather` serve
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
         self.page_size = pool.page_size
         self.scale = shape.head_dim**-0.5
         self.gqa = shape.num_heads != shape.num_kv_heads
@@ -96,6 +110,8 @@ class TorchBackend:
         slots = batch.slot_mapping.long()  # [T]
         new_slots = (slots // ps, slots % ps)
         nd = batch.num_decodes
+        if not self.kv:  # no k/v buffers: only the generic pair can be asked for
+            return TorchMetadata(new_slots, nd, [], [], causal_index(batch))
         groups = []
         if nd:
             by_length = group_by_length(batch.host_kv_lens[:nd], ps)
@@ -121,7 +137,8 @@ class TorchBackend:
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
             pages = batch.page_table[b, : -(-kv_len // ps)]
             prefills.append(PrefillSpan(q_start, q_len, pages, mask))
-        return TorchMetadata(new_slots, nd, groups, prefills)
+        causal = causal_index(batch) if self.generic else None
+        return TorchMetadata(new_slots, nd, groups, prefills, causal)
 
     def _decode_group(self, batch: Batch, rows: torch.Tensor | None, longest: int) -> DecodeGroup:
         """The decode rows `rows` (None: all of them, in order), the longest of `longest` keys."""
@@ -186,3 +203,36 @@ class TorchBackend:
                 )
             out[sl] = op[0].transpose(0, 1)
         return out
+
+    # -- the generic pair (attention/backend.py GatherBackend) ------------------------------
+    def _view(self, layer: int, name: str) -> torch.Tensor:
+        """[num_pages, page_size, *shape] of buffer `name` in `layer` (KeyError if absent)."""
+        key = (layer, name)
+        if key not in self._views:
+            self._views[key] = self.pool.view(layer, name)
+        return self._views[key]
+
+    def store(
+        self,
+        layer: int,
+        name: str,
+        values: torch.Tensor,  # [T, *shape]
+        metadata: TorchMetadata,
+    ) -> None:
+        view = self._view(layer, name)
+        if view.dtype in FP8 and values.dtype != view.dtype:
+            raise ValueError(
+                f"store of {values.dtype} values into {view.dtype} buffer {name!r} (layer "
+                f"{layer}): quantise them first (a plain cast has no scale)"
+            )
+        view[metadata.new_slots] = values.to(view.dtype)
+
+    def buffer_dtype(self, layer: int, name: str) -> torch.dtype:
+        return self._view(layer, name).dtype
+
+    def gather(self, layer: int, name: str, metadata: TorchMetadata) -> CausalContext:
+        if metadata.causal is None:
+            raise ValueError(f"gather of {name!r}: the KV layout has only k and v buffers")
+        index = metadata.causal
+        values = gather_pages(self._view(layer, name), index.pages)  # [B, pages * ps, *shape]
+        return CausalContext(values[:, : index.max_kv_len], index)

@@ -25,7 +25,8 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.commands import Abort, Command, SnapshotQuery, Submit
-from pdserve.engine.isolation import forward_each, sample_rows
+from pdserve.engine.inflight import InFlight, Picks
+from pdserve.engine.isolation import forward_each, sample_each
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.params import SamplingParams, validate_prompt
 from pdserve.engine.request import (
@@ -38,15 +39,15 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import Sampler, sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.engine.snapshot import engine_snapshot, overdue
+from pdserve.kvcache.host_pool import host_tier
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.kvcache.prefix_cache import PrefixCache
-from pdserve.model.llama import CausalLM
-from pdserve.model.loader import load_model
+from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
@@ -60,7 +61,7 @@ def _unsent(msg: Send) -> None:
 
 class Engine:
     def __init__(
-        self, cfg: EngineConfig, model: CausalLM, pool: KVPool, eos_token_ids: frozenset[int]
+        self, cfg: EngineConfig, model: LoadedModel, pool: KVPool, eos_token_ids: frozenset[int]
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -72,7 +73,9 @@ class Engine:
         )
         self.leases = Leases(pool.allocator)  # every page taken from the pool is leased
         self.prefix_cache = (
-            PrefixCache(self.leases, pool.page_size) if cfg.cache.prefix_cache else None
+            PrefixCache(self.leases, pool.page_size, host_tier(pool, cfg.cache.host_cache_bytes))
+            if cfg.cache.prefix_cache
+            else None
         )
         self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size, self.prefix_cache)
         runner = cfg.runner
@@ -85,8 +88,16 @@ class Engine:
             else min(runner.cuda_graph_max_bs, cfg.scheduler.max_running),
             max_model_len=self.max_model_len,
         )
+        self.sampler = Sampler(max_slots=cfg.scheduler.max_running)  # penalties' device state
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
+        # Overlapped scheduling (engine/inflight.py): the step in flight, if any, and the one
+        # being launched; requests ending meanwhile keep their pages until theirs completed.
+        overlap = runner.overlap_schedule
+        self.overlap = pool.device.type == "cuda" if overlap is None else overlap
+        self._inflight: InFlight | None = None
+        self._generated = 0  # tokens emitted since generated_tokens was last advanced
+        self._launching: InFlight | None = None
         self.role: Role = Colocated()
         self.transport: Callable[[Send], None] = _unsent  # where the role's messages go
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
@@ -106,12 +117,8 @@ class Engine:
         dtype = getattr(torch, cfg.model.dtype)
         model = load_model(Path(cfg.model.path), dtype, device)
         arch = model.arch
-        layout = KVLayout.llama(
-            dtype=cfg.model.dtype,
-            page_size=cfg.cache.page_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+        layout = KVLayout.for_model(
+            arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype
         )
         num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes)
         pool = KVPool(layout, num_pages, device, shared=shared_pool)
@@ -195,13 +202,22 @@ class Engine:
         self._expire_requests(now)
         self.role.admit()
         self._send_outbox()  # replies go out before a step that may take seconds on a CPU
-        if self.scheduler.has_work():
+        if self.has_work():
             self.step()
             self._send_outbox()
         self._refresh_overdue()
 
+    def sync(self) -> None:
+        """Process the step in flight, if any: every sampled token is then on the host (tools
+        and tests that plan a step themselves; the loop never needs it)."""
+        self._complete_inflight()
+
+    def has_work(self) -> bool:
+        """Requests to step, or a step in flight whose outputs are not processed yet."""
+        return self.scheduler.has_work() or self._inflight is not None
+
     def _wait_s(self) -> float:
-        if self.scheduler.has_work():
+        if self.has_work():
             return 0.0
         if self.role.has_work():  # transfers to poll, rooms to time: short waits, no spinning
             return ROLE_POLL_S
@@ -271,16 +287,26 @@ class Engine:
         self.overdue = overdue(now - OVERDUE_GRACE_S, now, reqs, self.role.rooms())
 
     def step(self) -> None:
+        """Schedule and launch a step; then process the outputs of the step before it (with
+        overlap: engine/inflight.py) or of this one (without)."""
         plan = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(plan.preempted))
+        launched = None
         if plan.chunks:
+            launched = self._launching = InFlight(list(plan.chunks))
             try:
-                self._run(plan)
+                self._launch(plan, launched)
             except Exception as e:  # noqa: BLE001 - a bug past the isolation: fail the step
                 self.metrics.step_errors.inc()
                 log.exception("engine step failed; failing %d requests", len(plan.chunks))
                 for c in plan.chunks:
                     self._fail_in_step(c.request, f"engine step failed: {type(e).__name__}: {e}")
+            launched.launched(self.pool.device)
+        self._complete_inflight()  # the step before: requests it ends keep pages for `launched`
+        self._launching = None
+        self._inflight = launched
+        if launched is not None and not (self.overlap and self.role.overlaps):
+            self._complete_inflight()
         self.steps += 1
         counts = self.scheduler.counts()
         self.metrics.running.set(counts["running"])
@@ -289,27 +315,74 @@ class Engine:
         if self.prefix_cache is not None:
             self.metrics.prefix_cache.update(self.prefix_cache.stats)
 
-    def _run(self, plan: StepPlan) -> None:
-        chunks = list(plan.chunks)
+    def _launch(self, plan: StepPlan, step: InFlight) -> None:
+        """Forward and sample `plan` on the device, nothing waiting for the results; the
+        tokens become pending on their requests."""
+        chunks = step.chunks
+        feed = self._inflight.feed() if self._inflight is not None else None
         try:
-            logits = self.runner.forward(chunks)
+            logits = self.runner.forward(chunks, feed)
         except Exception as e:  # noqa: BLE001 - find the chunk at fault, run the others
             self.metrics.step_errors.inc()
             log.warning(
                 "forward failed (%s: %s); running its chunks one by one", type(e).__name__, e
             )
-            logits, chunks = forward_each(self.runner, chunks, self._fail_in_step)
+            logits, chunks = forward_each(self.runner, chunks, self._fail_in_step, feed)
         for c in chunks:
             c.request.num_computed = c.start + c.length
         self.role.after_forward(plan)
+        # One row of `logits` each; a request that ends meanwhile keeps its row, and its
+        # token is dropped when the step completes.
         sampling = [c.request for c in chunks if c.samples]
         if not sampling:
             return
-        picked, split = sample_rows(sample, logits, sampling, self._fail_in_step)
-        if split:
+        try:
+            step.sampled = self.sampler.launch(logits, sampling)
+        except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
             self.metrics.step_errors.inc()
-        for req, tok, lp in picked:
-            if req.status.finished:  # its room failed after the forward (a write failed)
+            log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
+            self._complete_inflight()  # its tokens come first
+            self._emit(sample_each(sample, logits, sampling, self._fail_in_step))
+            return
+        step.sampling = sampling
+        for req in sampling:
+            req.pending += 1
+            req.pending_last = (
+                req.num_output_tokens >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len
+            )
+
+    def _complete_inflight(self) -> None:
+        """Process the step in flight, if any: its tokens, then its retired pages."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        try:
+            picks = step.picks()
+        except Exception as e:  # noqa: BLE001 - its draws are lost: their requests fail
+            self.metrics.step_errors.inc()
+            log.exception("a step's sampled tokens could not be read")
+            picks = []
+            for req in step.sampling:
+                req.pending -= 1
+                self._fail_in_step(req, f"its tokens were lost: {type(e).__name__}: {e}")
+        for req, _, _ in picks:
+            req.pending -= 1  # 2 while the step after this one is being launched
+            req.pending_last = req.pending_last and req.pending > 0
+        self._emit(picks)
+        step.wait()
+        for lease in step.retire:
+            lease.release()
+
+    def _emit(self, picks: Picks) -> None:
+        self._emit_each(picks)
+        if self._generated:
+            self.metrics.generated_tokens.inc(self._generated)
+            self._generated = 0
+
+    def _emit_each(self, picks: Picks) -> None:
+        for req, tok, lp in picks:
+            if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
                 continue
             try:
                 if not self.role.take_token(req, tok, lp):
@@ -332,7 +405,7 @@ class Engine:
             return
         now = time.monotonic()
         req.output_ids.append(tok)
-        self.metrics.generated_tokens.inc()
+        self._generated += 1  # counted into metrics once a step (a lock per inc)
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.ttft.observe(now - req.arrival)
@@ -359,7 +432,8 @@ class Engine:
             tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids)
         ):
             return Event.STOP
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        num_tokens = len(req.prompt_ids) + len(req.output_ids)  # not a token still in flight
+        if len(req.output_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
             return Event.LENGTH
         return None
 
@@ -381,10 +455,15 @@ class Engine:
         if req.status.finished:
             return None
         lease = None
+        step = self._step_computing(req)
         if self.scheduler.get(req.request_id) is not req:
             req.transition(event)
         elif keep_pages_for is not None:
             lease = self.scheduler.hand_over(req, event, keep_pages_for)
+        elif step is not None:  # its pages outlive the step (engine/inflight.py)
+            kept = self.scheduler.hand_over(req, event, f"step:{req.request_id}")
+            if kept is not None:
+                step.retire.append(kept)
         else:
             self.scheduler.finish(req, event)
         if error is not None:
@@ -405,6 +484,13 @@ class Engine:
             )
         )
         return lease
+
+    def _step_computing(self, req: Request) -> InFlight | None:
+        """The latest launched step that computes `req`, if it may still be running."""
+        for step in (self._launching, self._inflight):
+            if step is not None and step.computes(req):
+                return step
+        return None
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pdserve.engine.inflight import Feed
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Chunk
@@ -30,15 +31,16 @@ Sampler = Callable[[torch.Tensor, Sequence[Request]], tuple[list[int], list[Toke
 
 
 def forward_each(
-    runner: ModelRunner, chunks: Sequence[Chunk], fail: Fail
+    runner: ModelRunner, chunks: Sequence[Chunk], fail: Fail, feed: Feed | None = None
 ) -> tuple[torch.Tensor, list[Chunk]]:
     """Run each chunk alone; fail those that raise. Returns the survivors' logits (one row per
-    survivor that samples, in order) and the surviving chunks."""
+    survivor that samples, in order) and the surviving chunks. `feed`: the step in flight's
+    sampled ids (engine/inflight.py)."""
     rows: list[torch.Tensor] = []
     kept: list[Chunk] = []
     for c in chunks:
         try:
-            logits = runner.forward([c])
+            logits = runner.forward([c], feed)
         except Exception as e:  # noqa: BLE001 - this chunk is at fault: its request fails
             log.warning("request %s: its chunk fails alone: %s", c.request.request_id, e)
             fail(c.request, f"the model failed on this request: {type(e).__name__}: {e}")
@@ -52,19 +54,6 @@ def forward_each(
 
 
 Picks = list[tuple[Request, int, TokenLogprob | None]]
-
-
-def sample_rows(
-    sample: Sampler, logits: torch.Tensor, reqs: Sequence[Request], fail: Fail
-) -> tuple[Picks, bool]:
-    """Sample the batch; if that raises, each row alone (see sample_each). Returns the picks
-    and whether the batch had to be split."""
-    try:
-        ids, lps = sample(logits, reqs)
-        return list(zip(reqs, ids, lps, strict=True)), False
-    except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
-        log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
-    return sample_each(sample, logits, reqs, fail), True
 
 
 def sample_each(

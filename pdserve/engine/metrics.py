@@ -5,8 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.kvcache.prefix_cache import CacheStats
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from pdserve.runtime.timing import LATENCY_BUCKETS
 
 
 class EngineMetrics:
@@ -63,6 +62,32 @@ class PrefixCacheMetrics:
         "hit_tokens": ("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the cache"),
         "inserted_pages": ("pdserve_prefix_cache_inserted_pages", "Pages added to the cache"),
         "evicted_pages": ("pdserve_prefix_cache_evicted_pages", "Pages evicted from the cache"),
+        # The host tier (--host-cache-mb): zero without one.
+        "host_hits": ("pdserve_prefix_cache_host_hits", "Lookups served pages from host memory"),
+        "host_hit_tokens": (
+            "pdserve_prefix_cache_host_hit_tokens",
+            "Prompt tokens served from host memory (also in hit_tokens)",
+        ),
+        "host_written_pages": (
+            "pdserve_prefix_cache_host_written_pages",
+            "Evicted pages written to host memory",
+        ),
+        "host_evicted_pages": (
+            "pdserve_prefix_cache_host_evicted_pages",
+            "Pages evicted from host memory",
+        ),
+        "host_loaded_pages": (
+            "pdserve_prefix_cache_host_loaded_pages",
+            "Pages loaded from host memory into the KV pool",
+        ),
+        "host_load_failures": (
+            "pdserve_prefix_cache_host_load_failures",
+            "Host loads whose copy failed (the request recomputed)",
+        ),
+        "host_load_timeouts": (
+            "pdserve_prefix_cache_host_load_timeouts",
+            "Host loads past their deadline (the request recomputed)",
+        ),
     }
 
     def __init__(self, registry: CollectorRegistry) -> None:

@@ -35,16 +35,20 @@ def build_engine(
     enforce_eager: bool = False,
     cuda_graph_max_bs: int = 256,
     prefix_cache: bool = CacheConfig.prefix_cache,
+    overlap_schedule: bool | None = None,
+    index_k_dtype: str = CacheConfig.index_k_dtype,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
-        CacheConfig(page_size, int(kv_budget_mb * 2**20), prefix_cache),
+        CacheConfig(
+            page_size, int(kv_budget_mb * 2**20), prefix_cache, index_k_dtype=index_k_dtype
+        ),
         SchedulerConfig(
             max_batched_tokens=max_batched_tokens,
             max_running=max_running,
             max_model_len=max_model_len,
         ),
-        RunnerConfig(attention_backend, enforce_eager, cuda_graph_max_bs),
+        RunnerConfig(attention_backend, enforce_eager, cuda_graph_max_bs, overlap_schedule),
     )
     return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.params import SamplingParams
@@ -92,6 +92,12 @@ class Request:
     lease: Lease | None = None
     unleased_pages: list[int] = field(default_factory=list, repr=False)  # see `pages`
     num_computed: int = 0  # tokens whose K/V is in the pool
+    # Overlapped scheduling (engine/inflight.py): tokens sampled by a step still in flight,
+    # counted in `num_tokens` but not yet in `output_ids` (0 or 1 when the scheduler runs; 2
+    # while a step is launched before the one in flight is processed), and whether the newest
+    # pending token is surely the last (max_tokens, the length limit): nothing more runs.
+    pending: int = 0
+    pending_last: bool = False
     num_preemptions: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -123,6 +129,20 @@ class Request:
         self.unleased_pages = list(pages)
 
     @property
+    def page_view(self) -> Sequence[int]:
+        """Its page table without a copy (read it, never keep it): the runner's per-step read."""
+        return self.lease.pages if self.lease is not None else self.unleased_pages
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a decode reads one token a step)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
     def num_pages(self) -> int:
         return len(self.lease) if self.lease is not None else len(self.unleased_pages)
 
@@ -132,10 +152,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Its tokens as the scheduler counts them: prompt, outputs and a pending token."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far, a pending one included: the next token's output position."""
+        return len(self.output_ids) + self.pending
 
     @property
     def num_uncomputed(self) -> int:
+        if self.pending_last:
+            return 0  # its last token is in flight: nothing more to compute
         return self.num_tokens - self.num_computed
 
     def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:

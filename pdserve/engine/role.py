@@ -42,6 +42,9 @@ class Room(Protocol):
 
 class Role(Protocol):
     name: str
+    # Whether the engine may process a step's tokens one step later (engine/inflight.py): a
+    # role that ships each step's KV and first token at once (prefill) says no.
+    overlaps: bool
 
     def handle(self, cmd: object) -> None:
         """A command the engine does not know; raises TypeError for one this role does not take."""
@@ -98,6 +101,7 @@ class Colocated:
     """The role of a worker that prefills its requests itself: nothing to add to the loop."""
 
     name = "colocated"
+    overlaps = True
 
     def handle(self, cmd: object) -> None:
         raise TypeError(f"a co-located engine takes no {type(cmd).__name__}")

@@ -25,10 +25,12 @@ from pdserve.attention.backend import AttentionBackend, AttentionContext
 from pdserve.attention.batch import Batch, BatchBuilder, SeqSpan
 from pdserve.attention.registry import default_backend, make_backend
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphableBackend
+from pdserve.engine.inflight import Feed
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
 from pdserve.model.llama import CausalLM
+from pdserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ PROMPT_LOGPROB_ROWS = 512
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: LoadedModel,
         pool: KVPool,
         backend: str | None = None,
         *,
@@ -52,13 +54,15 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.device
-        self.backend: AttentionBackend[Any] = make_backend(
-            backend or default_backend(self.device), pool, model.arch
-        )
+        name = backend or default_backend(self.device)
+        if model.arch.mla is not None and name != "torch":  # the only one with store/gather
+            log.info("latent attention runs on the torch backend, not %s", name)
+            name = "torch"
+        self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)
         self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            if not isinstance(self.backend, GraphableBackend):
+            if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
                 log.info(
                     "attention backend %s has no static metadata: decode runs eagerly",
                     self.backend.name,
@@ -69,24 +73,36 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
                 self.graphs.capture()
 
-    def build(self, chunks: Sequence[Chunk]) -> Batch:
-        """The step's Batch; chunks in the scheduler's order (decodes first)."""
-        return self.builder.build(
-            [
-                SeqSpan(
-                    c.request.all_ids[c.start : c.start + c.length],
-                    c.start,
-                    c.request.pages,
-                    c.samples,
-                )
-                for c in chunks
-            ]
-        )
+    def build(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> Batch:
+        """The step's Batch; chunks in the scheduler's order (decodes first). A chunk whose
+        last token is still in flight (`Request.pending`) takes it from `feed` on the device."""
+        spans: list[SeqSpan] = []
+        dst: list[int] = []  # rows of input_ids to fill from the device
+        src: list[int] = []  # their rows in feed.ids
+        at = 0
+        for c in chunks:
+            ids = c.request.tokens(c.start, c.start + c.length)
+            if len(ids) < c.length:
+                if feed is None or len(ids) != c.length - 1:
+                    raise RuntimeError(
+                        f"request {c.request.request_id}: {c.length - len(ids)} input tokens "
+                        "are not on the host and no step in flight sampled them"
+                    )
+                src.append(feed.row(c.request))
+                dst.append(at + c.length - 1)
+                ids = [*ids, 0]  # a placeholder, overwritten on the device below
+            spans.append(SeqSpan(ids, c.start, c.request.page_view, c.samples))
+            at += c.length
+        batch = self.builder.build(spans)
+        if dst and feed is not None:
+            feed.fill(batch.input_ids, dst, src)
+        return batch
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Logits [N, vocab] (float32) for the chunks that sample, in chunk order."""
-        batch = self.build(chunks)
+    def forward(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> torch.Tensor:
+        """Logits [N, vocab] (float32) for the chunks that sample, in chunk order; `feed`: the
+        step in flight's sampled ids, for inputs still on the device."""
+        batch = self.build(chunks, feed)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch))  # every decode samples
         ctx = AttentionContext(self.backend, self.backend.prepare(batch))

@@ -17,6 +17,14 @@ longest cached prefix of its tokens shared into its lease and counted as compute
 leaving one token to compute: its logits are sampled), and a request that leaves (finished
 other than by FAIL, preempted, or handed to a prefill room) first inserts its full computed
 pages. Pages only the cache holds are evicted by the allocator when its free list is short.
+
+With a host tier (--host-cache-mb), a lookup continues past the device match into host memory:
+the request starts a load of those pages (kvcache/host_loads.py) and stays in the waiting
+queue, holding its pages, until the load ends; requests behind it may go first. Loaded, it
+shares the pages and prefills only the rest (they enter the device cache too); failed or timed
+out, it prefills from where the device match ended. A request that leaves while loading gives
+its load's pages back only once the copy ended. A loading request is not running, so it is
+never preempted.
 """
 
 from __future__ import annotations
@@ -27,22 +35,24 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Event, Request
+from pdserve.kvcache.host_loads import Load, Outcome
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """`length` tokens of `request` starting at position `start` are computed this step."""
+    """`length` tokens of `request` starting at position `start` are computed this step;
+    `samples`: the chunk reaches the end of the request's tokens, so the next one is sampled
+    (fixed when the chunk is made: the request's token count does not change within a step)."""
 
     request: Request
     start: int
     length: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens: sample the next one."""
-        return self.start + self.length == self.request.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.length == self.request.num_tokens)
 
 
 @dataclass
@@ -71,6 +81,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pinned: Callable[[Request], bool] = lambda _req: False
+        self.loads = cache.loads if cache is not None else None
+        # Request id -> (tokens looked up, tokens loaded from the host): recorded in the cache's
+        # stats when it is admitted (a lookup it must repeat, lacking pages, counts then).
+        self._lookups: dict[str, tuple[int, int]] = {}
+        self._no_host: set[str] = set()  # its load failed: it computes those tokens
 
     # -- verbs -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -115,9 +130,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.loads is not None:
+            self.loads.abandon(req.request_id)  # its pages go back once the copy ended
+        self._lookups.pop(req.request_id, None)
+        self._no_host.discard(req.request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.loads and self.loads.has_work()))
 
     # -- the step ----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -127,6 +146,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed, budget)
+            if n == 0:  # its last token is still in flight (engine/inflight.py)
+                i += 1
+                continue
             if not self._reserve(req, n, plan):
                 if i < len(self.running) and self.running[i] is req:
                     i += 1  # no page for it this step: only pinned requests could give way
@@ -134,18 +156,25 @@ class Scheduler:
             plan.chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
-            req = self.waiting[0]
-            queried = self._match(req)
+        self._poll_loads()
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_running:
+            req = self.waiting[j]
+            self._match(req)
+            if self.loads is not None and self.loads.loading(req.request_id):
+                j += 1  # its KV is on its way from host memory; the next may go first
+                continue
             n = min(req.num_uncomputed, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
             if not self.allocator.can_allocate(need):
                 self._release(req, cache=False)  # a waiting request holds no pages
                 req.num_computed = 0
+                self._lookups.pop(req.request_id, None)
                 break  # no preemption to admit new work
-            self.waiting.popleft()
+            del self.waiting[j]
+            queried, loaded = self._lookups.pop(req.request_id, (0, 0))
             if self.cache is not None and queried:
-                self.cache.record(queried, req.num_computed)
+                self.cache.record(queried, req.num_computed, loaded)
             self._grow(req, need)
             req.transition(Event.SCHEDULE)
             self.running.append(req)
@@ -197,19 +226,59 @@ class Scheduler:
             req.lease.release()
             req.lease = None
 
-    def _match(self, req: Request) -> int:
-        """A request about to get pages starts from the longest cached prefix of its tokens;
-        returns how many tokens were looked up. Not for one that scores its prompt (every
-        position's logits are needed)."""
+    def _match(self, req: Request) -> None:
+        """A request about to get pages starts from the longest cached prefix of its tokens,
+        in the device cache, then (a load) in the host tier. Not for one that scores its
+        prompt (every position's logits are needed), nor one holding pages or loading."""
         if self.cache is None or req.lease is not None or req.params.prompt_logprobs is not None:
-            return 0
+            return
+        if self.loads is not None and self.loads.loading(req.request_id):
+            return
         tokens = req.all_ids[: req.num_tokens - 1]  # its last token is computed: it samples
         pages = self.cache.match(tokens)
         if pages:
             req.lease = self.leases.open(req.request_id)
             req.lease.share(pages)
             req.num_computed = len(pages) * self.page_size
-        return len(tokens)
+        self._lookups[req.request_id] = (len(tokens), 0)
+        if self.loads is not None and req.request_id not in self._no_host:
+            room = self.allocator.num_free + self.allocator.num_evictable
+            hit = self.cache.match_host(tokens, len(pages), room)
+            if hit.pages and self.loads.start(req.request_id, hit.keys, hit.pages) is not None:
+                self._poll_loads()  # a synchronous copy (the CPU) has ended already
+
+    def _poll_loads(self) -> None:
+        """Apply the loads that ended: share their pages or fall back to computing."""
+        if self.loads is None or self.cache is None:
+            return
+        for load, outcome in self.loads.poll():
+            req = next((r for r in self.waiting if r.request_id == load.request_id), None)
+            if req is None:  # cannot be: a request that leaves abandons its load (_remove)
+                if outcome is Outcome.LOADED:
+                    self.loads.end(load)
+                continue
+            if outcome is Outcome.LOADED:
+                self._loaded(req, load)
+                continue
+            self._no_host.add(req.request_id)
+            if outcome is Outcome.FAILED:
+                self.cache.stats.host_load_failures += 1
+            else:
+                self.cache.stats.host_load_timeouts += 1
+
+    def _loaded(self, req: Request, load: Load) -> None:
+        """The load's pages continue the request's: it shares them, and so does the cache."""
+        if self.cache is None or self.loads is None:
+            raise RuntimeError("a host load finished in a scheduler without a host tier")
+        if req.lease is None:
+            req.lease = self.leases.open(req.request_id)
+        req.lease.share(load.lease.pages)
+        self.loads.end(load)
+        req.num_computed = req.num_pages * self.page_size
+        self.cache.insert(req.all_ids, req.lease.pages, req.num_computed)
+        self.cache.stats.host_loaded_pages += len(load.host_pages)
+        queried, _ = self._lookups.get(req.request_id, (0, 0))
+        self._lookups[req.request_id] = (queried, len(load.host_pages) * self.page_size)
 
     def _cache(self, req: Request) -> None:
         if self.cache is not None and req.lease is not None:
@@ -221,6 +290,7 @@ class Scheduler:
     def counts(self) -> dict[str, int]:
         return {
             "waiting": len(self.waiting),
+            "loading": len(self.loads.active) if self.loads is not None else 0,
             "running": len(self.running),
             "pages_free": self.allocator.num_free,
             "pages_used": self.allocator.num_used,

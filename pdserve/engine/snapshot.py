@@ -41,8 +41,10 @@ def engine_snapshot(
     requests: Sequence[Request],
     cache: PrefixCache | None = None,
 ) -> dict[str, Any]:
-    """`pool.leases` counts the leases of requests and rooms (the prefix cache's is its own);
-    `pool.pages_cached` the pages only the prefix cache holds (in use, but evictable)."""
+    """`pool.leases` counts the leases of requests, rooms and host loads in flight (the prefix
+    cache's is its own); `pool.pages_cached` the pages only the prefix cache holds (in use, but
+    evictable). `pool.lease_violations` covers the cache and its host tier too: the host
+    pool's accounting (free + used = total, every indexed page in use once, pins = loads)."""
     now = time.monotonic()
     violations = leases.violations() + (cache.violations() if cache is not None else [])
     return {

@@ -32,6 +32,7 @@ from pdserve.frontend.protocol import (
     parse_completion,
     parse_json_body,
 )
+from pdserve.frontend.tools import check_template
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
 from pdserve.runtime.timing import BODY_TIMEOUT_S
@@ -133,6 +134,13 @@ class OpenAIApi:
 
     def _chat_prompt(self, spec: GenerationSpec) -> list[int]:
         try:
+            tools = spec.chat_kwargs.get("tools", ())
+            check_template(spec.messages, tools, lambda: self.tok.chat_template_support)
+        except InvalidParams as e:
+            raise bad(str(e), e.param) from e
+        except ValueError as e:  # the template does not parse
+            raise bad(f"chat template: {e}", "messages") from e
+        try:
             text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
         except (ValueError, TypeError) as e:
             # The tokenizer reports whatever the template raised as ValueError; a TypeError
@@ -224,7 +232,8 @@ class OpenAIApi:
         for chunk in fmt.stream_start():
             await resp.write(sse(chunk))
         async for d in gen.deltas():
-            await resp.write(sse(fmt.stream_delta(d)))
+            for chunk in fmt.stream_chunks(d):
+                await resp.write(sse(chunk))
             if d.finish_reason == "error":
                 await resp.write(sse(failure(d.choice.error).body()))
         if fmt.spec.include_usage:

@@ -4,11 +4,13 @@ Every field a client sends is in one of three sets, per endpoint:
 - honoured: parsed and acted on (`COMPLETION_FIELDS`, `CHAT_FIELDS`; `user` is accepted and
   has no effect, as its OpenAI meaning is only an end-user id for abuse monitoring);
 - refused unless it asks for what pdserve does anyway (`refuse_unsupported`): best_of (only
-  null, 1 or n), suffix, tools / tool_choice / functions / function_call, response_format
-  (only {"type": "text"}), audio and modalities (only ["text"]) -> 400 naming the field;
+  null, 1 or n), suffix, functions / function_call, response_format (only {"type": "text"}),
+  audio and modalities (only ["text"]) -> 400 naming the field; tools / tool_choice: see
+  frontend/tools.py;
 - unknown: anything else. Like vLLM, the default is lenient: the field is ignored and logged
-  once per field name (a bounded set: a client cannot grow it or flood the log); `strict`
-  refuses it with a 400 naming it.
+  once per field name (a bounded set: a client cannot grow it or flood the log). With
+  `--reject-unknown-fields` (serve, router: `reject_unknown_fields(True)`, the process's
+  choice) or `strict=True` it is refused with a 400 naming it.
 
 Raises InvalidParams (the caller turns it into its 400); torch-free and I/O-free.
 """
@@ -58,7 +60,7 @@ _COMMON = frozenset(
 _REFUSED_COMPLETION = frozenset({"best_of", "suffix"})
 _REFUSED_CHAT = frozenset(
     {
-        "tools",
+        "tools",  # tools and tool_choice: frontend/tools.py
         "tool_choice",
         "functions",
         "function_call",
@@ -82,6 +84,17 @@ CHAT_FIELDS = (
 )
 
 MAX_LOGGED_FIELDS = 256
+
+# The process's choice for unknown fields (serve's and router's --reject-unknown-fields); one
+# per process, like the once-per-name log it switches off.
+_reject_unknown = False
+
+
+def reject_unknown_fields(on: bool) -> None:
+    """Refuse (True) or log once and ignore (False, the default) unknown request fields, for
+    every parse in this process that does not say `strict` itself."""
+    global _reject_unknown
+    _reject_unknown = on
 
 
 class _OncePerName:
@@ -123,10 +136,6 @@ def refuse_unsupported(body: dict[str, Any], kind: str) -> None:
         if body.get("suffix") not in (None, ""):
             raise _refuse("suffix", "insertion (text after the completion) is not implemented")
         return
-    if body.get("tools") not in (None, []):
-        raise _refuse("tools", "tool calling is not implemented")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _refuse("tool_choice", "tool calling is not implemented")
     for field in ("functions", "function_call", "audio"):
         if body.get(field) is not None:
             raise _refuse(field, "not implemented")
@@ -136,13 +145,14 @@ def refuse_unsupported(body: dict[str, Any], kind: str) -> None:
         raise _refuse("modalities", 'only ["text"]')
 
 
-def check_unknown(body: dict[str, Any], kind: str, strict: bool) -> None:
-    """Fields outside the endpoint's set: InvalidParams if `strict`, else logged once each."""
+def check_unknown(body: dict[str, Any], kind: str, strict: bool | None = None) -> None:
+    """Fields outside the endpoint's set: InvalidParams if `strict` (None: the process's
+    choice, `reject_unknown_fields`), else logged once each."""
     known = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(str(k) for k in body if k not in known)
     if not unknown:
         return
-    if strict:
+    if _reject_unknown if strict is None else strict:
         raise InvalidParams(
             f"unknown field {show(unknown[0])} (this server refuses fields it does not implement)",
             unknown[0],

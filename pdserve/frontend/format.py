@@ -1,6 +1,16 @@
 """OpenAI response objects from a generation's deltas: a completion or a chat completion,
 whole or as stream chunks, with usage and logprobs (echoed prompt tokens first, `text_offset`s
-over the whole text)."""
+over the whole text).
+
+Logprobs as vLLM shows them. Completions: each position's `top_logprobs` holds the N best
+tokens and the token actually there (prompt or generated), so N or N+1 entries (with
+`logprobs: 0`, the token alone). Chat: `top_logprobs` is exactly the N best (OpenAI's meaning).
+A logprob of -inf (a token masked out) is shown as -9999.0: JSON has no infinity.
+
+A streamed `echo` sends the prompt's text as each choice's first chunk. When the prompt is
+scored too (`logprobs`), that chunk waits for the choice's first output, which carries the
+prompt's scores, and holds them; the generated tokens' `text_offset`s continue after it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,7 @@ from typing import Any
 
 from pdserve.frontend.generation import Choice, Delta, Generation
 from pdserve.frontend.protocol import GenerationSpec
+from pdserve.frontend.textstream import Detokenizer
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.outputs import TokenLogprob
 
@@ -31,12 +42,17 @@ class Formatter:
         self.created = int(time.time())
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.texts = [""] * len(gen.choices)
-        self.offsets = [0] * len(gen.choices)
         self.decode: Callable[[list[int]], str] = tok.decode
+        # Choices whose streamed echo waits for the prompt's scores (on their first output).
+        self.echo_pending: set[int] = set()
+        if spec.echo and spec.stream and spec.params.logprobs is not None:
+            self.echo_pending = {c.index for c in gen.choices}
         if spec.echo:
             for c in gen.choices:
                 self.texts[c.index] = self.decode(c.prompt_ids)
-                self.offsets[c.index] = len(self.texts[c.index])  # a stream's offsets follow it
+        self.echoed = [len(t) for t in self.texts]  # characters of echoed prompt, per choice
+        # A stream's generated tokens' text_offsets, per choice, after the echoed prompt if any.
+        self.offsets = [self._generated_offsets(c) for c in gen.choices]
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = ("chat.completion" if self.chat else "text_completion") + (
@@ -67,7 +83,10 @@ class Formatter:
             lp = None
             if self.spec.params.logprobs is not None:
                 prompt, first = self._echoed(c)
-                lp = self._logprobs(prompt + c.logprobs, 0, first)
+                lp = self._logprobs(c.logprobs, self._generated_offsets(c))
+                if first is not None:  # echo: the prompt's entries first, offsets from 0
+                    scored = self._logprobs(prompt, self._prompt_offsets(), first)
+                    lp = {k: scored[k] + lp[k] for k in lp}
             if self.chat:
                 choices.append(
                     {
@@ -105,28 +124,39 @@ class Formatter:
                 for c in self.gen.choices
             ]
         if self.spec.echo:
-            return [
-                self._envelope(
-                    [
-                        {
-                            "index": c.index,
-                            "text": self.texts[c.index],
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    chunk=True,
-                )
-                for c in self.gen.choices
-            ]
+            waiting = self.echo_pending
+            return [self._echo_chunk(c) for c in self.gen.choices if c.index not in waiting]
         return []
+
+    def stream_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The chunks a delta becomes: its own, after the choice's echoed prompt if that waited
+        for the prompt's scores."""
+        if d.choice.index not in self.echo_pending:
+            return [self.stream_delta(d)]
+        self.echo_pending.discard(d.choice.index)
+        return [self._echo_chunk(d.choice), self.stream_delta(d)]
+
+    def _echo_chunk(self, c: Choice) -> dict[str, Any]:
+        """A streamed echo: the prompt's text, with its scores when they were asked and came
+        (a choice that failed before its first output has none)."""
+        lp = None
+        prompt, first = self._echoed(c)
+        scored = self.spec.params.logprobs is not None and first is not None
+        if scored and len(prompt) == len(c.prompt_ids) - 1:
+            lp = self._logprobs(prompt, self._prompt_offsets(), first)
+        body = {
+            "index": c.index,
+            "text": self.texts[c.index],
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+        return self._envelope([body], chunk=True)
 
     def stream_delta(self, d: Delta) -> dict[str, Any]:
         i = d.choice.index
         lp = None
         if self.spec.params.logprobs is not None and d.logprobs:
             lp = self._logprobs(list(d.logprobs), self.offsets[i])
-        self.offsets[i] += len(d.text)
         body: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": d.finish_reason}
         if self.chat:
             body["delta"] = {"content": d.text} if d.text or d.finish_reason is None else {}
@@ -145,13 +175,27 @@ class Formatter:
             return [], None
         return list(c.prompt_logprobs), c.prompt_ids[0]
 
-    def _logprobs(self, lps: list[Any], offset: int, first: int | None = None) -> dict[str, Any]:
-        """`first`: a token shown before `lps` with null logprob and alternatives."""
+    def _prompt_offsets(self) -> TextOffsets:
+        return TextOffsets(self.tok.incremental(True), 0)  # the echoed text: decode()'s
+
+    def _generated_offsets(self, c: Choice) -> TextOffsets:
+        detok = self.tok.incremental(self.spec.skip_special_tokens)
+        return TextOffsets(detok, self.echoed[c.index])
+
+    def _logprobs(
+        self, lps: list[Any], offsets: TextOffsets, first: int | None = None
+    ) -> dict[str, Any]:
+        """`first`: a token shown before `lps` with null logprob and alternatives; `offsets`
+        (completions) walks the text the tokens make."""
         tok = self.tok
         if self.chat:
 
             def entry(tid: int, lp: float) -> dict[str, Any]:
-                return {"token": self._key(tid), "logprob": lp, "bytes": list(tok.token_bytes(tid))}
+                return {
+                    "token": self._key(tid),
+                    "logprob": _finite(lp),
+                    "bytes": list(tok.token_bytes(tid)),
+                }
 
             return {
                 "content": [
@@ -165,19 +209,19 @@ class Formatter:
         lead: list[TokenLogprob | None] = [None] if first is not None else []
         entries = lead + lps
         ids = ([first] if first is not None else []) + [x.token_id for x in lps]
-        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
         return {
-            "tokens": tokens,
-            "token_logprobs": [x.logprob if x is not None else None for x in entries],
-            "top_logprobs": [
-                {self._key(t): v for t, v in x.top} if x is not None else None for x in entries
-            ],
-            "text_offset": offsets,
+            "tokens": [tok.decode([t], skip_special_tokens=False) for t in ids],
+            "token_logprobs": [_finite(x.logprob) if x is not None else None for x in entries],
+            "top_logprobs": [self._top(x) if x is not None else None for x in entries],
+            "text_offset": offsets.of(ids),
         }
+
+    def _top(self, x: TokenLogprob) -> dict[str, float]:
+        """A completion position's alternatives: the N best, then the token that is there if
+        it is not among them (vLLM's N or N+1)."""
+        top = {self._key(t): _finite(v) for t, v in x.top}
+        top.setdefault(self._key(x.token_id), _finite(x.logprob))
+        return top
 
     def _key(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or, for a token holding part of a UTF-8
@@ -186,3 +230,29 @@ class Formatter:
         if "\ufffd" not in text:
             return text
         return "bytes:" + "".join(f"\\x{b:02x}" for b in self.tok.token_bytes(token_id))
+
+
+# What vLLM shows for a logprob of -inf (JSON has no infinity; json.dumps would write -Infinity).
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class TextOffsets:
+    """Where each token starts in the text of a choice: the characters released before it.
+    A special token the text leaves out takes no room; the tokens holding the parts of one
+    character all start where that character does. Walked once per choice, in token order,
+    so a stream's offsets are the whole answer's."""
+
+    def __init__(self, detok: Detokenizer, start: int) -> None:
+        self.detok = detok
+        self.at = start
+
+    def of(self, ids: list[int]) -> list[int]:
+        out = []
+        for t in ids:
+            out.append(self.at)
+            self.at += len(self.detok.push(t))
+        return out

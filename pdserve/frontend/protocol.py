@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.frontend.fields import check_unknown, refuse_unsupported
+from pdserve.frontend.tools import parse_tools
 from pdserve.protocol.sampling import (
     INT64_MAX,
     INT64_MIN,
@@ -247,7 +248,7 @@ def _max_tokens(body: dict[str, Any], *names: str, echo: bool = False) -> tuple[
     return 16, False, names[0]
 
 
-def _fields(body: Any, kind: str, strict: bool) -> dict[str, Any]:
+def _fields(body: Any, kind: str, strict: bool | None) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     try:
@@ -268,8 +269,9 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     return n
 
 
-def parse_completion(body: Any, strict: bool = False) -> GenerationSpec:
-    """A /v1/completions body -> its GenerationSpec; `strict` refuses unknown fields."""
+def parse_completion(body: Any, strict: bool | None = None) -> GenerationSpec:
+    """A /v1/completions body -> its GenerationSpec; `strict` refuses unknown fields (None:
+    as the process chose, fields.reject_unknown_fields)."""
     body = _fields(body, "completion", strict)
     model = _get(body, "model", str, "")
     prompt = body.get("prompt")
@@ -312,9 +314,13 @@ def parse_completion(body: Any, strict: bool = False) -> GenerationSpec:
     )
 
 
-def parse_chat(body: Any, strict: bool = False) -> GenerationSpec:
-    """A /v1/chat/completions body -> its GenerationSpec; `strict` refuses unknown fields."""
+def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
+    """A /v1/chat/completions body -> its GenerationSpec; `strict` as in parse_completion."""
     body = _fields(body, "chat", strict)
+    try:
+        tools = parse_tools(body)  # rendered into the prompt (the template's `tools`), or none
+    except InvalidParams as e:
+        raise bad(str(e), e.param) from e
     model = _get(body, "model", str, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -338,6 +344,7 @@ def parse_chat(body: Any, strict: bool = False) -> GenerationSpec:
         messages=norm,
         chat_kwargs={
             "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
+            **({"tools": list(tools)} if tools else {}),
             **_template_kwargs(body),
         },
         **_common(body, 1),

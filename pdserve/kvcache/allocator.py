@@ -11,11 +11,19 @@ Cached pages (kvcache/prefix_cache.py): a page marked `cached` whose only refere
 cache's is *evictable*; the allocator keeps their number as counts change, so `can_allocate`
 counts them as available, and `allocate` asks its `evict` hook for them when the free list is
 short. Pages anyone else holds are never evicted.
+
+Order: `allocate` hands out the lowest free pages, ascending (the free list is a heap). A
+request's pages are then consecutive whenever the low end of the pool has a long enough free
+run, always on a quiet pool, and fall into a few runs under churn (benchmarks/transfer.py's
+churn: 128 pages in a median of 22 runs; a FIFO list, which queues freed pages at the back,
+gave 128). Pages consecutive on both sides of a KV transfer move as one NIXL descriptor
+instead of one per page (transfer/nixl.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import heapq
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 
@@ -28,7 +36,7 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages))  # a heap; sorted is a heap
         self._refs: list[int] = [0] * num_pages
         self._cached: set[int] = set()  # pages the prefix cache holds a reference on
         self._evictable = 0  # cached pages whose count is 1: only the cache holds them
@@ -62,14 +70,14 @@ class PageAllocator:
         return self._refs[page]
 
     def allocate(self, n: int) -> list[int]:
-        """`n` free pages, each with reference count 1."""
+        """The `n` lowest free pages, ascending, each with reference count 1."""
         if n < 0:
             raise PageAllocError(f"asked for {n} pages")
         if n > len(self._free) and self.evict is not None and self.can_allocate(n):
             self.evict(n - len(self._free))
         if n > len(self._free):
             raise PageAllocError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -101,7 +109,7 @@ class PageAllocator:
             if p in self._cached and self._refs[p] < 2:
                 self._evictable += 1 if self._refs[p] == 1 else -1
             if self._refs[p] == 0:
-                self._free.append(p)
+                heapq.heappush(self._free, p)
 
     def mark_cached(self, pages: Sequence[int], cached: bool) -> None:
         """The prefix cache took (True, after its reference) or dropped (False, after its

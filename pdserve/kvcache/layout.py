@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -133,6 +133,56 @@ class BufferSpec:
             raise ValueError(f"buffer: {e}") from None
 
 
+class LatentShape(Protocol):
+    """What a latent-attention layout needs of a model (model/config.py MLAArch has it)."""
+
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+
+
+class IndexerShape(Protocol):
+    """What V3.2's index-K buffers need of a model (model/config.py DSAArch has it)."""
+
+    @property
+    def index_head_dim(self) -> int: ...
+
+
+class ModelShape(Protocol):
+    """What `KVLayout.for_model` needs of a model (model/config.py ModelArch has it)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def mla(self) -> LatentShape | None: ...
+    @property
+    def dsa(self) -> IndexerShape | None: ...
+
+
+INDEX_K, INDEX_K_SCALE = "index_k", "index_k_scale"  # V3.2's indexer keys (model/dsa_indexer.py)
+
+
+def index_k_buffers(
+    mode: str, head_dim: int, dtype: str, layers: tuple[int, ...] | None = None
+) -> tuple[BufferSpec, ...]:
+    """The buffers V3.2's indexer adds to its layers (`--index-k-dtype`): "auto" stores
+    "index_k" [head_dim] in `dtype` (the model's: HF parity); "fp8" stores it float8_e4m3fn
+    with a float32 "index_k_scale" [1] per token beside it."""
+    if mode == "auto":
+        return (BufferSpec(INDEX_K, (head_dim,), dtype, layers),)
+    if mode == "fp8":
+        return (
+            BufferSpec(INDEX_K, (head_dim,), "float8_e4m3fn", layers),
+            BufferSpec(INDEX_K_SCALE, (1,), "float32", layers),
+        )
+    raise ValueError(f"index-K dtype must be 'auto' or 'fp8', got {mode!r}")
+
+
 class Region(NamedTuple):
     """Where one (layer, buffer) lives inside a page."""
 
@@ -211,6 +261,39 @@ class KVLayout:
             tp_rank,
             tp_size,
         )
+
+    @classmethod
+    def mla(
+        cls,
+        dtype: str,
+        page_size: int,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> KVLayout:
+        """Multi-head latent attention (DeepSeek-V3): one "latent" buffer [1, kv_lora_rank +
+        qk_rope_head_dim] of `dtype` in every layer (the normed compressed KV, then the rotated
+        key every head shares)."""
+        latent = BufferSpec("latent", (1, kv_lora_rank + qk_rope_head_dim), dtype)
+        return cls((latent,), page_size, num_layers, tp_rank, tp_size)
+
+    @classmethod
+    def for_model(
+        cls, arch: ModelShape, dtype: str, page_size: int, index_k: str = "auto"
+    ) -> KVLayout:
+        """The layout a model's attention needs: latent for MLA (`arch.mla`), plus index-K in
+        `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`); else k
+        and v."""
+        if arch.mla is None:
+            return cls.llama(dtype, page_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        m = arch.mla
+        layout = cls.mla(dtype, page_size, arch.num_layers, m.kv_lora_rank, m.qk_rope_head_dim)
+        if arch.dsa is None:
+            return layout
+        extra = index_k_buffers(index_k, arch.dsa.index_head_dim, dtype)
+        return cls(layout.buffers + extra, page_size, arch.num_layers)
 
     # -- where things are -------------------------------------------------------------------
     def buffer(self, name: str) -> BufferSpec:

@@ -12,6 +12,10 @@ A page only the cache holds is evictable (the allocator counts those and calls `
 free list is short), least recently used first; a lookup or an insert makes its pages the most
 recently used, the first page of a prefix last, so a chain is evicted from its tail.
 Sans-I/O, engine-thread only, like the allocator under it.
+
+With a host tier (kvcache/host_pool.py, --host-cache-mb), an evicted page is first copied to
+the host pool under the same key, and `match_host` continues a device match there: the
+scheduler loads those pages back (kvcache/host_loads.py) before the request prefills the rest.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from pdserve.kvcache.host_loads import HostLoads
+from pdserve.kvcache.host_pool import Evicted, HostPool
 from pdserve.kvcache.lease import Leases
 
 OWNER = "prefix cache"
@@ -48,13 +54,31 @@ class CacheStats:
     hit_tokens: int = 0  # tokens served from the cache
     inserted_pages: int = 0
     evicted_pages: int = 0
+    # The host tier (zero without one).
+    host_hits: int = 0  # lookups served at least one page from the host tier
+    host_hit_tokens: int = 0  # tokens served from the host tier (also in hit_tokens)
+    host_written_pages: int = 0  # evicted device pages written to the host
+    host_evicted_pages: int = 0  # host pages evicted to make room for newer ones
+    host_loaded_pages: int = 0  # host pages loaded back into the device pool
+    host_load_failures: int = 0  # loads whose copy failed: the request recomputed
+    host_load_timeouts: int = 0  # loads past HOST_LOAD_TIMEOUT_S: the request recomputed
+
+
+class HostMatch(NamedTuple):
+    """Host pages continuing a device match, pinned for the load that reads them."""
+
+    keys: list[int]
+    pages: list[int]
 
 
 class PrefixCache:
-    def __init__(self, leases: Leases, page_size: int) -> None:
+    def __init__(self, leases: Leases, page_size: int, host: HostPool | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self.host = host
+        # Loads from the host tier in flight (the scheduler starts and finishes them).
+        self.loads = HostLoads(host, leases) if host is not None else None
         self.allocator = leases.allocator
         self.lease = leases.open(OWNER)
         self.stats = CacheStats()
@@ -99,13 +123,35 @@ class PrefixCache:
         self._touch(keys)
         return pages
 
-    def record(self, query_tokens: int, hit_tokens: int) -> None:
-        """A lookup of `query_tokens` tokens served `hit_tokens` of them to an admitted request
-        (one that looks up again next step, still waiting for pages, is counted then)."""
+    def match_host(self, token_ids: Sequence[int], start: int, most: int) -> HostMatch:
+        """Host pages of full pages `start`, `start + 1`, ... of `token_ids` (at most `most`),
+        continuing a device match of `start` pages; each is pinned (HostPool.pin) for the
+        load that will read it. Empty without a host tier."""
+        if self.host is None or most < 1:
+            return HostMatch([], [])
+        num_pages = min(len(token_ids) // self.page_size, start + most)
+        keys: list[int] = []
+        pages: list[int] = []
+        for key, want in self._keys(token_ids, num_pages)[start:]:
+            got = self.host.lookup(key, want.parent, want.tokens)
+            if got is None:
+                break
+            keys.append(key)
+            pages.append(got.page)
+        self.host.touch(keys)
+        self.host.pin(pages)
+        return HostMatch(keys, pages)
+
+    def record(self, query_tokens: int, hit_tokens: int, host_tokens: int = 0) -> None:
+        """A lookup of `query_tokens` tokens served `hit_tokens` of them (`host_tokens` of
+        those from the host tier) to an admitted request (one that looks up again next step,
+        still waiting for pages, is counted then)."""
         self.stats.queries += 1
         self.stats.query_tokens += query_tokens
         self.stats.hits += int(hit_tokens > 0)
         self.stats.hit_tokens += hit_tokens
+        self.stats.host_hits += int(host_tokens > 0)
+        self.stats.host_hit_tokens += host_tokens
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], num_computed: int) -> int:
         """Cache the full pages among the first `num_computed` tokens of `token_ids`, whose KV
@@ -151,6 +197,13 @@ class PrefixCache:
             if self.allocator.refcount(entry.page) == 1:
                 gone.append(key)
         pages = [self._entries[k].page for k in gone]
+        if self.host is not None and gone:  # copied out before the pages can be reused
+            leaving = [self._entries[k] for k in gone]
+            stored = self.host.store(
+                [Evicted(k, e.page, e.parent, e.tokens) for k, e in zip(gone, leaving, strict=True)]
+            )
+            self.stats.host_written_pages += stored.written
+            self.stats.host_evicted_pages += stored.dropped
         for key, page in zip(gone, pages, strict=True):
             del self._entries[key]
             del self._key_of[page]
@@ -173,6 +226,8 @@ class PrefixCache:
                 f"prefix cache: {len(self._entries)} entries on {len(mine)} pages, "
                 f"its lease holds {len(self.lease)}"
             )
+        if self.host is not None and self.loads is not None:
+            out += self.host.violations() + self.loads.violations()
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -186,4 +241,17 @@ class PrefixCache:
             "hit_tokens": s.hit_tokens,
             "inserted_pages": s.inserted_pages,
             "evicted_pages": s.evicted_pages,
+            "host": None
+            if self.host is None or self.loads is None
+            else {
+                **self.host.snapshot(),
+                **self.loads.snapshot(),
+                "hits": s.host_hits,
+                "hit_tokens": s.host_hit_tokens,
+                "written_pages": s.host_written_pages,
+                "evicted_pages": s.host_evicted_pages,
+                "loaded_pages": s.host_loaded_pages,
+                "load_failures": s.host_load_failures,
+                "load_timeouts": s.host_load_timeouts,
+            },
         }

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from pdserve.model.builtin_specs import BuiltinSpec, builtin_spec
+from pdserve.model.builtin_specs import BuiltinSpec, DeepseekShape, builtin_spec
 from pdserve.model.corpus import (
     ENDOFTEXT,
     IM_END,
@@ -189,13 +190,28 @@ def _hf_config(spec: BuiltinSpec, ids: dict[str, int]) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "use_cache": True,
     }
-    if spec.model_type == "llama":
+    if spec.deepseek is not None:
+        cfg.update(_deepseek_fields(spec.deepseek))
+    elif spec.model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     if spec.model_type == "qwen3":
         cfg["attention_bias"] = False
     return cfg
+
+
+def _deepseek_fields(d: DeepseekShape) -> dict[str, Any]:
+    fields = {k: v for k, v in asdict(d).items() if v is not None}  # V3: no index_* fields
+    return {
+        **fields,
+        "attention_bias": False,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        **({} if d.index_topk is not None else {"rope_interleave": True}),  # V3.2: always
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
 
 
 def _generation_config(ids: dict[str, int]) -> dict[str, Any]:

@@ -18,7 +18,32 @@ BUILTIN_NAMES: tuple[str, ...] = (
     "qwen3-tiny",
     "qwen2-0.5b-shape",
     "llama3.2-1b-shape",
+    "deepseek-v3-tiny",
+    "deepseek-v32-tiny",
 )
+
+
+@dataclass(frozen=True)
+class DeepseekShape:
+    """DeepSeek-V3's own fields (HF's names): latent attention and the experts."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_group: int
+    topk_group: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    # DeepSeek-V3.2's indexer (None: a V3 model; these fields are then not written)
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +70,7 @@ class BuiltinSpec:
     rope_scaling: dict[str, Any] | None = None
     add_bos: bool = False
     num_shards: int = 1
+    deepseek: DeepseekShape | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size < TOKENIZER_VOCAB:
@@ -108,6 +134,48 @@ SPECS: dict[str, BuiltinSpec] = {
         },
         tie_word_embeddings=True, qkv_bias=False, qk_norm=False, dtype="bfloat16",
         vocab_size=128256, add_bos=True, num_shards=4,
+    ),
+    # Every DeepSeek-V3 path at CPU-test size: a dense layer then two MoE layers, 8 experts in
+    # 4 groups (2 kept) with non-zero correction biases, 3 routed + 1 shared expert per token,
+    # q through q_a_proj/q_a_layernorm/q_b_proj, v_head_dim 20 != qk_nope_head_dim 24,
+    # interleaved YaRN rope with mscale != mscale_all_dim (so both the cos/sin factor and the
+    # softmax scale differ from 1). Latent cache: 32 + 16 values per token and layer.
+    "deepseek-v3-tiny": BuiltinSpec(
+        name="deepseek-v3-tiny", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3",
+        hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=4,
+        head_dim=16, rope_theta=10000.0, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+        },
+        tie_word_embeddings=False, qkv_bias=False, qk_norm=False, dtype="float32",
+        deepseek=DeepseekShape(
+            q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16,
+            v_head_dim=20, moe_intermediate_size=64, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    # V3-tiny's shape plus V3.2's indexer in every layer: 16 heads (with 4, exact 0.0 ties at
+    # the top-k cut made HF's choice depend on torch.topk internals), a power-of-two key width
+    # (fp8 index-K's Hadamard rotation) and index_topk 12, so every prompt past 12 tokens
+    # attends sparsely. V3.2's MLA rope is interleaved by definition (no rope_interleave field).
+    "deepseek-v32-tiny": BuiltinSpec(
+        name="deepseek-v32-tiny", architecture="DeepseekV32ForCausalLM",
+        model_type="deepseek_v32", hidden_size=128, intermediate_size=256, num_layers=3,
+        num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=10000.0,
+        max_position_embeddings=1024, rms_norm_eps=1e-6,
+        rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+        },
+        tie_word_embeddings=False, qkv_bias=False, qk_norm=False, dtype="float32",
+        deepseek=DeepseekShape(
+            q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16,
+            v_head_dim=20, moe_intermediate_size=64, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=32, index_topk=12,
+        ),
     ),
 }  # fmt: skip
 

@@ -44,7 +44,52 @@ class _Init:
     mean: float = 0.0
 
 
+def _deepseek_layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
+    """DeepSeek-V3's layer i, with per-expert tensors as HF's save_pretrained writes them."""
+    d = spec.deepseek
+    assert d is not None
+    h, heads = spec.hidden_size, spec.num_heads
+    qk, latent = d.qk_nope_head_dim + d.qk_rope_head_dim, d.kv_lora_rank + d.qk_rope_head_dim
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    inits = {
+        a + "q_a_proj.weight": _Init((d.q_lora_rank, h), h**-0.5),
+        a + "q_a_layernorm.weight": _Init((d.q_lora_rank,), 0.05, 1.0),
+        a + "q_b_proj.weight": _Init((heads * qk, d.q_lora_rank), d.q_lora_rank**-0.5),
+        a + "kv_a_proj_with_mqa.weight": _Init((latent, h), h**-0.5),
+        a + "kv_a_layernorm.weight": _Init((d.kv_lora_rank,), 0.05, 1.0),
+        a + "kv_b_proj.weight": _Init(
+            (heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank), d.kv_lora_rank**-0.5
+        ),
+        a + "o_proj.weight": _Init((h, heads * d.v_head_dim), (heads * d.v_head_dim) ** -0.5),
+        p + "input_layernorm.weight": _Init((h,), 0.05, 1.0),
+        p + "post_attention_layernorm.weight": _Init((h,), 0.05, 1.0),
+    }
+    if d.index_topk is not None:  # V3.2's indexer
+        assert d.index_n_heads is not None and d.index_head_dim is not None
+        n, k = d.index_n_heads, d.index_head_dim
+        inits[a + "indexer.wq_b.weight"] = _Init((n * k, d.q_lora_rank), d.q_lora_rank**-0.5)
+        inits[a + "indexer.wk.weight"] = _Init((k, h), h**-0.5)
+        inits[a + "indexer.k_norm.weight"] = _Init((k,), 0.05, 1.0)
+        inits[a + "indexer.k_norm.bias"] = _Init((k,), 0.05)
+        inits[a + "indexer.weights_proj.weight"] = _Init((n, h), h**-0.5)
+    mlps = {"mlp.": spec.intermediate_size}
+    if i >= d.first_k_dense_replace:
+        # Correction biases of 0.3 std move the choice, not the weights (HF: scores unbiased).
+        inits[p + "mlp.gate.weight"] = _Init((d.n_routed_experts, h), h**-0.5)
+        inits[p + "mlp.gate.e_score_correction_bias"] = _Init((d.n_routed_experts,), 0.3)
+        mlps = {f"mlp.experts.{e}.": d.moe_intermediate_size for e in range(d.n_routed_experts)}
+        mlps["mlp.shared_experts."] = d.moe_intermediate_size * d.n_shared_experts
+    for prefix, ff in mlps.items():
+        inits[p + prefix + "gate_proj.weight"] = _Init((ff, h), h**-0.5)
+        inits[p + prefix + "up_proj.weight"] = _Init((ff, h), h**-0.5)
+        inits[p + prefix + "down_proj.weight"] = _Init((h, ff), ff**-0.5)
+    return inits
+
+
 def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
+    if spec.deepseek is not None:
+        return _deepseek_layer_inits(spec, i)
     h, q, kv, ff = (
         spec.hidden_size,
         spec.num_heads * spec.head_dim,

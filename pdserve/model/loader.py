@@ -13,6 +13,13 @@ handle closes: about 600 MiB over the model for qwen2-0.5b-shape's first shard (
 benchmarks/load_memory.py). The safetensors format is an
 8-byte little-endian header length, a JSON header (dtype, shape, data_offsets per tensor) and
 the raw little-endian bytes of each tensor in C order.
+
+Also (DeepSeek-V3 and V3.2 checkpoints; V3.2's indexer weights load by name, its weights_proj
+kept float32 like the router's): fp8 block-quantised weights (`quantization_config` fp8 with a
+`weight_block_size`) are dequantised on load, weight times its `weight_scale_inv` block by
+block, one tensor at a time; the weights of multi-token prediction layers (the
+`num_nextn_predict_layers` layers after the last) are skipped with one log line, as vLLM does:
+pdserve does not run MTP, and the model without them is the whole model.
 """
 
 from __future__ import annotations
@@ -21,14 +28,18 @@ import io
 import json
 import logging
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import torch
 from torch import nn
 
 from pdserve.model.config import ModelArch, ModelConfigError
+from pdserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
 from pdserve.model.llama import CausalLM, rope_inv_freq
 from pdserve.model.weight_map import Placement, plan, rules_for
 
@@ -135,32 +146,50 @@ def checkpoint_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     return out
 
 
-def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> CausalLM:
+LoadedModel: TypeAlias = CausalLM | DeepseekV3ForCausalLM
+
+
+def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """The model with uninitialised parameters, each allocated once in `dtype` on `device`
-    (tied parameters share one tensor), and its derived buffers computed."""
+    (tied parameters share one tensor; the model's FLOAT32_PARAMS in float32), and its derived
+    buffers computed."""
     with torch.device("meta"):
-        model = CausalLM(arch)
+        model: LoadedModel = (
+            CausalLM(arch)
+            if arch.family != "deepseek_v3"
+            else DeepseekV32ForCausalLM(arch)
+            if arch.dsa is not None
+            else DeepseekV3ForCausalLM(arch)
+        )
     model.tie_weights()
+    keep32 = getattr(model, "FLOAT32_PARAMS", ())
     # Module.to_empty would untie (one new tensor per module), so replace parameters here.
     made: dict[int, nn.Parameter] = {}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) not in made:
-            data = torch.empty(p.shape, dtype=dtype, device=device)
+            want = torch.float32 if name.endswith(keep32) and keep32 else dtype
+            data = torch.empty(p.shape, dtype=want, device=device)
             made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, made[id(p)])
     # Derived buffers, never in a checkpoint. The RoPE table stays float32 like the reference.
-    model.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling).to(device)
+    if isinstance(model, CausalLM):
+        model.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        model.inv_freq = model.inv_freq.to(device)
+    else:
+        model.derive_buffers(device)
     left = [name for name, b in model.named_buffers() if b.is_meta]
     if left:
         raise RuntimeError(f"the loader does not compute buffers {left} of {type(model).__name__}")
     return model
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     arch = ModelArch.from_dir(path)
     rules = rules_for(arch.architecture)
     stored = checkpoint_tensors(weight_files(path))
+    _skip_mtp_layers(stored, arch)
+    scales = _fp8_scales(stored, arch, str(path))
     model = empty_model(arch, dtype, device)
     params = dict(model.named_parameters())  # one name per tensor: a tied lm_head is not here
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
@@ -171,7 +200,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
         aliases,
         where=str(path),
     )
-    copy_placements(stored, placements, params)
+    copy_placements(stored, placements, params, scales)
     model.eval()
     log.info(
         "loaded %s (%s) from %s on %s as %s", arch.architecture, arch.family, path, device, dtype
@@ -183,8 +212,11 @@ def copy_placements(
     stored: dict[str, StoredTensor],
     placements: list[Placement],
     params: dict[str, nn.Parameter],
+    scales: dict[str, Fp8Scale] | None = None,
 ) -> None:
-    """Fill each placement's destination from its file, one file open at a time, in file order."""
+    """Fill each placement's destination from its file, one file open at a time, in file order;
+    a source with an fp8 scale (`scales`) is dequantised on the way."""
+    scales = scales or {}
     by_file: dict[Path, list[Placement]] = defaultdict(list)
     for p in placements:
         by_file[stored[p.source].file].append(p)
@@ -194,7 +226,10 @@ def copy_placements(
             with open(file, "rb", buffering=0) as f:
                 for p in sorted(group, key=lambda p: stored[p.source].offset):
                     dst = p.destination(params[p.target])
-                    bounce = _copy_tensor(f, stored[p.source], dst, bounce)
+                    if p.source in scales:
+                        dst.copy_(_dequantised(f, stored[p.source], scales[p.source]))
+                    else:
+                        bounce = _copy_tensor(f, stored[p.source], dst, bounce)
 
 
 def _copy_tensor(
@@ -222,3 +257,94 @@ def _copy_tensor(
             got += k
         rows[r0 : r0 + n].copy_(chunk.view(t.dtype).view(n, *rows.shape[1:]))
     return bounce
+
+
+# ---------------------------------------------------------------- DeepSeek checkpoints
+
+_LAYER_OF = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _skip_mtp_layers(stored: dict[str, StoredTensor], arch: ModelArch) -> None:
+    """Drop the tensors of the `mtp_layers` layers after the last (DeepSeek's multi-token
+    prediction modules), with one log line; other layers past the last stay (and are
+    refused by the plan as tensors matching no parameter)."""
+    mtp = range(arch.num_layers, arch.num_layers + arch.mtp_layers)
+    dropped = [n for n in stored if (m := _LAYER_OF.match(n)) and int(m.group(1)) in mtp]
+    for n in dropped:
+        del stored[n]
+    if dropped:
+        log.info(
+            "skipping %d tensors of %d multi-token prediction layer(s) (model.layers.%d.*): "
+            "pdserve does not run MTP",
+            len(dropped),
+            arch.mtp_layers,
+            arch.num_layers,
+        )
+
+
+@dataclass(frozen=True)
+class Fp8Scale:
+    """One float32 scale per (rows x cols) block of an fp8 weight: w = fp8 * scale."""
+
+    tensor: StoredTensor
+    block: tuple[int, int]
+
+
+def _fp8_scales(
+    stored: dict[str, StoredTensor], arch: ModelArch, where: str
+) -> dict[str, Fp8Scale]:
+    """Take every `X.weight_scale_inv` out of `stored`: {X.weight: its scale}, each checked
+    against its weight's shape; an fp8 weight without one is refused."""
+    suffix = "_scale_inv"
+    names = [n for n in stored if n.endswith(".weight" + suffix)]
+    if names and arch.fp8_block is None:
+        raise ModelConfigError(
+            f"{where}: {names[0]} and {len(names) - 1} more scales, but config.json has no fp8 "
+            "quantization_config with a weight_block_size"
+        )
+    out: dict[str, Fp8Scale] = {}
+    for n in names:
+        scale = stored.pop(n)
+        weight = n[: -len(suffix)]
+        w = stored.get(weight)
+        assert arch.fp8_block is not None
+        b0, b1 = arch.fp8_block
+        if w is None or len(w.shape) != 2:
+            raise ModelConfigError(f"{where}: scale {n} has no 2-D weight {weight}")
+        want = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
+        if scale.shape != want or scale.dtype != torch.float32:
+            raise ModelConfigError(
+                f"{where}: scale {n} is {scale.dtype} {scale.shape}; weight {weight} "
+                f"{w.shape} in blocks of {arch.fp8_block} needs float32 {want}"
+            )
+        out[weight] = Fp8Scale(scale, arch.fp8_block)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    unscaled = sorted(n for n, t in stored.items() if t.dtype in fp8 and n not in out)
+    if unscaled:
+        raise ModelConfigError(
+            f"{where}: fp8 tensors without a weight_scale_inv: {', '.join(unscaled[:5])}"
+        )
+    return out
+
+
+def _read_whole(f: io.FileIO, t: StoredTensor) -> torch.Tensor:
+    nbytes = math.prod(t.shape) * t.dtype.itemsize
+    buf = bytearray(nbytes)
+    f.seek(t.offset)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        k = f.readinto(view[got:])
+        if not k:
+            raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
+        got += k
+    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
+def _dequantised(f: io.FileIO, weight: StoredTensor, scale: Fp8Scale) -> torch.Tensor:
+    """The fp8 weight [M, N] times its scale [ceil(M/b0), ceil(N/b1)] per block, float32."""
+    w = _read_whole(f, weight).float()  # [M, N]
+    with open(scale.tensor.file, "rb", buffering=0) as sf:
+        s = _read_whole(sf, scale.tensor)  # [ceil(M / b0), ceil(N / b1)] float32
+    b0, b1 = scale.block
+    m, n = w.shape
+    return w * s.repeat_interleave(b0, 0)[:m].repeat_interleave(b1, 1)[:, :n]

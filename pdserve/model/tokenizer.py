@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import jinja2
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.ext import Extension, loopcontrols
@@ -28,7 +29,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 # Bytes of an unfinished UTF-8 character decode to this; it means "wait for more tokens".
 REPLACEMENT_CHAR = "\ufffd"
-
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -48,6 +48,19 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _UNICODE_TO_BYTE = _byte_level_alphabet()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class ChatTemplateSupport(NamedTuple):
+    """What a chat template can render beyond plain turns, read from its source (its syntax
+    tree): a template that never mentions a thing drops it silently or renders it wrongly."""
+
+    tool_messages: bool  # compares a role with "tool" (or "ipython", Llama 3's name for it)
+    tools: bool  # reads the `tools` variable (the tool list OpenAI's `tools` field holds)
+    tool_calls: bool  # reads an assistant message's `tool_calls`
+
+
+NO_TEMPLATE_SUPPORT = ChatTemplateSupport(False, False, False)
+
 
 class Tokenizer:
     """Encode, decode and chat-format for one model; immutable after construction."""
@@ -143,6 +156,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    @property
+    def chat_template_support(self) -> ChatTemplateSupport:
+        """Whether the template renders tool messages, a tool list and tool calls (all False
+        without a template). ValueError if the template does not parse."""
+        if self._chat_template is None:
+            return NO_TEMPLATE_SUPPORT
+        return _support(self._chat_template)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -308,8 +329,8 @@ class _GenerationBlock(Extension):
         return str(caller())
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     # Templates come from downloaded model files: the sandbox keeps them from reaching Python.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
@@ -317,9 +338,34 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(
             f"the model's chat template does not parse (line {e.lineno}): {e.message}"
         ) from e
+
+
+_TOOL_ROLES = frozenset({"tool", "ipython"})
+
+
+@lru_cache(maxsize=16)
+def _support(template: str) -> ChatTemplateSupport:
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(
+            f"the model's chat template does not parse (line {e.lineno}): {e.message}"
+        ) from e
+    consts = {n.value for n in tree.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
+    attrs = {n.attr for n in tree.find_all(jinja2.nodes.Getattr)}
+    return ChatTemplateSupport(
+        tool_messages=bool(consts & _TOOL_ROLES),
+        tools="tools" in jinja2.meta.find_undeclared_variables(tree),
+        tool_calls="tool_calls" in consts | attrs,
+    )

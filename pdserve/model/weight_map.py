@@ -7,6 +7,8 @@ checkpoint name goes to the first rule (in table order) whose pattern fully matc
     the rule's patterns, each slice as wide as its tensor (a fused QKV or gate-up weight);
   * Stack: per-expert tensors fill index `expert` of one parameter along `dim` (stacked MoE
     experts);
+  * StackConcat: both at once: per-expert tensors, source i filling slice i of index `expert`
+    (per-expert gate and up into stacked experts' gate_up_proj [E, 2I, H]);
   * Ignore: tensors the model derives itself (RoPE tables that some exporters write).
 Targets are `re.Match.expand` templates over the pattern's groups.
 
@@ -54,11 +56,24 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class StackConcat:
+    sources: tuple[str, ...]  # one regex per slice, each with a group named "expert"
+    target: str
+    dim: int = 0  # the expert dimension of the parameter
+    cat_dim: int = 0  # the slices' dimension within one expert's part
+
+    def __post_init__(self) -> None:
+        for s in self.sources:
+            if "expert" not in re.compile(s).groupindex:
+                raise ValueError(f"StackConcat pattern {s!r} has no (?P<expert>...) group")
+
+
+@dataclass(frozen=True)
 class Ignore:
     source: str
 
 
-Rule = Rename | Concat | Stack | Ignore
+Rule = Rename | Concat | Stack | StackConcat | Ignore
 
 # The Llama family (Llama, Mistral, Qwen2, Qwen3): HF names, but q/k/v and gate/up are fused
 # (model/llama.py): each fused parameter is the checkpoint's tensors stacked along dim 0.
@@ -78,11 +93,33 @@ _HF_LAYOUT: tuple[Rule, ...] = (
     Rename(r"(.*)", r"\1"),
 )
 
+# DeepSeek-V3 (model/deepseek_v3.py): gate and up fused in the dense MLPs and the shared
+# experts; routed experts stacked, from per-expert tensors (what HF's save_pretrained and the
+# real checkpoints write) or already stacked (HF 5's in-memory names load by identity).
+_EXPERT = rf"{_LAYER}\.mlp\.experts\.(?P<expert>\d+)"
+_DEEPSEEK_V3: tuple[Rule, ...] = (
+    Ignore(r".*rotary_emb\.inv_freq"),
+    Concat(
+        tuple(rf"{_LAYER}\.mlp\.((?:shared_experts\.)?){p}_proj\.weight" for p in ("gate", "up")),
+        r"\1.mlp.\2gate_up_proj.weight",
+        dim=0,
+    ),
+    StackConcat(
+        tuple(rf"{_EXPERT}\.{p}_proj\.weight" for p in ("gate", "up")),
+        r"\1.mlp.experts.gate_up_proj",
+    ),
+    Stack(rf"{_EXPERT}\.down_proj\.weight", r"\1.mlp.experts.down_proj"),
+    Rename(r"(.*)", r"\1"),
+)
+
 WEIGHT_MAP: dict[str, tuple[Rule, ...]] = {
     "LlamaForCausalLM": _HF_LAYOUT,
     "MistralForCausalLM": _HF_LAYOUT,
     "Qwen2ForCausalLM": _HF_LAYOUT,
     "Qwen3ForCausalLM": _HF_LAYOUT,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    # V3 plus `self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`, loaded by name
+    "DeepseekV32ForCausalLM": _DEEPSEEK_V3,
 }
 
 
@@ -116,7 +153,18 @@ class Index:
     index: int
 
 
-Region = Whole | Slice | Index
+@dataclass(frozen=True)
+class IndexSlice:
+    """Slice [start, start + length) along `cat_dim` of index `index` along `dim`."""
+
+    dim: int
+    index: int
+    cat_dim: int
+    start: int
+    length: int
+
+
+Region = Whole | Slice | Index | IndexSlice
 
 
 @dataclass(frozen=True)
@@ -134,6 +182,8 @@ class Placement:
                 return param.narrow(dim, start, length)
             case Index(dim, index):
                 return param.select(dim, index)
+            case IndexSlice(dim, index, cat_dim, start, length):
+                return param.select(dim, index).narrow(cat_dim, start, length)
             case _:
                 return param
 
@@ -144,6 +194,9 @@ def region_shape(region: Region, param: Shape) -> Shape:
             return param[:dim] + (length,) + param[dim + 1 :]
         case Index(dim, _):
             return param[:dim] + param[dim + 1 :]
+        case IndexSlice(dim, _, cat_dim, _, length):
+            row = param[:dim] + param[dim + 1 :]
+            return row[:cat_dim] + (length,) + row[cat_dim + 1 :]
         case _:
             return param
 
@@ -172,6 +225,8 @@ def plan(
     unexpected: list[str] = []
     # (rule index, target) -> the Concat rule and {slice position: checkpoint name}
     groups: dict[tuple[int, str], tuple[Concat, dict[int, str]]] = {}
+    # (rule index, target, expert) -> the StackConcat rule and {slice position: name}
+    expert_groups: dict[tuple[int, str, int], tuple[StackConcat, dict[int, str]]] = {}
     for name in sorted(checkpoint):
         hit = _first_match(rules, name)
         if hit is None:
@@ -185,8 +240,12 @@ def plan(
             continue
         if target not in params:
             unexpected.append(name)
-        elif isinstance(rule, Concat):
-            members = groups.setdefault((k, target), (rule, {}))[1]
+        elif isinstance(rule, Concat | StackConcat):
+            if isinstance(rule, Concat):
+                members = groups.setdefault((k, target), (rule, {}))[1]
+            else:
+                key = (k, target, int(m.group("expert")))
+                members = expert_groups.setdefault(key, (rule, {}))[1]
             if pos in members:
                 raise ModelConfigError(
                     f"{where}: parameter {target} is loaded more than once: both "
@@ -204,6 +263,11 @@ def plan(
         )
     for (_, target), (concat, members) in sorted(groups.items(), key=lambda kv: kv[0]):
         placements.extend(_concat(concat, target, members, checkpoint, where))
+    for (_, target, e), (sc, members) in sorted(expert_groups.items(), key=lambda kv: kv[0]):
+        for p in _concat(sc, target, members, checkpoint, where, dim=sc.cat_dim):
+            assert isinstance(p.region, Slice)
+            r = IndexSlice(sc.dim, e, sc.cat_dim, p.region.start, p.region.length)
+            placements.append(Placement(p.source, target, r))
     for p in placements:
         want = region_shape(p.region, params[p.target])
         if tuple(checkpoint[p.source]) != want:
@@ -219,7 +283,7 @@ def _first_match(rules: Sequence[Rule], name: str) -> tuple[int, Rule, re.Match[
     """(rule index, rule, match, position): position is the slice for Concat, the expert
     for Stack, 0 otherwise."""
     for k, rule in enumerate(rules):
-        if isinstance(rule, Concat):
+        if isinstance(rule, Concat | StackConcat):
             for pos, pattern in enumerate(rule.sources):
                 m = re.fullmatch(pattern, name)
                 if m:
@@ -232,12 +296,16 @@ def _first_match(rules: Sequence[Rule], name: str) -> tuple[int, Rule, re.Match[
 
 
 def _concat(
-    rule: Concat,
+    rule: Concat | StackConcat,
     target: str,
     members: dict[int, str],
     checkpoint: Mapping[str, Shape],
     where: str,
+    dim: int | None = None,
 ) -> list[Placement]:
+    """Slices along `dim` (default: the rule's) of `target`, one per source in order."""
+    dim = rule.dim if dim is None and isinstance(rule, Concat) else dim
+    assert dim is not None
     absent = [rule.sources[i] for i in range(len(rule.sources)) if i not in members]
     if absent:
         raise ModelConfigError(
@@ -248,12 +316,12 @@ def _concat(
     for pos in range(len(rule.sources)):
         name = members[pos]
         shape = tuple(checkpoint[name])
-        if not 0 <= rule.dim < len(shape):
+        if not 0 <= dim < len(shape):
             raise ModelConfigError(
-                f"{where}: tensor {name} has shape {shape}, no dim {rule.dim} to fuse along"
+                f"{where}: tensor {name} has shape {shape}, no dim {dim} to fuse along"
             )
-        out.append(Placement(name, target, Slice(rule.dim, start, shape[rule.dim])))
-        start += shape[rule.dim]
+        out.append(Placement(name, target, Slice(dim, start, shape[dim])))
+        start += shape[dim]
     return out
 
 
@@ -281,6 +349,8 @@ def _check_coverage(placements: list[Placement], params: Mapping[str, Shape], wh
         if kinds == {Index}:
             got = sorted(p.region.index for p in ps if isinstance(p.region, Index))
             covered = got == list(range(size))
+        elif kinds == {IndexSlice}:
+            covered = _stacked_slices_tile(ps, size, params[target])
         else:
             spans = sorted(
                 (p.region.start, p.region.length) for p in ps if isinstance(p.region, Slice)
@@ -292,3 +362,23 @@ def _check_coverage(placements: list[Placement], params: Mapping[str, Shape], wh
                 f"{where}: tensors {sorted(sources)} do not tile parameter {target} "
                 f"(size {size} along dim {dim}) exactly once"
             )
+
+
+def _stacked_slices_tile(ps: list[Placement], size: int, shape: Shape) -> bool:
+    """IndexSlice placements cover every index 0..size-1, each index's slices tiling it."""
+    regions = [p.region for p in ps if isinstance(p.region, IndexSlice)]
+    by_index: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for r in regions:
+        by_index[r.index].append((r.start, r.length))
+    cat_dims = {r.cat_dim for r in regions}
+    if sorted(by_index) != list(range(size)) or len(cat_dims) != 1:
+        return False
+    (cat_dim,) = cat_dims
+    dim = regions[0].dim
+    row = shape[:dim] + shape[dim + 1 :]  # one index's part
+    for spans in by_index.values():
+        spans.sort()
+        ends = [s + n for s, n in spans]
+        if [s for s, _ in spans] != [0, *ends[:-1]] or ends[-1] != row[cat_dim]:
+            return False
+    return True

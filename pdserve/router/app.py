@@ -32,7 +32,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Fleet, discover
 from pdserve.router.health import CANARY_PARAMS, HealthMonitor
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import make_policy
+from pdserve.router.policy import PrefixSettings, make_policy
+from pdserve.router.prefix_index import fleet_page_size
 from pdserve.router.registry import Registry
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.ready import announce_ready
@@ -82,7 +83,13 @@ class Router:
             len(self.clients),
         )
         self.fleet = fleet = await discover(cfg, self.clients)
-        self.registry = Registry.build(fleet.decode, fleet.prefill, make_policy(cfg.policy))
+        prefix = PrefixSettings(  # the cache lives on P in PD, on the co-located workers else
+            page_size=fleet_page_size(info for _, info in fleet.prefill or fleet.decode),
+            index_pages=cfg.prefix_index_pages,
+            max_imbalance=cfg.prefix_max_imbalance,
+        )
+        policy = make_policy(cfg.policy, prefix)
+        self.registry = Registry.build(fleet.decode, fleet.prefill, policy)
         self.backend = RemoteBackend(
             cfg, self.registry, self.clients, self.metrics, fleet.vocab_size, fleet.max_model_len
         )

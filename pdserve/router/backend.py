@@ -163,7 +163,7 @@ class RemoteBackend:
         try:
             while True:
                 try:
-                    route = self.registry.choose(exclude=tried)
+                    route = self.registry.choose(exclude=tried, prompt=prompt_ids)
                 except NoRoute as e:
                     outcome = "rejected"
                     live.sink(error_output(rid, str(e)))

@@ -7,6 +7,7 @@ from typing import Any
 
 from pdserve.config import HttpLimits
 from pdserve.router.policy import POLICIES
+from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
 
 
 def add_front_end_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,17 @@ def add_front_end_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="completion calls in flight at most; past it 429 with Retry-After (default: 4096)",
+    )
+
+
+def add_unknown_fields_arg(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI API does with a request field it does not know (frontend/fields.py),
+    for `serve` and `router`."""
+    p.add_argument(
+        "--reject-unknown-fields",
+        action="store_true",
+        help="answer 400 naming a request field pdserve does not know (default: ignore it "
+        "and log one warning per field name, as vLLM does)",
     )
 
 
@@ -73,6 +85,26 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
     )
 
 
+def add_prefix_policy_args(p: argparse.ArgumentParser) -> None:
+    """`--policy prefix`'s settings (router/policy.py), for `router` and `launch`."""
+    p.add_argument(
+        "--prefix-index-pages",
+        type=int,
+        default=DEFAULT_CAPACITY_PAGES,
+        metavar="N",
+        help="--policy prefix: pages of prompts remembered per worker, least recent out "
+        f"first (default: {DEFAULT_CAPACITY_PAGES})",
+    )
+    p.add_argument(
+        "--prefix-max-imbalance",
+        type=int,
+        default=8,
+        metavar="N",
+        help="--policy prefix: the worker with the longest match loses to the least loaded "
+        "one when it has more than N more requests in flight (default: 8)",
+    )
+
+
 def add_router_command(sub: Any) -> None:
     """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
     r: argparse.ArgumentParser = sub.add_parser(
@@ -102,8 +134,10 @@ def add_router_command(sub: Any) -> None:
         "--policy",
         default="least-outstanding",
         choices=sorted(POLICIES),
-        help="how a worker is chosen: the fewest requests in flight, or in turn",
+        help="how a worker is chosen: the fewest requests in flight, in turn, or prefix: "
+        "where the prompt's longest prefix should be cached, balanced against load",
     )
+    add_prefix_policy_args(r)
     r.add_argument(
         "--model",
         required=True,
@@ -133,12 +167,14 @@ def add_router_command(sub: Any) -> None:
         help="the workers' cluster key (default: $PDSERVE_CLUSTER_KEY_FILE)",
     )
     add_front_end_args(r)
+    add_unknown_fields_arg(r)
     add_http_args(r)
     r.set_defaults(func=cmd_router)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     # Imported here so that `pdserve --help` does not pay for aiohttp and the tokenizer.
+    from pdserve.frontend.fields import reject_unknown_fields
     from pdserve.router.app import run_router
     from pdserve.router.config import RouterConfig
     from pdserve.server.auth import load_api_key
@@ -158,6 +194,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        prefix_index_pages=args.prefix_index_pages,
+        prefix_max_imbalance=args.prefix_max_imbalance,
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,
         cluster_key_file=args.cluster_key_file,
@@ -167,4 +205,5 @@ def cmd_router(args: argparse.Namespace) -> int:
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
     )
+    reject_unknown_fields(args.reject_unknown_fields)
     return run_router(cfg)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import HttpLimits
 from pdserve.router.policy import POLICIES
+from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "least-outstanding"
+    prefix_index_pages: int = DEFAULT_CAPACITY_PAGES  # --policy prefix: page keys per worker
+    prefix_max_imbalance: int = 8  # --policy prefix: extra in-flight requests a hit may cost
     request_timeout_s: float = 600.0  # default per-request bound when the client gives none
     startup_timeout_s: float = 60.0  # how long to wait for every worker's /info at startup
     connect_timeout_s: float = 3.0  # TCP connect to a worker
@@ -48,6 +51,11 @@ class RouterConfig:
             raise ValueError(f"worker URLs given more than once: {sorted(dupes)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.prefix_index_pages < 1 or self.prefix_max_imbalance < 0:
+            raise ValueError(
+                "--prefix-index-pages must be >= 1 and --prefix-max-imbalance >= 0, got "
+                f"{self.prefix_index_pages} and {self.prefix_max_imbalance}"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         timeouts = (

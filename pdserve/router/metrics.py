@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.engine.metrics import LATENCY_BUCKETS
 from pdserve.router.registry import PairKey, Registry
+from pdserve.runtime.timing import LATENCY_BUCKETS
 
 OUTCOMES = ("ok", "error", "aborted", "rejected")  # finished | failed | client left | no worker
 

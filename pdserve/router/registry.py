@@ -11,6 +11,11 @@ Rotation rules (the only place they live):
 * D takes traffic iff it is healthy and has a usable pair with a healthy P (or its own
   (None, D) pair is usable when there are no prefill workers).
 `outstanding` is incremented by `acquire` and decremented exactly once by `release`.
+
+The prompt goes to the policy only for the pool that keeps the prefix cache: co-located
+workers, or prefill workers in PD (D is then chosen by the policy without it, i.e. by load).
+A worker that leaves rotation is forgotten by the policy: when it comes back, its cache may be
+empty (a restart) and whatever the policy guessed of it is stale.
 """
 
 from __future__ import annotations
@@ -151,16 +156,17 @@ class Registry:
         return bool(self.partners(w))
 
     # -- routing ------------------------------------------------------------------------
-    def choose(self, exclude: Iterable[str] = ()) -> Route:
-        """A route for the next request; raises NoRoute saying why every worker is out."""
+    def choose(self, exclude: Iterable[str] = (), prompt: Sequence[int] = ()) -> Route:
+        """A route for the next request (its prompt token ids, for a cache-aware policy);
+        raises NoRoute saying why every worker is out."""
         skip = set(exclude)
         ds = [d for d in self.decode if d.url not in skip and self.in_rotation(d)]
         if not ds:
             raise NoRoute(self._why_none(skip))
-        d = self.policy.choose("decode", ds)
         if not self.prefill:
-            return Route(d, None)
-        return Route(d, self.policy.choose("prefill", self.partners(d)))
+            return Route(self.policy.choose(Role.DECODE.value, ds, prompt), None)
+        d = self.policy.choose(Role.DECODE.value, ds)
+        return Route(d, self.policy.choose(Role.PREFILL.value, self.partners(d), prompt))
 
     def acquire(self, route: Route) -> None:
         for w in (route.decode, route.prefill):
@@ -199,6 +205,7 @@ class Registry:
         w.healthy, w.last_check = ok, now
         w.last_error = None if ok else error
         if was and not ok:
+            self.policy.forget(w.role.value, w.index)
             return f"{w.role.value} worker {url} left rotation: {error}"
         if ok and not was:
             return f"{w.role.value} worker {url} is healthy again and back in rotation"
@@ -238,7 +245,14 @@ class Registry:
         now = time.monotonic()
         return {
             "policy": self.policy.name,
-            "workers": [w.snapshot(now, self.in_rotation(w)) for w in self.workers],
+            "policy_stats": self.policy.stats(),
+            "workers": [
+                {
+                    **w.snapshot(now, self.in_rotation(w)),
+                    **self.policy.state(w.role.value, w.index),
+                }
+                for w in self.workers
+            ],
             "pairs": [
                 {
                     "prefill": k[0],

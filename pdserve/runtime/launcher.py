@@ -46,6 +46,9 @@ class LaunchConfig:
     cluster_key_file: str  # the secret every process of the cluster shares (0600)
     api_key_file: str | None = None  # the router's clients' key (0600), if any
     protect_health: bool = False  # the router's /health and /metrics need a key too
+    reject_unknown_fields: bool = False  # the router answers 400 to an unknown request field
+    prefix_index_pages: int | None = None  # --policy prefix's settings (None: the router's)
+    prefix_max_imbalance: int | None = None
     max_queue: int = 4096  # the router's completion calls in flight at most
     host: str = "127.0.0.1"
     port: int = 8000
@@ -118,6 +121,16 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
                 "--host": cfg.host,
                 "--port": str(cfg.port),
                 "--policy": cfg.policy,
+                **(
+                    {"--prefix-index-pages": str(cfg.prefix_index_pages)}
+                    if cfg.prefix_index_pages is not None
+                    else {}
+                ),
+                **(
+                    {"--prefix-max-imbalance": str(cfg.prefix_max_imbalance)}
+                    if cfg.prefix_max_imbalance is not None
+                    else {}
+                ),
                 "--model": cfg.model_path,
                 "--served-model-name": cfg.served_model_name,
                 "--request-timeout": str(cfg.request_timeout_s),
@@ -128,6 +141,7 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
             }
         )
         + (["--protect-health"] if cfg.protect_health else [])
+        + (["--reject-unknown-fields"] if cfg.reject_unknown_fields else [])
     )
 
 

@@ -69,3 +69,15 @@ DISCOVERY_RETRY_S = 0.5  # ...retried this often (a worker may still be binding 
 LAUNCH_POLL_S = 0.05  # the startup barrier's look at the children's logs
 LAUNCH_WAKE_S = 1.0  # the launcher's run loop's bound on a missed wake-up
 LOG_REPEAT_WINDOW_S = 10.0  # a repeated log line is cut after 20 per this window
+
+# -- the prefix cache's host tier (kvcache/host_loads.py) ------------------------------------------
+# A load of cached pages from host memory into the device pool must end this long after it was
+# issued, else its request computes those tokens instead (its pages stay out of use until the
+# copy ends). A healthy load takes milliseconds (a prompt's pages over PCIe at ~25 GB/s: 1 GB
+# in 40 ms); a copy still running after seconds is a stuck copy engine, and recomputing a
+# prompt on an H200 takes well under this.
+HOST_LOAD_TIMEOUT_S = 5.0
+
+# The bounds (seconds) of every latency histogram, the engine's (TTFT, ITL, end to end) and the
+# router's alike, so the two sides of one request bin alike: 1 ms to a minute.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

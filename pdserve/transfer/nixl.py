@@ -20,9 +20,18 @@ engine computes the next chunk.
 
 Descriptors: the pool is bytes [pages, page_bytes] (kvcache/pool.py), so one page of every
 layer and buffer is one contiguous run of `layout.page_bytes` at `base + page * page_bytes`,
-whatever the buffers' dtypes. Both sides prepare the list of their pages once; a write picks
-rows by index, one descriptor per page (NIXL merges pages that happen to be adjacent on both
-sides).
+whatever the buffers' dtypes. Both sides prepare the list of their pages once; a write is one
+transfer request that picks rows by index, and NIXL's make_prepped_xfer merges rows that are
+consecutive on *both* sides into one descriptor (NIXL 1.5's trace log: "merged 16 indices
+into 1 descriptors"): exactly the spans `page_spans` computes (`NixlTransfer.descriptors`).
+Each descriptor is one UCX operation (over cuda_ipc, one copy): on the H200 a write of 128
+scattered pages (24 MiB) ran at 60% of one contiguous raw WRITE (benchmarks/RESULTS.md;
+benchmarks/transfer.py separates the pages' pattern from pdserve's own cost). So the
+allocators hand out the lowest free pages in order (kvcache/allocator.py): a request's pages
+are one span on a quiet pool and a few under churn (128 pages: median 22 spans in the
+benchmark's churn, against 128 when freed pages queued at the back). The Python around a
+write (indices, make_prepped_xfer, release) is ~10 us for 128 pages on the CPU; a prepared
+request cannot be reused, as each write names other pages and another notification.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -122,7 +131,34 @@ def page_runs(layout: KVLayout, base: int, num_pages: int, device_id: int) -> np
 
 def run_indices(pages: Sequence[int]) -> np.ndarray:
     """Rows of `page_runs` for `pages`, in order (row i is page i on both sides)."""
-    return np.asarray(list(pages), dtype=np.int32)
+    return np.array(pages, dtype=np.int32)
+
+
+class Span(NamedTuple):
+    """`pages` pages from `src` on P to `dst` on D, consecutive on both: one descriptor."""
+
+    src: int
+    dst: int
+    pages: int
+
+
+def page_spans(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[Span]:
+    """The descriptors a write of `src_pages[i] -> dst_pages[i]` becomes: neighbouring pairs
+    merge while both sides go up by one page (NIXL's own merge rule for prepared rows)."""
+    src, dst = run_indices(src_pages), run_indices(dst_pages)
+    starts = span_starts(src, dst)
+    ends = np.append(starts[1:], len(src)) if len(starts) else starts
+    return [Span(int(src[i]), int(dst[i]), int(e - i)) for i, e in zip(starts, ends, strict=True)]
+
+
+def span_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Positions in `src`/`dst` (rows of `run_indices`) where a new descriptor starts."""
+    if src.shape != dst.shape:
+        raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
+    if len(src) == 0:
+        return np.zeros(0, dtype=np.intp)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    return np.flatnonzero(np.concatenate(([True], breaks)))
 
 
 def notif(room: int, epoch: int, nbytes: int) -> bytes:
@@ -230,9 +266,16 @@ class NixlTransfer:
     handle: Any
     nbytes: int
     deadline: float  # monotonic
+    rows: tuple[np.ndarray, np.ndarray]  # (src, dst) rows of page_runs, as posted
     ready: StepDone | None = None  # posted only after this event completed
     posted: bool = False
     done: bool = False
+
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors NIXL posts for this write (its page_spans); counted on
+        demand, so a write does not pay for it."""
+        return len(span_starts(*self.rows))
 
     def post_if_ready(self) -> None:
         """Post the WRITE if its pages are computed; raises WriteError if NIXL refuses it."""
@@ -311,20 +354,17 @@ class NixlWriter:
         ready: StepDone | None = None,
     ) -> NixlTransfer:
         nbytes = len(src_pages) * self.layout.page_bytes
+        src_rows, dst_rows = run_indices(src_pages), run_indices(dst_pages)
         a = self.agent
         try:
+            # One request for the whole write; NIXL merges the rows into page_spans.
             handle = a.agent.make_prepped_xfer(
-                "WRITE",
-                a.local,
-                run_indices(src_pages),
-                self.remote,
-                run_indices(dst_pages),
-                notif(room, epoch, nbytes),
+                "WRITE", a.local, src_rows, self.remote, dst_rows, notif(room, epoch, nbytes)
             )
         except Exception as e:  # noqa: BLE001 - typed NIXL errors become a failed write
             raise write_error("NIXL could not prepare the write", e) from e
         limit = min(deadline, time.monotonic() + TRANSFER_TIMEOUT_S)
-        xfer = NixlTransfer(a, handle, nbytes, limit, ready)
+        xfer = NixlTransfer(a, handle, nbytes, limit, (src_rows, dst_rows), ready)
         xfer.post_if_ready()  # else the first poll that finds the step done posts it
         return xfer
 

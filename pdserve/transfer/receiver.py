@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from pdserve.kvcache.pool import KVPool
-from pdserve.protocol.messages import BACKENDS, NixlPool, ShmPool
+from pdserve.protocol.messages import BACKENDS, NixlPool, Register, ShmPool
 from pdserve.transfer.dataplane import receive_chunk
 from pdserve.transfer.nixl import INSTALL_HINT, NixlAgent, nixl_available
 
@@ -146,6 +146,19 @@ def unavailable(backend: str) -> str | None:
 def needs_shared_pool(backend: str) -> bool:
     """Whether D's KV pool must live in shared memory for `backend`."""
     return backend == "shm"
+
+
+def register_message(receiver: KVReceiver, pool: KVPool) -> Register:
+    """What pairs a decode worker with a prefill worker: its pool by the typed layout, the
+    backend, and where P writes (the shm segment, or the NIXL agent and descriptors)."""
+    shm, nixl = receiver.registration()
+    return Register(
+        layout=pool.layout.to_dict(),
+        backend=receiver.backend,
+        shm=shm,
+        nixl=nixl,
+        num_pages=pool.num_pages,
+    )
 
 
 def open_receiver(backend: str, identity: str, pool: KVPool) -> KVReceiver:

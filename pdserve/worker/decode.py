@@ -6,7 +6,7 @@ PrefillDone, when its KV is complete, and takes the room's lease with it. Every 
 through the D table of `protocol/rooms.py`; its lease is released only on a transition that
 carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). P workers are
 pinged every second; one silent for PEER_TIMEOUT_S is declared dead and its rooms fenced
-(LESSONS #7, #8, #9).
+(`PrefillPeers.liveness`; LESSONS #7, #8, #9).
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ from pdserve.runtime.timing import (
     FENCE_MARGIN_S,
     FENCE_S,
     PEER_ENGINE_STALL_S,
-    PEER_TIMEOUT_S,
-    PING_EVERY_S,
     PREFILL_TIMEOUT_S,
 )
 from pdserve.transfer.control import Control, Inbound
-from pdserve.transfer.receiver import KVReceiver, open_receiver
+from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
 from pdserve.worker.api import params_to_json
-from pdserve.worker.decode_rooms import Admission, DRoom, PrefillPeer
+from pdserve.worker.decode_rooms import WAIT, Admission, DRoom, PrefillPeer
 from pdserve.worker.prefill_peers import PrefillPeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import decode_snapshot
@@ -54,6 +52,7 @@ class DecodeRole:
     """The decode worker's role in its engine's loop (engine/role.py)."""
 
     name = "decode"
+    overlaps = True
 
     def __init__(
         self,
@@ -152,33 +151,13 @@ class DecodeRole:
 
     def _try_done(self, room: DRoom) -> None:
         """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
-        msg = room.done
-        assert msg is not None  # only called after PrefillDone was recorded
-        waits_for_kv = room.state in (DState.PENDING, DState.PREFILLING)
-        if waits_for_kv and self.receiver.counts_bytes and room.bytes_received != msg.kv_bytes:
-            if self.receiver.bytes_may_trail and room.bytes_received < msg.kv_bytes:
-                return  # they travel apart from PrefillDone: wait (the room's deadline bounds it)
-            # Never decode on KV we did not receive.
-            return self._apply(
-                room,
-                DEvent.FAILED,
-                f"incomplete KV: received {room.bytes_received} of {msg.kv_bytes} bytes",
-            )
-        req = room.request
-        if req.params.prompt_logprobs is not None:
-            if len(msg.prompt_logprobs) != len(req.prompt_ids) - 1:
-                return self._apply(
-                    room,
-                    DEvent.FAILED,
-                    f"the prefill worker sent {len(msg.prompt_logprobs)} prompt logprobs for "
-                    f"{len(req.prompt_ids)} prompt tokens",
-                )
-            req.prompt_logprobs = list(msg.prompt_logprobs)
-        room.first_token = msg.first_token
-        self.stats.bytes_acked += msg.kv_bytes
-        if msg.first_logprob is not None:
-            tid, lp, top = msg.first_logprob
-            room.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
+        problem = room.take_done(self.receiver.counts_bytes, self.receiver.bytes_may_trail)
+        if problem == WAIT:
+            return
+        if problem is not None:
+            return self._apply(room, DEvent.FAILED, problem)
+        assert room.done is not None
+        self.stats.bytes_acked += room.done.kv_bytes
         self._apply(room, DEvent.DONE)
 
     def _take_landed(self) -> None:
@@ -205,22 +184,18 @@ class DecodeRole:
         self._take_landed()  # counted now: its PrefillDone may be next in the inbox
 
     def _register_ack(self, address: str, msg: m.RegisterAck) -> None:
-        peer = self.peers.get(address)
-        if peer is None:
+        if self.peers.get(address) is None:
             self.stats.unexpected["RegisterAck"] += 1
             return
-        queued, peer.queued = peer.queued, []
-        if not msg.ok:
-            peer.refused = msg.error or "registration refused"
-            log.error("prefill worker %s refused us: %s", address, peer.refused)
-            for rid in queued:
-                if rid in self.by_room:
-                    self._apply(self.by_room[rid], DEvent.REJECT, peer.refused)
-            return
-        peer.registered, peer.refused = True, None
+        queued, refused = self.peers.acked(address, msg.ok, msg.error)
+        if refused is not None:
+            log.error("prefill worker %s refused us: %s", address, refused)
         for rid in queued:
-            if rid in self.by_room and self.by_room[rid].state is DState.PENDING:
-                self._send_prefill(self.by_room[rid])
+            room = self.by_room.get(rid)
+            if room is not None and refused is not None:
+                self._apply(room, DEvent.REJECT, refused)
+            elif room is not None and room.state is DState.PENDING:
+                self._send_prefill(room)
 
     # -- admission ---------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -279,18 +254,7 @@ class DecodeRole:
             self._send_prefill(room)
 
     def _send_register(self, peer: PrefillPeer) -> None:
-        shm, nixl = self.receiver.registration()
-        layout = self.pool.layout.to_dict()
-        self._send(
-            peer.address,
-            m.Register(
-                layout=layout,
-                backend=self.receiver.backend,
-                shm=shm,
-                nixl=nixl,
-                num_pages=self.pool.num_pages,
-            ),
-        )
+        self._send(peer.address, register_message(self.receiver, self.pool))
 
     def _register_again(self, room: DRoom) -> bool:
         """P restarted and forgot us: pair again and resend `room` (once); False: give up."""
@@ -417,29 +381,18 @@ class DecodeRole:
                 own = req_deadline is not None and now >= req_deadline  # the client's timeout
                 what = DEADLINE_ERROR if own else "prefill deadline passed"
                 self._apply(room, event, f"{what} in state {room.state.value}")
-        for peer in self.peers:
-            open_rooms = [
-                r
-                for r in self.by_room.values()
-                if r.peer == peer.address
-                and r.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING)
-            ]
-            if not open_rooms and not peer.registered:
-                continue
-            if now - peer.last_ping > PING_EVERY_S:
-                peer.last_ping = now
-                self._send(peer.address, m.Ping(sent_at=time.time()))
-            # Silence counts from when we began waiting: the last pong, or the oldest open
-            # room if it is younger (a P silent while we asked nothing is not yet dead).
-            waited = now - max(peer.last_pong, min((r.since for r in open_rooms), default=now))
-            if open_rooms and waited > PEER_TIMEOUT_S:
-                log.warning(
-                    "prefill worker %s silent for %.1fs: declared dead", peer.address, waited
-                )
-                peer.registered = False  # re-register when it comes back
-                peer.refused = "declared dead"
-                for room in open_rooms:
-                    self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
+        waiting: dict[str, list[DRoom]] = {}
+        for room in self.by_room.values():
+            if room.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING):
+                waiting.setdefault(room.peer, []).append(room)
+        since = {address: min(r.since for r in rooms) for address, rooms in waiting.items()}
+        pings, dead = self.peers.liveness(now, since)
+        for peer in pings:
+            self._send(peer.address, m.Ping(sent_at=time.time()))
+        for peer, waited in dead:
+            log.warning("prefill worker %s silent for %.1fs: declared dead", peer.address, waited)
+            for room in waiting[peer.address]:
+                self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
         for address in self.peers.evict_idle(now, self._busy_peers()):
             self.forget(address)
 

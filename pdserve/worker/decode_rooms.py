@@ -57,3 +57,31 @@ class DRoom:
     bytes_received: int = 0  # tcp, nixl: KV bytes that arrived for this room
     done: m.PrefillDone | None = None  # nixl: PrefillDone that came before all its bytes
     reregistered: bool = False  # P refused it as unregistered once; we paired again
+
+    def take_done(self, counts_bytes: bool, bytes_may_trail: bool) -> str | None:
+        """Check the PrefillDone it holds and take its first token (and prompt logprobs):
+        None when the request can decode, WAIT while its bytes still travel apart from it
+        (nixl; the room's deadline bounds the wait), else why the room fails (never decode on
+        KV we did not receive)."""
+        msg, req = self.done, self.request
+        assert msg is not None  # only called after PrefillDone was recorded
+        waits_for_kv = self.state in (DState.PENDING, DState.PREFILLING)
+        if waits_for_kv and counts_bytes and self.bytes_received != msg.kv_bytes:
+            if bytes_may_trail and self.bytes_received < msg.kv_bytes:
+                return WAIT
+            return f"incomplete KV: received {self.bytes_received} of {msg.kv_bytes} bytes"
+        if req.params.prompt_logprobs is not None:
+            if len(msg.prompt_logprobs) != len(req.prompt_ids) - 1:
+                return (
+                    f"the prefill worker sent {len(msg.prompt_logprobs)} prompt logprobs for "
+                    f"{len(req.prompt_ids)} prompt tokens"
+                )
+            req.prompt_logprobs = list(msg.prompt_logprobs)
+        self.first_token = msg.first_token
+        if msg.first_logprob is not None:
+            tid, lp, top = msg.first_logprob
+            self.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
+        return None
+
+
+WAIT = "wait"  # DRoom.take_done: the KV bytes are still on their way

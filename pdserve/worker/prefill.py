@@ -13,7 +13,6 @@ AbortAck with known=False, never an assert (LESSONS #1, #3).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.params import InvalidParams, SamplingParams
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Room
 from pdserve.engine.scheduler import StepPlan
@@ -33,7 +31,7 @@ from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
 from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
-from pdserve.worker.prefill_rooms import PRoom
+from pdserve.worker.prefill_rooms import PRoom, check_prefill_request
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import prefill_snapshot
 
@@ -47,6 +45,7 @@ class PrefillRole:
     """The prefill worker's role in its engine's loop (engine/role.py)."""
 
     name = "prefill"
+    overlaps = False  # the first token and the written pages go to D at once
 
     def __init__(
         self,
@@ -183,21 +182,10 @@ class PrefillRole:
         if (peer_id, msg.room) in self.by_room:
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
-        if len(msg.dst_pages) < need or any(not 0 <= p < peer.num_pages for p in msg.dst_pages):
-            return reject(f"dst_pages invalid: {need} pages in [0, {peer.num_pages}) needed")
-        try:
-            # P samples output position 0 only, by the same rule as D samples the rest: a
-            # min_tokens of 1 or more bans EOS and the stop ids from this token too.
-            asked = SamplingParams.from_builtins(msg.params)
-            params = asked.replace(max_tokens=1, min_tokens=min(asked.min_tokens, 1))
-            self.engine.validate(msg.prompt_ids, params)
-        except InvalidParams as e:  # the one converter raises nothing else
-            return reject(f"bad request: {e}")
-        left = msg.write_deadline - time.time()
-        if not math.isfinite(left):  # NaN would keep the room open for ever
-            return reject(f"write_deadline must be a finite unix time, got {msg.write_deadline}")
-        if left <= 0:
-            return reject(f"arrived {-left:.1f}s after its write deadline")
+        checked = check_prefill_request(msg, peer.num_pages, need, self.engine.validate)
+        if isinstance(checked, str):
+            return reject(checked)
+        params, left = checked
         deadline = time.monotonic() + min(left, self.engine.cfg.request_timeout_s)
         req = Request(
             f"{peer_id}:{msg.room}:{msg.epoch}",
@@ -246,23 +234,9 @@ class PrefillRole:
                     room.lease.release()
                     room.lease = None
             case Cmd.SEND_DONE:
-                assert room.first_token is not None  # COMPUTED set it; not input-dependent
-                lp = room.first_logprob
                 self.stats.done += 1
                 self.stats.bytes_acked += room.bytes_written  # reported to D as complete
-                self._reply(
-                    room.peer,
-                    m.PrefillDone(
-                        room=room.room,
-                        epoch=room.epoch,
-                        first_token=room.first_token,
-                        kv_bytes=room.bytes_written,
-                        first_logprob=(lp.token_id, lp.logprob, list(lp.top))
-                        if lp is not None
-                        else None,
-                        prompt_logprobs=tuple(room.request.prompt_logprobs),
-                    ),
-                )
+                self._reply(room.peer, room.done_message())
             case Cmd.SEND_FAILED:
                 self.stats.failed += 1
                 self._reply(

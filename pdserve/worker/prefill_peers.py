@@ -8,16 +8,18 @@ naming new addresses would grow a socket per call and the CPU spent reconnecting
 * `evict_idle` forgets peers idle for PEER_IDLE_S (the decode role then asks the control plane
   to close their sockets); a peer that comes back later simply pairs again;
 * `open` on a new address when the set is full first forgets the peer idle the longest; if
-  every peer is busy it raises PeerLimit, and only that request fails, saying why.
+  every peer is busy it raises PeerLimit, and only that request fails, saying why;
+* `liveness` says whom to ping (every PING_EVERY_S while it is registered or rooms wait on
+  it) and who is dead: silent for PEER_TIMEOUT_S while rooms wait on it.
 
 Sans-I/O and owned by the engine thread, like the rest of the decode role.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 
-from pdserve.runtime.timing import PEER_IDLE_S
+from pdserve.runtime.timing import PEER_IDLE_S, PEER_TIMEOUT_S, PING_EVERY_S
 from pdserve.worker.decode_rooms import PrefillPeer
 
 MAX_PREFILL_PEERS = 64  # prefill workers one decode worker pairs with at once
@@ -71,12 +73,49 @@ class PrefillPeers:
         peer = self._peers[address] = PrefillPeer(address)
         return peer, forgotten
 
+    def acked(self, address: str, ok: bool, error: str | None) -> tuple[list[int], str | None]:
+        """A RegisterAck from `address`: (the rooms that waited for it, None) when it paired
+        us, (those rooms, why) when it refused. KeyError for an address we never asked."""
+        peer = self._peers[address]
+        queued, peer.queued = peer.queued, []
+        if not ok:
+            peer.refused = error or "registration refused"
+            return queued, peer.refused
+        peer.registered, peer.refused = True, None
+        return queued, None
+
     def replace(self, address: str) -> PrefillPeer:
         """A fresh record for a known address (after it refused us or was declared dead)."""
         if address not in self._peers:
             raise KeyError(address)
         peer = self._peers[address] = PrefillPeer(address)
         return peer
+
+    def liveness(
+        self, now: float, waiting_since: Mapping[str, float]
+    ) -> tuple[list[PrefillPeer], list[tuple[PrefillPeer, float]]]:
+        """(peers to ping now, [(peer declared dead, seconds silent)]). `waiting_since`: the
+        addresses with rooms waiting on them, each with when its oldest such room opened.
+        Silence counts from when we began waiting: the last pong, or the oldest waiting room
+        if it is younger (a P silent while we asked nothing is not yet dead). A dead peer is
+        marked to pair anew when it comes back."""
+        pings: list[PrefillPeer] = []
+        dead: list[tuple[PrefillPeer, float]] = []
+        for peer in self._peers.values():
+            since = waiting_since.get(peer.address)
+            if since is None and not peer.registered:
+                continue
+            if now - peer.last_ping > PING_EVERY_S:
+                peer.last_ping = now
+                pings.append(peer)
+            if since is None:
+                continue
+            waited = now - max(peer.last_pong, since)
+            if waited > PEER_TIMEOUT_S:
+                peer.registered = False  # re-register when it comes back
+                peer.refused = "declared dead"
+                dead.append((peer, waited))
+        return pings, dead
 
     def evict_idle(self, now: float, busy: Collection[str]) -> list[str]:
         """Forget every peer idle for `idle_s`; returns their addresses (close their sockets)."""

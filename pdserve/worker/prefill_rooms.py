@@ -7,12 +7,16 @@ batch and are released only by FREE_PAGES, once no write reads them (LESSONS #7)
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.kvcache.lease import Lease
+from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import PState
+from pdserve.protocol.sampling import InvalidParams, SamplingParams
 from pdserve.transfer.dataplane import Pending
 
 
@@ -42,3 +46,44 @@ class PRoom:
     @property
     def write_deadline_mono(self) -> float:
         return time.monotonic() + (self.write_deadline - time.time())
+
+    def done_message(self) -> m.PrefillDone:
+        """What tells D its KV is complete: the first token (and its logprob), the bytes
+        written, and the prompt's logprobs when asked."""
+        assert self.first_token is not None  # COMPUTED set it; not input-dependent
+        lp = self.first_logprob
+        return m.PrefillDone(
+            room=self.room,
+            epoch=self.epoch,
+            first_token=self.first_token,
+            kv_bytes=self.bytes_written,
+            first_logprob=(lp.token_id, lp.logprob, list(lp.top)) if lp is not None else None,
+            prompt_logprobs=tuple(self.request.prompt_logprobs),
+        )
+
+
+def check_prefill_request(
+    msg: m.PrefillRequest,
+    num_pages: int,
+    pages_needed: int,
+    validate: Callable[[list[int], SamplingParams], None],
+) -> tuple[SamplingParams, float] | str:
+    """(the params P samples with, seconds left to its write deadline), or why P refuses it:
+    destination pages out of D's pool (`num_pages`) or too few, invalid params (`validate`:
+    the engine's rules), a write deadline not finite or already past."""
+    if len(msg.dst_pages) < pages_needed or any(not 0 <= p < num_pages for p in msg.dst_pages):
+        return f"dst_pages invalid: {pages_needed} pages in [0, {num_pages}) needed"
+    try:
+        # P samples output position 0 only, by the same rule as D samples the rest: a
+        # min_tokens of 1 or more bans EOS and the stop ids from this token too.
+        asked = SamplingParams.from_builtins(msg.params)
+        params = asked.replace(max_tokens=1, min_tokens=min(asked.min_tokens, 1))
+        validate(list(msg.prompt_ids), params)
+    except InvalidParams as e:  # the one converter raises nothing else
+        return f"bad request: {e}"
+    left = msg.write_deadline - time.time()
+    if not math.isfinite(left):  # NaN would keep the room open for ever
+        return f"write_deadline must be a finite unix time, got {msg.write_deadline}"
+    if left <= 0:
+        return f"arrived {-left:.1f}s after its write deadline"
+    return params, left

@@ -316,7 +316,7 @@ class Server:
         )
 
         def idle() -> bool:
-            return listener.busy == 0 and not self.engine.scheduler.has_work()
+            return listener.busy == 0 and not self.engine.has_work()
 
         if await stop.drain(idle, drain_timeout_s) or stop.forced.is_set():
             return

@@ -74,7 +74,8 @@ def test_graph_decode_equals_eager_decode_token_for_token(tiny_dir):
     ]
     join_at = [0] * 5 + [int(k) for k in torch.randint(1, 150, (n - 5,), generator=g)]
     runs = {}
-    for eager in (True, False):
+    # Eager and plain; graphs and plain; graphs and overlapped scheduling (engine/inflight.py).
+    for eager, overlap in ((True, False), (False, False), (False, True)):
         engine = build_engine(
             tiny_dir,
             device="cuda",
@@ -82,10 +83,12 @@ def test_graph_decode_equals_eager_decode_token_for_token(tiny_dir):
             enforce_eager=eager,
             cuda_graph_max_bs=16,  # buckets 1, 2, 4, 8, 16: 21 requests also run past them
             max_running=32,
+            overlap_schedule=overlap,
         )
         assert (engine.runner.graphs is None) == eager
-        runs[eager] = staggered_run(engine, prompts, max_tokens, join_at)
+        runs[eager, overlap] = staggered_run(engine, prompts, max_tokens, join_at)
         if not eager:
             assert engine.runner.graphs is not None and engine.runner.graphs.replays > 100
-    assert runs[False] == runs[True]
-    assert [len(o) for o in runs[False]] == max_tokens
+    assert runs[False, False] == runs[True, False]
+    assert runs[False, True] == runs[True, False]
+    assert [len(o) for o in runs[False, False]] == max_tokens

@@ -36,24 +36,26 @@ def run(eng, params: SamplingParams) -> dict[str, tuple[list[int], RequestOutput
     return {rid: (outs[rid], ends[rid]) for rid in outs}
 
 
-def poison_sampling(monkeypatch) -> None:
-    real = engine_module.sample
+def poison_sampling(eng, monkeypatch) -> None:
+    """Both the batch's launch and the row-by-row fallback raise for the poisoned row."""
+    for owner, name in ((eng.sampler, "launch"), (engine_module, "sample")):
+        real = getattr(owner, name)
 
-    def sample(logits, reqs):
-        if any(r.request_id == f"r{POISONED}" for r in reqs):
-            raise FloatingPointError("a row that cannot be sampled")
-        return real(logits, reqs)
+        def poisoned(logits, reqs, real=real):
+            if any(r.request_id == f"r{POISONED}" for r in reqs):
+                raise FloatingPointError("a row that cannot be sampled")
+            return real(logits, reqs)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+        monkeypatch.setattr(owner, name, poisoned)
 
 
 def poison_forward(eng, monkeypatch) -> None:
     real = eng.runner.forward
 
-    def forward(chunks):
+    def forward(chunks, feed=None):
         if any(c.request.request_id == f"r{POISONED}" for c in chunks):
             raise RuntimeError("a chunk the model cannot run")
-        return real(chunks)
+        return real(chunks, feed)
 
     monkeypatch.setattr(eng.runner, "forward", forward)
 
@@ -64,7 +66,7 @@ def test_one_failing_row_fails_alone(tiny_dir, monkeypatch, params, where):
     clean = run(make_engine(tiny_dir, chunk=512), params)
     eng = make_engine(tiny_dir, chunk=512)  # one step holds every prompt: one shared batch
     if where == "sample":
-        poison_sampling(monkeypatch)
+        poison_sampling(eng, monkeypatch)
     else:
         poison_forward(eng, monkeypatch)
     dirty = run(eng, params)

@@ -200,9 +200,9 @@ def chunks_of(engine: Engine) -> list[tuple[str, int, int]]:
     seen: list[tuple[str, int, int]] = []
     forward = engine.runner.forward
 
-    def recording(chunks):  # type: ignore[no-untyped-def]
+    def recording(chunks, feed=None):  # type: ignore[no-untyped-def]
         seen.extend((c.request.request_id, c.start, c.length) for c in chunks)
-        return forward(chunks)
+        return forward(chunks, feed)
 
     engine.runner.forward = recording  # type: ignore[method-assign]
     return seen

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.isolation import sample_rows
+from pdserve.engine.isolation import sample_each
 from pdserve.engine.params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
@@ -130,10 +130,10 @@ def test_an_eos_id_past_the_logits_is_not_banned_but_a_bad_bias_id_fails_its_row
         sample(torch.zeros(1, 4), [bad])
     good = r(temperature=0)
     failed: list[str] = []
-    picks, split = sample_rows(
+    picks = sample_each(
         sample, torch.tensor([[0.0, 5.0, 0, 0]] * 2), [bad, good], lambda q, why: failed.append(why)
     )
-    assert split and [(q.request_id, t) for q, t, _ in picks] == [("r", 1)]
+    assert [(q.request_id, t) for q, t, _ in picks] == [("r", 1)]
     assert len(failed) == 1 and "token id 7" in failed[0]
 
 

@@ -12,7 +12,7 @@ def test_allocate_release_roundtrip():
     assert a.num_free == 5 and a.num_used == 3
     a.release(p)
     assert a.num_free == 8 and a.num_used == 0 and [a.refcount(x) for x in p] == [0, 0, 0]
-    assert a.allocate(8)[-3:] == [0, 1, 2]  # released pages go to the back of the free list
+    assert a.allocate(8) == list(range(8))  # released pages are handed out again lowest first
 
 
 def test_a_shared_page_is_free_only_after_its_last_reference():
@@ -114,3 +114,27 @@ def test_random_sequences_keep_counts_and_never_leak():
     for p in range(64):
         a.release([p] * refs[p])
     assert a.num_free == 64 and a.violations() == []
+
+
+def test_allocation_takes_the_lowest_free_pages_in_order():
+    """Consecutive pages move as one NIXL descriptor, so freed pages are reused bottom up."""
+    a = PageAllocator(10)
+    p = a.allocate(6)
+    a.release([p[4], p[1], p[2]])  # free 1, 2, 4 (out of order)
+    assert a.allocate(2) == [1, 2] and a.allocate(3) == [4, 6, 7]
+    a.release([0, 3, 5])
+    assert a.allocate(5) == [0, 3, 5, 8, 9] and a.num_free == 0 and a.violations() == []
+
+
+def test_a_quiet_pool_hands_out_one_run_after_churn():
+    rng = random.Random(11)
+    a = PageAllocator(100)
+    live = []
+    for _ in range(500):  # requests start and end in random order
+        if live and (rng.random() < 0.5 or not a.can_allocate(10)):
+            a.release(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.allocate(rng.randint(1, 10)))
+    for pages in live:
+        a.release(pages)
+    assert a.allocate(30) == list(range(30))  # the old FIFO list returned a shuffled mix

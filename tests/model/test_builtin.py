@@ -49,6 +49,8 @@ def test_names_are_the_documented_ones() -> None:
         "qwen3-tiny",
         "qwen2-0.5b-shape",
         "llama3.2-1b-shape",
+        "deepseek-v3-tiny",
+        "deepseek-v32-tiny",
     )
     assert set(builtin_specs.SPECS) == set(BUILTIN_NAMES)
 

@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from pdserve.protocol import messages as m
-from pdserve.worker.decode import PEER_ENGINE_STALL_S, PEER_TIMEOUT_S
+from pdserve.runtime.timing import PEER_ENGINE_STALL_S, PEER_TIMEOUT_S
 from tests.pd.conftest import CHUNK, PD, KeyedSocket, tokens
 from tests.procs import ServerProcess, http, worker_args
 

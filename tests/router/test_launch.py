@@ -96,6 +96,21 @@ def test_engine_flags_are_passed_on_as_given():
     assert pairs["--dtype"] == "float32" and pairs["--page-size"] == "16"
     serve = build_parser().parse_args(["serve", *flags])
     assert (serve.max_model_len, serve.kv_budget_mb, serve.dtype) == (1024, 16.0, "float32")
+    assert serve.overlap_schedule is None  # not given: each worker's device decides
+    off = build_parser().parse_args(["launch", "--model", "m", "--no-overlap-schedule"])
+    assert "--no-overlap-schedule" in engine_flags(off)
+    assert build_parser().parse_args(["serve", *engine_flags(off)]).overlap_schedule is False
+
+
+def test_the_router_gets_reject_unknown_fields():
+    args = build_parser().parse_args(["launch", "--model", "m", "--reject-unknown-fields"])
+    assert args.reject_unknown_fields
+    assert "--reject-unknown-fields" in router_argv(
+        config(reject_unknown_fields=True), [], ["http://d0"]
+    )
+    assert "--reject-unknown-fields" not in router_argv(config(), [], ["http://d0"])
+    r = router_argv(config(policy="prefix", prefix_max_imbalance=3), [], ["http://d0"])
+    assert r[r.index("--prefix-max-imbalance") + 1] == "3" and "--prefix-index-pages" not in r
 
 
 def started_pids(output: str) -> list[int]:

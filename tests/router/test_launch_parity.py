@@ -93,3 +93,45 @@ def test_64_concurrent_mixed_requests_equal_colocated(cluster, tiny_dir):
         while not (inv := http("GET", url + "/debug/invariants")[1])["ok"]:
             assert time.monotonic() < deadline, f"{url}: {inv}"
             time.sleep(0.1)
+
+
+SEEDED = [  # (OpenAI fields, the engine's SamplingParams) of one request each
+    ({"temperature": 1.0, "top_k": 40}, {"temperature": 1.0, "top_k": 40}),
+    (
+        {"temperature": 0.8, "top_p": 0.9, "min_p": 0.02},
+        {"temperature": 0.8, "top_p": 0.9, "min_p": 0.02},
+    ),
+    (
+        {"temperature": 1.1, "logit_bias": {"5": 4.0, "17": -100}},
+        {"temperature": 1.1, "logit_bias": ((5, 4.0), (17, -100.0))},
+    ),
+    (
+        {"temperature": 0.9, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"temperature": 0.9, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+    ),
+    ({"temperature": 1.0, "presence_penalty": 1.0}, {"temperature": 1.0, "presence_penalty": 1.0}),
+]
+
+
+def test_seeded_sampling_equals_colocated_over_20_seeds(cluster, tiny_dir):
+    """One sampling rule for both modes (issue 14 part 2) on every backend: P samples the first
+    token and D the rest by (seed, position), so the text equals the co-located engine's."""
+    prompts = [[(13 * i + 7 * j) % 3000 + 3 for j in range(5 + 9 * (i % 4))] for i in range(20)]
+    asked = [SEEDED[s % len(SEEDED)] for s in range(20)]
+    params = [
+        SamplingParams(max_tokens=8, seed=s, ignore_eos=True, **engine_side)
+        for s, (_, engine_side) in enumerate(asked)
+    ]
+    tok = Tokenizer.from_dir(tiny_dir)
+    want = [tok.decode(x) for x in run(make_engine(tiny_dir, chunk=CHUNK), prompts, params)]
+
+    def ask(s: int) -> str:
+        body = {"model": "tiny", "prompt": prompts[s], "max_tokens": 8, "seed": s}
+        body |= {"ignore_eos": True, **asked[s][0]}
+        status, resp = http("POST", cluster.url + "/v1/completions", body)
+        assert status == 200, resp
+        return resp["choices"][0]["text"]
+
+    with ThreadPoolExecutor(20) as pool:
+        got = list(pool.map(ask, range(20)))
+    assert [s for s in range(20) if got[s] != want[s]] == []

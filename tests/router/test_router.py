@@ -155,6 +155,42 @@ def test_both_policies_spread_requests_over_both_workers(setup, tiny_dir):
         assert http("GET", rr.url + "/v1/models")[1]["data"][0]["id"] == "tiny"
 
 
+def metric(url: str, name: str) -> float:
+    """The sum of a counter's samples in a worker's /metrics."""
+    text = http("GET", url + "/metrics")[1]
+    lines = [ln for ln in text.splitlines() if ln.startswith((name + " ", name + "{"))]
+    return sum(float(ln.split()[-1]) for ln in lines)
+
+
+def test_prefix_policy_keeps_a_conversation_on_the_worker_that_caches_it(setup, tiny_dir):
+    """`--policy prefix`: the turns of one conversation (each extends the last) land on the
+    worker that served its first turn, whose prefix cache then hits; another conversation
+    goes to the other worker. The policy's rules are unit-tested in test_prefix_policy.py."""
+    args = ["router", "--decode", *setup.workers, "--policy", "prefix", "--model", str(tiny_dir)]
+    with ServerProcess(args, setup.logs / "prefix-router.log") as router:
+
+        def send(prompt: str) -> list[float]:
+            before = finished_counts(setup.workers)
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+            status, resp = http("POST", router.url + "/v1/completions", body)
+            assert status == 200, resp
+            return [b - a for a, b in zip(before, finished_counts(setup.workers), strict=True)]
+
+        system = "You are a careful assistant who answers in full sentences. " * 6
+        asks = [f"User: question {i} of conversation A. Assistant: an answer. " for i in range(4)]
+        turns = [system + "".join(asks[: i + 1]) for i in range(4)]  # each extends the last
+        home = send(turns[0]).index(1.0)
+        hits = metric(setup.workers[home], "pdserve_prefix_cache_hits_total")
+        other = send("An unrelated conversation B begins here, with its own words. " * 4)
+        assert other[1 - home] == 1.0  # no expected match anywhere: the other worker in turn
+        for prompt in turns[1:]:
+            assert send(prompt)[home] == 1.0
+        assert metric(setup.workers[home], "pdserve_prefix_cache_hits_total") >= hits + 3
+        routed = http("GET", router.url + "/debug/cluster")[1]["router"]
+        assert routed["policy"] == "prefix"
+        assert routed["policy_stats"]["routed"]["by_prefix"] >= 3
+
+
 @pytest.mark.parametrize("body,param", BAD)
 def test_bad_input_gives_the_same_400_as_the_colocated_server(setup, body, param):
     got = http("POST", setup.router + "/v1/completions", {"model": "tiny", **body})

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from pdserve.model.tokenizer import Tokenizer
 from tests.procs import http
 
 
@@ -95,8 +96,8 @@ def test_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(
-        len(t) <= 3 and max(t.values()) >= lp.token_logprobs[i] - 1e-5
+    assert all(  # vLLM's N or N+1: the three best, and the chosen token when not among them
+        len(t) in (3, 4) and lp.tokens[i] in t and max(t.values()) >= lp.token_logprobs[i] - 1e-5
         for i, t in enumerate(lp.top_logprobs)
     )
     c = client.chat.completions.create(
@@ -255,3 +256,103 @@ def test_metrics_and_debug_state(tiny_server):
     state = wait_idle(tiny_server.url)
     assert state["engine"]["pool"]["pages_total"] > 0
     assert [t["name"] for t in state["threads"]] == ["engine"]
+
+
+# -- issue 14 parts 3 and 4, through the official client -------------------------------------
+
+
+def test_streamed_echo_with_logprobs_matches_the_whole_answer(client):
+    kw = dict(model="tiny", prompt="def f(x):", echo=True, logprobs=2, temperature=0)
+    for n in (0, 3):
+        whole = client.completions.create(**kw, max_tokens=n).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**kw, max_tokens=n, stream=True)]
+        assert chunks[0].text == "def f(x):" and chunks[0].logprobs.token_logprobs[0] is None
+        lp = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        for c in chunks:
+            for k in lp:
+                lp[k] += getattr(c.logprobs, k) if c.logprobs else []
+        assert "".join(c.text for c in chunks) == whole.text
+        assert lp == whole.logprobs.model_dump(), n
+        shown = [  # offsets point into the text (the BOS it leaves out takes no room)
+            whole.text.startswith(t, o)
+            for t, o in zip(lp["tokens"], lp["text_offset"], strict=True)
+            if t[:2] != "<|"
+        ]
+        assert len(shown) >= 4 + n and all(shown)
+
+
+def test_logit_bias_logprobs_true_and_bytes_keys(client, tiny_dir):
+    tok = Tokenizer.from_dir(tiny_dir)
+    target = tok.encode(" zebra", add_special_tokens=False)[0]
+    r = greedy(client, "import os", 1, logit_bias={str(target): 100}, logprobs=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode([target])
+    assert len(lp.top_logprobs[0]) in (1, 2) and lp.tokens[0] in lp.top_logprobs[0]
+    partial = next(i for i in range(tok.vocab_size) if "\ufffd" in tok.token_to_str(i))
+    r = greedy(client, "import os", 1, logit_bias={str(partial): 100}, logprobs=1)
+    key = "bytes:" + "".join(f"\\x{b:02x}" for b in tok.token_bytes(partial))
+    assert key in r.choices[0].logprobs.top_logprobs[0]
+
+
+def test_include_stop_str_in_output(client):
+    base = greedy(client, "import os", 16, extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:6]
+    kept = greedy(
+        client, "import os", 16, stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text == base[: base.index(stop) + 3]
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    "call,param",
+    [
+        (lambda c: c.completions.create(model="tiny", prompt="x", best_of=2), "best_of"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", suffix="y"), "suffix"),
+        (
+            lambda c: c.completions.create(
+                model="tiny", prompt="x", stream_options={"include_usage": True}
+            ),
+            "stream_options",
+        ),
+        (lambda c: c.chat.completions.create(model="tiny", messages=CHAT, tools=[TOOL]), "tools"),
+        (
+            lambda c: c.chat.completions.create(
+                model="tiny", messages=CHAT, response_format={"type": "json_object"}
+            ),
+            "response_format",
+        ),
+        (
+            lambda c: c.chat.completions.create(
+                model="tiny", messages=[{"role": "tool", "content": "1", "tool_call_id": "a"}]
+            ),
+            "messages",  # the built-in ChatML template renders no tool messages
+        ),
+    ],
+)
+def test_refused_fields_are_400_naming_the_field(client, call, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        call(client)
+    assert e.value.param == param and e.value.status_code == 400
+
+
+def test_unknown_fields_are_ignored_by_default(client):
+    r = greedy(client, "x", 2, extra_body={"no_such_field": 1})
+    assert r.choices[0].text is not None
+
+
+def test_model_card_404_and_405_are_openai_errors(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.get("/no/such/route", cast_to=object)
+    assert e.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.get("/completions", cast_to=object)
+    assert e.value.status_code == 405 and e.value.body["message"]

@@ -22,7 +22,7 @@ def test_echo_max_tokens_zero_scores_every_prompt_token(tiny_server):
     assert len(lp["tokens"]) == len(ids)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
-    assert all(len(t) <= 2 and t for t in lp["top_logprobs"][1:])
+    assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])  # vLLM: 2 best + the token
     # offsets walk the echoed text token by token
     assert lp["text_offset"][0] == 0
     for i in range(1, len(ids)):

@@ -15,7 +15,7 @@ from pdserve.engine.offline import build_engine, generate
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker import decode, decode_peers
+from pdserve.worker import decode, decode_peers, prefill_peers
 from tests.worker import wire as wire_module
 from tests.worker.wire import P_ADDR, Wire, ended, tokens
 
@@ -108,7 +108,7 @@ def test_an_abort_in_each_state_ends_the_request_and_frees_both_pools(wire, poin
 
 
 def test_a_silent_prefill_worker_is_declared_dead_and_its_pages_fenced(wire, monkeypatch):
-    monkeypatch.setattr(decode, "PEER_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(prefill_peers, "PEER_TIMEOUT_S", 0.2)
     monkeypatch.setattr(decode, "FENCE_S", 0.1)
     monkeypatch.setattr(decode, "FENCE_MARGIN_S", 0.1)
     outs = wire.submit("r", PROMPT * 4, GREEDY, timeout_s=2.0)

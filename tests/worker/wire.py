@@ -27,7 +27,16 @@ P_ID, D_ID = "prefill-test", "decode-test"
 
 
 class Wire:
-    def __init__(self, model_dir: Path, *, page_size: int = 4, chunk: int = 16) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        page_size: int = 4,
+        chunk: int = 16,
+        overlap: bool | None = None,
+        index_k: tuple[str, str] = ("auto", "auto"),  # V3.2's index-K mode on P, on D
+        dtype: str = "float32",
+    ) -> None:
         def engine(shared: bool) -> Engine:
             return build_engine(
                 model_dir,
@@ -36,6 +45,9 @@ class Wire:
                 kv_budget_mb=4.0,
                 max_model_len=1024,
                 shared_pool=shared,
+                overlap_schedule=overlap,
+                index_k_dtype=index_k[1 if shared else 0],  # D has the shared pool
+                dtype=dtype,
             )
 
         self.p, self.d = engine(False), engine(True)

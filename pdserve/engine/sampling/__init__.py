@@ -1,2 +1,3 @@
-"""The sampler's parts: the counter-based random stream, one step's parameters as tensors, and
-the logits processors. `pdserve.engine.sampler.sample` puts them together."""
+"""The sampler's parts: the counter-based random stream, one step's parameters as tensors, the
+penalties' state on the device, and the logits processors. `pdserve.engine.sampler` puts them
+together."""

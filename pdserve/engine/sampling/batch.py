@@ -8,9 +8,13 @@ token is the same alone or in any batch (the isolation fallback and PD rely on i
 
 Host-side data goes to the device in two copies, one float64 and one int64 buffer, sliced
 into views (`_Upload`); a float64 holds every value exactly (float params, 32-bit key
-halves). Anything that would fail on the device (a token id past the logits' width) is
-refused here first, as a ValueError naming the request: `isolation` then samples the rows
-alone and fails only that one.
+halves). The penalties upload every prompt and output id of their rows (`Penalties`: the
+stateless `sample`), or, given the engine's `PenaltyState`, only the rows' slots and ids the
+state has not seen yet (`SlotPenalties`: sampling/penalty_state.py).
+
+Anything that would fail on the device (a token id past the logits' width) is refused here
+first, as a ValueError naming the request: `isolation` then samples the rows alone and
+fails only that one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.sampling.penalty_state import PenaltyState, SlotPlan
 from pdserve.engine.sampling.random_stream import row_key, split_key
 
 
@@ -40,10 +45,13 @@ class _Upload:
         buf.extend(values)  # type: ignore[arg-type]
 
     def send(self, device: torch.device) -> dict[str, torch.Tensor]:
-        f = torch.tensor(self.floats, dtype=torch.float64)
-        i = torch.tensor(self.ints, dtype=torch.int64)
-        f = f.to(device) if self.floats else f
-        i = i.to(device) if self.ints else i
+        # Pinned and non-blocking on CUDA: a pageable copy would wait for the step in flight
+        # (overlapped scheduling); the pinned allocator keeps the buffer until the copy ran.
+        pin = device.type == "cuda"
+        f = torch.tensor(self.floats, dtype=torch.float64, pin_memory=pin and bool(self.floats))
+        i = torch.tensor(self.ints, dtype=torch.int64, pin_memory=pin and bool(self.ints))
+        f = f.to(device, non_blocking=True) if self.floats else f
+        i = i.to(device, non_blocking=True) if self.ints else i
         return {
             name: (f if is_float else i).narrow(0, start, n)
             for name, (is_float, start, n) in self.spans.items()
@@ -67,6 +75,23 @@ class Penalties:
     repetition: torch.Tensor  # [P, 1] float32
     frequency: torch.Tensor  # [P, 1] float32
     presence: torch.Tensor  # [P, 1] float32
+
+
+@dataclass(frozen=True)
+class SlotPenalties:
+    """The penalties read from the device state (sampling/penalty_state.py): a step uploads
+    the rows' slots and scalars, and ids only to build a slot (a request's first penalised
+    step) or to count tokens sampled elsewhere (`stage`)."""
+
+    rows: torch.Tensor  # [P] int64, the rows with a penalty
+    slots: torch.Tensor  # [P] int64, their rows of the state
+    repetition: torch.Tensor  # [P, 1] float32
+    frequency: torch.Tensor  # [P, 1] float32
+    presence: torch.Tensor  # [P, 1] float32
+    clear: torch.Tensor | None  # [C] int64 slots to zero first
+    prompt: tuple[torch.Tensor, torch.Tensor] | None  # ([K], [K]) (slot, prompt id) to mark
+    counts: tuple[torch.Tensor, torch.Tensor] | None  # ([K], [K]) (slot, output id) to count
+    plan: SlotPlan
 
 
 @dataclass(frozen=True)
@@ -94,20 +119,24 @@ class Logprobs:
 @dataclass(frozen=True)
 class SamplingBatch:
     sparse: Sparse | None
-    penalties: Penalties | None
+    penalties: Penalties | SlotPenalties | None
     draw: Draw | None
     logprobs: Logprobs | None
 
     @classmethod
-    def build(cls, reqs: Sequence[Request], vocab: int, device: torch.device) -> SamplingBatch:
+    def build(
+        cls,
+        reqs: Sequence[Request],
+        vocab: int,
+        device: torch.device,
+        state: PenaltyState | None = None,
+    ) -> SamplingBatch:
         """`reqs`' parameters for a step over logits of width `vocab`; ValueError naming the
-        request for a token id that does not fit."""
+        request for a token id that does not fit. With `state`, the penalties read it (the
+        caller stages and commits `penalties.plan`, or abandons it); without, every
+        penalised row's ids are uploaded."""
         up = _Upload()
         has_sparse = _sparse(up, reqs, vocab)
-        pen = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
-        if pen:
-            _penalties(up, [reqs[i] for i in pen], vocab)
-            up.add("pen.rows", pen, is_float=False)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         k_max = _draw(up, [reqs[i] for i in rand], vocab) if rand else 0
         any_min_p = any(reqs[i].params.min_p > 0 for i in rand)
@@ -116,10 +145,30 @@ class SamplingBatch:
         lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if lp:
             up.add("lp.rows", lp, is_float=False)
-        t = up.send(device)
+        pen = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        if not pen or state is None:
+            if pen:
+                _penalties(up, [reqs[i] for i in pen], vocab)
+                _penalty_scalars(up, [reqs[i] for i in pen])
+                up.add("pen.rows", pen, is_float=False)
+            t = up.send(device)
+            penalties: Penalties | SlotPenalties | None = (
+                _make_penalties(t, len(pen)) if pen else None
+            )
+        else:  # the state's plan comes last: nothing on the host can fail after it
+            plan = state.plan([reqs[i] for i in pen], vocab, device)
+            try:
+                _slot_lists(up, plan)
+                _penalty_scalars(up, [reqs[i] for i in pen])
+                up.add("pen.rows", pen, is_float=False)
+                t = up.send(device)
+                penalties = _slot(t, plan)
+            except Exception:
+                state.abandon(plan)
+                raise
         return cls(
             sparse=_make_sparse(t) if has_sparse else None,
-            penalties=_make_penalties(t, len(pen)) if pen else None,
+            penalties=penalties,
             draw=_make_draw(t, len(rand), k_max, any_min_p) if rand else None,
             logprobs=Logprobs(t["lp.rows"], lp, [reqs[i].params.logprobs or 0 for i in lp])
             if lp
@@ -136,7 +185,7 @@ def _sparse(up: _Upload, reqs: Sequence[Request], vocab: int) -> bool:
     for i, r in enumerate(reqs):
         p = r.params
         add = dict(p.logit_bias)
-        if len(r.output_ids) < p.min_tokens:
+        if r.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             # An EOS id past the logits can never be sampled: nothing to ban.
             add.update((t, -math.inf) for t in banned if t < vocab or t in p.stop_token_ids)
@@ -172,10 +221,18 @@ def _padded(seqs: list[list[int]], pad: int) -> list[int]:
 
 
 def _penalties(up: _Upload, reqs: list[Request], vocab: int) -> None:
+    # Every output id must be on the host: this path (`sampler.sample`, the isolation
+    # fallback, run after the step in flight was processed) has no state on the device.
+    for r in reqs:
+        if r.pending:
+            raise RuntimeError(f"request {r.request_id}: penalties over a token still in flight")
     seen = _padded([r.all_ids for r in reqs], vocab)
     outs = _padded([r.output_ids for r in reqs], vocab)
     up.add("pen.seen", seen, is_float=False)
     up.add("pen.outputs", outs, is_float=False)
+
+
+def _penalty_scalars(up: _Upload, reqs: list[Request]) -> None:
     scalars = [
         v
         for r in reqs
@@ -186,6 +243,34 @@ def _penalties(up: _Upload, reqs: list[Request], vocab: int) -> None:
         )
     ]
     up.add("pen.scalars", scalars, is_float=True)
+
+
+def _slot_lists(up: _Upload, plan: SlotPlan) -> None:
+    up.add("pen.slots", plan.slots, is_float=False)
+    for name, values in (
+        ("pen.clear", plan.clear),
+        ("pen.prompt_at", plan.prompt_at),
+        ("pen.prompt_ids", plan.prompt_ids),
+        ("pen.count_at", plan.count_at),
+        ("pen.count_ids", plan.count_ids),
+    ):
+        if values:
+            up.add(name, values, is_float=False)
+
+
+def _slot(t: dict[str, torch.Tensor], plan: SlotPlan) -> SlotPenalties:
+    scalars = t["pen.scalars"].float().view(len(plan.slots), 3)
+    return SlotPenalties(
+        rows=t["pen.rows"],
+        slots=t["pen.slots"],
+        repetition=scalars[:, 0:1],
+        frequency=scalars[:, 1:2],
+        presence=scalars[:, 2:3],
+        clear=t.get("pen.clear"),
+        prompt=(t["pen.prompt_at"], t["pen.prompt_ids"]) if "pen.prompt_at" in t else None,
+        counts=(t["pen.count_at"], t["pen.count_ids"]) if "pen.count_at" in t else None,
+        plan=plan,
+    )
 
 
 def _make_penalties(t: dict[str, torch.Tensor], n: int) -> Penalties:
@@ -207,7 +292,7 @@ def _draw(up: _Upload, reqs: list[Request], vocab: int) -> int:
     k_max = max(ks)
     scalars: list[float] = []
     for r, k in zip(reqs, ks, strict=True):
-        lo, hi = split_key(row_key(r.seed, len(r.output_ids)))
+        lo, hi = split_key(row_key(r.seed, r.num_output_tokens))
         scalars += [r.params.temperature, r.params.min_p, float(k), float(lo), float(hi)]
     up.add("draw.scalars", scalars, is_float=True)
     top_p = [(j, r.params.top_p) for j, r in enumerate(reqs) if r.params.top_p < 1.0]

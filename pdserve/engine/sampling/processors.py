@@ -7,6 +7,9 @@ concern (neutral values, or the row is not in the subset), so no row depends on 
 - Repetition penalty (on prompt + output ids, as a set): a seen token's logit is divided by
   the penalty when positive and multiplied by it otherwise.
 - Frequency / presence (on output ids): logit -= frequency * count + presence * (count > 0).
+  The ids come either as this step's upload (`apply_penalties`: the stateless `sample`) or as
+  rows of the device state (`apply_slot_penalties`: sampling/penalty_state.py); both run the
+  same arithmetic on the same integers, so their logits are bit-identical.
 - min_p keeps the tokens whose probability is at least min_p times the largest one, i.e.
   z >= max(z) + log(min_p); top_k keeps the tokens whose logit is at least the k-th largest
   (ties at the k-th value all stay); top_p then keeps the smallest prefix, in a stable
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampling.batch import Draw, Penalties, Sparse
+from pdserve.engine.sampling.batch import Draw, Penalties, SlotPenalties, Sparse
+from pdserve.engine.sampling.penalty_state import PenaltyState
 from pdserve.engine.sampling.random_stream import gumbel_noise
 
 NEG_INF = float("-inf")
@@ -34,19 +38,36 @@ def add_sparse(logits: torch.Tensor, sparse: Sparse) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
-    """In place, on the penalised rows of logits [N, V]."""
+    """In place, on the penalised rows of logits [N, V], from the ids uploaded this step."""
     vocab = logits.shape[1]
-    sub = logits.index_select(0, pen.rows)  # [P, V]
+    p = pen.rows.shape[0]
     # Column `vocab` catches the padding; it is dropped again.
-    seen = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=sub.device)
+    seen = torch.zeros(p, vocab + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, pen.seen, True)
-    seen = seen[:, :vocab]
+    counts = torch.zeros(p, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, pen.outputs, torch.ones_like(pen.outputs, dtype=logits.dtype))
+    _penalise(logits, pen.rows, seen[:, :vocab], counts[:, :vocab], pen)
+
+
+def apply_slot_penalties(logits: torch.Tensor, pen: SlotPenalties, state: PenaltyState) -> None:
+    """In place, on the penalised rows of logits [N, V], from the device state (staged)."""
+    seen, counts = state.rows(pen.slots)  # [P, V] bool, [P, V] float32
+    _penalise(logits, pen.rows, seen, counts, pen)
+
+
+def _penalise(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    pen: Penalties | SlotPenalties,
+) -> None:
+    """The arithmetic both paths share (so they agree bit for bit): seen [P, V] bool (prompt
+    or output), counts [P, V] of the logits' dtype (output counts, exact integers)."""
+    sub = logits.index_select(0, rows)  # [P, V]
     sub = torch.where(seen, torch.where(sub > 0, sub / pen.repetition, sub * pen.repetition), sub)
-    counts = torch.zeros(sub.shape[0], vocab + 1, dtype=sub.dtype, device=sub.device)
-    counts.scatter_add_(1, pen.outputs, torch.ones_like(pen.outputs, dtype=sub.dtype))
-    counts = counts[:, :vocab]
     sub = sub - (pen.frequency * counts + pen.presence * (counts > 0).to(sub.dtype))
-    logits.index_copy_(0, pen.rows, sub)
+    logits.index_copy_(0, rows, sub)
 
 
 def filter_min_p_top_k(z: torch.Tensor, d: Draw) -> None:

@@ -1,0 +1,99 @@
+"""The engine's own CPU cost per decode step: everything but the model, per request.
+
+On a GPU a decode step is the longer of the GPU's forward and the CPU's share (scheduling,
+the batch build, the sampler's launch, emitting tokens); with overlapped scheduling
+(engine/inflight.py) the two run side by side, so past some batch the CPU's share *is* the
+step. This measures that share on any machine: the built-in `tiny` model's engine, with the
+runner's forward replaced by the batch build alone and logits of a small fixed vocabulary, so
+only the engine's bookkeeping (and a vocab-64 sampler) runs. Median of --repeats runs.
+
+    python benchmarks/engine_overhead.py                      # batches 32, 256; overlap off/on
+    python benchmarks/engine_overhead.py --batches 8,64,256 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.offline import build_engine  # noqa: E402
+from pdserve.engine.params import SamplingParams  # noqa: E402
+from pdserve.model.builtin import resolve_model  # noqa: E402
+
+VOCAB = 64  # the stub's logits: the sampler's tensor work stays small and fixed
+
+
+def engine_for(batch: int, overlap: bool, ctx: int) -> Engine:
+    eng = build_engine(
+        resolve_model("builtin:tiny"),
+        page_size=16,
+        max_batched_tokens=batch * (ctx + 1),
+        max_running=batch,
+        kv_budget_mb=64 + batch * (ctx + 600) * 0.01,
+        max_model_len=ctx + 1024,
+        overlap_schedule=overlap,
+    )
+    logits = torch.zeros(batch, VOCAB)
+
+    def forward(chunks, feed=None):  # type: ignore[no-untyped-def]
+        eng.runner.build(chunks, feed)  # the batch build is the engine's work: keep it
+        return logits[: sum(1 for c in chunks if c.samples)]
+
+    eng.runner.forward = forward  # type: ignore[method-assign]
+    return eng
+
+
+def measure(batch: int, overlap: bool, args: argparse.Namespace) -> float:
+    """Seconds per tick with `batch` requests decoding."""
+    eng = engine_for(batch, overlap, args.ctx)
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, VOCAB, (batch, args.ctx), generator=g).tolist()
+    params = SamplingParams(max_tokens=args.steps * 4 + 64, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.submit(f"r{i}", p, params, lambda _o: None)
+    for _ in range(5):  # prefill, then a few decodes
+        eng.tick()
+    prof = cProfile.Profile() if args.profile else None
+    if prof is not None:
+        prof.enable()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.tick()
+    dt = (time.perf_counter() - t0) / args.steps
+    if prof is not None:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="32,256")
+    ap.add_argument("--ctx", type=int, default=320, help="prompt tokens of each request")
+    ap.add_argument("--steps", type=int, default=100, help="ticks timed per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of one run")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("| batch | overlap | ms per step | µs per request |")
+    print("|---|---|---|---|")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for overlap in (False, True):
+            runs = [measure(batch, overlap, args) for _ in range(args.repeats)]
+            ms = statistics.median(runs) * 1e3
+            print(f"| {batch} | {'on' if overlap else 'off'} | {ms:.3f} | {ms * 1e3 / batch:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

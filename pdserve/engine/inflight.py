@@ -1,0 +1,107 @@
+"""Overlapped scheduling: the step in flight, whose outputs are processed one step later.
+
+With overlap on (RunnerConfig.overlap_schedule; CUDA's default) the engine's step is
+
+    schedule N+1 -> build and launch N+1 -> wait for N's sampled ids -> process N's outputs
+
+so the CPU schedules, builds and launches step N+1 while the device still runs step N, and
+processes N's tokens (streaming, stop checks) while the device runs N+1 (docs/architecture.md
+§Loop). One thread still owns every request; nothing here is shared with another thread.
+
+What makes it exact:
+- **Inputs stay on the device.** A request sampled by step N has that token *pending*
+  (`Request.pending`, counted in `num_tokens`, not yet in `output_ids`). Step N+1's batch holds
+  a placeholder for it, and `Feed.fill` copies the id from N's sampled ids on the device
+  before the forward: no host round trip between the steps.
+- **Sampling reads only counts.** A row's draw depends on (seed, output position) and the
+  min_tokens bans on how many tokens it has, both known with a token pending
+  (`Request.num_output_tokens`). Penalties read the ids from the sampler's state on the device
+  (engine/sampling/penalty_state.py), where each step adds its draws as it launches: a token
+  in flight is already counted, and nothing waits for the step in flight.
+- **One token past a stop, never emitted.** A request that stops on a token of step N (EOS,
+  a stop id) was already scheduled in N+1; that row's token is dropped when N+1 is processed,
+  because the request has finished. Stops known in advance (max_tokens, the length limit) set
+  `Request.pending_last`, and the scheduler gives such a request no further chunk.
+- **Pages outlive the step that writes them.** A request that ends while a step computing it
+  is in flight (a stop, an abort, a deadline) keeps its pages in that step's `retire` list
+  until the step completed: device work on one stream is ordered, but a transfer or a peer
+  writing into a reused page is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.sampler import Sampled
+from pdserve.engine.scheduler import Chunk
+from pdserve.kvcache.lease import Lease
+
+Picks = list[tuple[Request, int, TokenLogprob | None]]
+
+
+class Feed:
+    """A launched step's sampled ids on the device, by request: the next step's inputs."""
+
+    def __init__(self, ids: torch.Tensor, reqs: Sequence[Request]) -> None:
+        self.ids = ids  # [N] int64
+        self._rows = {id(r): i for i, r in enumerate(reqs)}
+
+    def row(self, req: Request) -> int:
+        row = self._rows.get(id(req))
+        if row is None:
+            raise RuntimeError(f"request {req.request_id}: no token of it is in flight")
+        return row
+
+    def fill(self, input_ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        """input_ids[dst[i]] = ids[src[i]], on the device, queued behind the step in flight."""
+        pin = input_ids.device.type == "cuda"
+        idx = torch.tensor([dst, src], dtype=torch.long, pin_memory=pin)
+        idx = idx.to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], self.ids.index_select(0, idx[1]).to(input_ids.dtype))
+
+
+@dataclass
+class InFlight:
+    """A launched step: its chunks, the requests whose draws are still on the device (none
+    when the step samples nothing, or its tokens were processed at once: the row-by-row
+    fallback), and the leases of requests that ended while it ran."""
+
+    chunks: list[Chunk]
+    sampling: list[Request] = field(default_factory=list)
+    sampled: Sampled | None = None
+    retire: list[Lease] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._computes = {id(c.request) for c in self.chunks}
+        self._done: torch.cuda.Event | None = None
+
+    def launched(self, device: torch.device) -> None:
+        """Everything of the step is queued: mark its end on the device's stream."""
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> None:
+        """Until the step ran on the device (its pages may then be reused by anyone)."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    def computes(self, req: Request) -> bool:
+        """Whether this step reads or writes `req`'s pages."""
+        return id(req) in self._computes
+
+    def feed(self) -> Feed | None:
+        if self.sampled is None:
+            return None
+        return Feed(self.sampled.ids, self.sampling)
+
+    def picks(self) -> Picks:
+        """The step's tokens, waiting for its device->host copy if it has not landed."""
+        if self.sampled is None:
+            return []
+        ids, lps = self.sampled.result()
+        return list(zip(self.sampling, ids, lps, strict=True))

@@ -1,0 +1,159 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), in HF's expanded form, and its rotary tables.
+
+Per token the layer caches ONE vector (the KV layout's "latent" buffer, [1, kv_lora_rank +
+qk_rope_head_dim]): the RMS-normed compressed KV, then the rotated key part that every head
+shares. Attention re-expands the whole causal context from the cache each step: `kv_b_proj`
+turns each cached latent into every head's non-rotary key and its value, the shared rotated key
+is appended to each head's key, and softmax(q k^T * scale) v runs in the model's dtype with
+float32 softmax, as HF's eager attention does. (Folding `kv_b_proj` into the query, the
+"absorbed" form, is a later optimisation with its own check.)
+
+The backend only moves latents: `store` writes this step's, `gather` returns each sequence's
+whole causal context from the pool (attention/backend.py). HF numerics: RoPE tables in float32
+scaled by YaRN's attention factor; with `rope_interleave` the (even, odd) pairs are rotated and
+written back as two halves, exactly as HF's apply_rotary_pos_emb_interleave does, so the cached
+rotated keys are in HF's order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pdserve.attention.backend import AttentionContext, CausalContext, GatherBackend
+from pdserve.model.config import MLAArch, ModelArch, RopeScaling
+from pdserve.model.llama import RMSNorm
+
+LATENT = "latent"  # the KV layout's buffer name (kvcache/layout.py KVLayout.mla)
+LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_tables(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim / 2] float32, attention factor that scales cos and sin), as HF's
+    default and YaRN rope initialisers compute them (same ops, same order)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if s.rope_type != "yarn":
+        return 1.0 / pos_freqs, 1.0
+    factor = s.factor
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        attention = _mscale(factor, s.mscale) / _mscale(factor, s.mscale_all_dim)
+    else:
+        attention = _mscale(factor)
+    orig = s.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low: float = correction_dim(s.beta_fast)
+    high: float = correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, attention
+
+
+def rotate(
+    x: torch.Tensor,  # [T, H, P]
+    cos: torch.Tensor,  # [T, 1, P / 2]
+    sin: torch.Tensor,  # [T, 1, P / 2]
+    interleave: bool,
+) -> torch.Tensor:  # [T, H, P]: rotated pairs, first members then second members
+    """HF's rotary: pairs (x[2i], x[2i+1]) with `interleave`, else (x[i], x[i + P/2])."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """HF's DeepseekV3Attention: parameter names match the checkpoint's."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        assert arch.mla is not None
+        m: MLAArch = arch.mla
+        self.layer_idx = layer_idx
+        self.m = m
+        self.num_heads = h = arch.num_heads
+        hidden, bias = arch.hidden_size, m.attention_bias
+        if m.q_lora_rank is None:
+            self.q_proj: nn.Linear | None = nn.Linear(hidden, h * m.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, h * m.qk_head_dim, bias=False)
+            self.q_proj = None
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, m.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(h * m.v_head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, P / 2]: the rope tables at each token's position
+        sin: torch.Tensor,  # [T, 1, P / 2]
+        ctx: AttentionContext[Any],
+    ) -> torch.Tensor:  # [T, hidden]
+        m, h, t = self.m, self.num_heads, x.shape[0]
+        q_resid: torch.Tensor | None = None  # [T, q_lora_rank]: the query's latent
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.view(t, h, m.qk_head_dim)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv_nope = self.kv_a_layernorm(kv_nope)  # [T, R]
+        q_rot = rotate(q_rot, cos, sin, m.rope_interleave)  # [T, H, P]
+        k_rot = rotate(k_rot.view(t, 1, -1), cos, sin, m.rope_interleave)  # [T, 1, P]
+        latent = torch.cat((kv_nope.view(t, 1, -1), k_rot), dim=-1)  # [T, 1, R + P]
+        backend = cast(GatherBackend, ctx.backend)  # checked once per step: the model's forward
+        backend.store(self.layer_idx, LATENT, latent, ctx.metadata)
+        context = backend.gather(self.layer_idx, LATENT, ctx.metadata)
+        seen = self.visible(x, q_resid, cos, sin, backend, ctx.metadata, context)  # [B, Q, L]
+        cached = context.values[:, :, 0]  # [B, L, R + P]: each sequence's keys, padded
+        b, length = cached.shape[:2]
+        c_nope, c_rot = cached.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_nope).view(b, length, h, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, c_rot[:, :, None, :].expand(b, length, h, -1)), dim=-1)
+        query = context.pad(torch.cat((q_nope, q_rot), dim=-1))  # [B, Q, H, Dqk]
+        # HF's eager attention: [B, H, Q, D] @ [B, H, D, L], masked, float32 softmax, @ v.
+        scores = torch.matmul(query.transpose(1, 2), k.permute(0, 2, 3, 1)) * m.softmax_scale
+        scores = scores.masked_fill(~seen[:, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)  # [B, Q, H, Dv]
+        return self.o_proj(context.unpad(out).reshape(t, h * m.v_head_dim))
+
+    def visible(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        q_resid: torch.Tensor | None,  # [T, q_lora_rank]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: GatherBackend,
+        metadata: Any,
+        context: CausalContext,
+    ) -> torch.Tensor:  # [B, Q, L] bool: the keys each new token attends to
+        """Every causal key (dense attention). DeepSeek-V3.2 narrows it to its indexer's
+        choice (model/deepseek_v32.py)."""
+        return context.mask

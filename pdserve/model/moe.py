@@ -1,0 +1,110 @@
+"""DeepSeek-V3's mixture of experts: the sigmoid router, the routed experts, the shared ones.
+
+HF numerics (DeepseekV3TopkRouter, DeepseekV3Experts, DeepseekV3MoE), so greedy outputs match
+transformers in float32:
+  * the router scores in float32 (its weight and correction bias stay float32 whatever the
+    model's dtype: `FLOAT32_PARAMS`, honoured by the loader); sigmoid, plus the bias for the
+    choice only; groups ranked by the sum of their two best biased scores, the best
+    `topk_group` kept; the top_k experts among them; weights are the UNbiased scores,
+    normalised to sum 1 (norm_topk_prob), times routed_scaling_factor;
+  * experts are stacked tensors: `gate_up_proj` [E, 2I, H] (gate rows then up rows) and
+    `down_proj` [E, H, I] (HF 5's in-memory layout; checkpoints with per-expert tensors are
+    stacked at load time, model/weight_map.py); each routed expert's output, times its weight,
+    is added into the token's sum expert by expert in index order, as HF does;
+  * the shared experts are one gated MLP whose width is n_shared_experts experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.kernels import ops
+from pdserve.model.config import MoEArch
+
+# Parameter names (suffixes) kept in float32 whatever the model's dtype, as HF keeps them.
+FLOAT32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one `gate_up_proj` [2I, H]."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class TopkRouter(nn.Module):
+    def __init__(self, moe: MoEArch, hidden: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden, dtype=torch.float32))
+        # A buffer in HF, a parameter here so the loader fills it like any checkpoint tensor.
+        bias = torch.zeros(moe.num_experts, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
+        m = self.moe
+        logits = nn.functional.linear(x.float(), self.weight.float())  # [N, E]
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias  # [N, E]
+        per_group = m.num_experts // m.n_group
+        grouped = choice.view(-1, m.n_group, per_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [N, n_group]
+        groups = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1)  # [N, n_group]
+        keep_experts = (
+            keep.unsqueeze(-1).expand(-1, m.n_group, per_group).reshape(-1, m.num_experts)
+        )
+        choice = choice.masked_fill(~keep_experts.bool(), float("-inf"))
+        ids = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]  # [N, top_k]
+        weights = scores.gather(1, ids)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked (HF's DeepseekV3Experts parameter names)."""
+
+    def __init__(self, moe: MoEArch, hidden: int) -> None:
+        super().__init__()
+        e, i = moe.num_experts, moe.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, H]
+        ids: torch.Tensor,  # [N, top_k]
+        weights: torch.Tensor,  # [N, top_k] float32
+    ) -> torch.Tensor:  # [N, H]
+        out = torch.zeros_like(x)
+        # One host read per layer: which experts any token chose, in index order.
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)  # the tokens routed to e, and at which rank
+            h = ops.silu_mul(nn.functional.linear(x[token], self.gate_up_proj[e]))  # [n, I]
+            h = nn.functional.linear(h, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, moe: MoEArch, hidden: int) -> None:
+        super().__init__()
+        self.gate = TopkRouter(moe, hidden)
+        self.experts = Experts(moe, hidden)
+        width = moe.moe_intermediate_size * moe.n_shared_experts
+        self.shared_experts = GatedMLP(hidden, width) if width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

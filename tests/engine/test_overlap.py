@@ -1,0 +1,160 @@
+"""Overlapped scheduling (engine/inflight.py, issue 13 part 5) gives exactly the tokens of the
+plain loop, emits nothing past a stop, and frees an ended request's pages only after the step
+that computes it. The CPU runs the overlapped loop too (`overlap=True`): the device work is
+synchronous there, but every path (pending inputs filled from the previous step's ids, outputs
+processed one step later, retired leases) is the one CUDA runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.request import RequestOutput
+from tests.helpers import make_engine
+from tests.worker.wire import Wire
+
+PROMPTS = [[(11 * i + 3 * j) % 250 + 3 for j in range(3 + 5 * i)] for i in range(10)]
+
+
+def run(eng, jobs, stagger: int = 0, abort: dict[str, int] | None = None):
+    """Submit `jobs` [(prompt, params)], the i-th after i * `stagger` ticks; abort a request
+    after the given tick. Returns each request's tokens and last output."""
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(jobs))}
+    ends: dict[str, RequestOutput] = {}
+
+    def sink_for(rid: str):
+        def sink(o: RequestOutput) -> None:
+            assert rid not in ends, f"{rid} heard after its end"
+            outs[rid].extend(o.token_ids)
+            if o.finish_reason is not None:
+                ends[rid] = o
+
+        return sink
+
+    for tick in range(5000):
+        for i, (prompt, params) in enumerate(jobs):
+            if i * stagger == tick:
+                eng.submit(f"r{i}", prompt, params, sink_for(f"r{i}"))
+        for rid, at in (abort or {}).items():
+            if at == tick:
+                eng.abort(rid)
+        if len(ends) == len(jobs):
+            break
+        eng.tick()
+    assert len(ends) == len(jobs), f"{len(jobs) - len(ends)} requests did not end"
+    for _ in range(3):  # a step still in flight (one past a stop) completes
+        if eng.has_work():
+            eng.tick()
+    assert not eng.has_work() and eng.pool.allocator.num_held == 0  # nothing leaked
+    assert eng.leases.violations() == []
+    return {rid: (outs[rid], ends[rid].finish_reason) for rid in outs}
+
+
+MIXED = [
+    SamplingParams(max_tokens=1 + 3 * (i % 5), temperature=0, ignore_eos=True) for i in range(10)
+]
+
+
+def assorted(tiny_dir) -> list[SamplingParams]:
+    """One batch of every kind: greedy of mixed lengths, seeded draws, stop ids that the
+    greedy run really samples (so requests end on a token the overlapped loop has already
+    scheduled past), min_tokens, penalties (counted on the device, a token in flight included)
+    and logprobs."""
+    probe = run(make_engine(tiny_dir, overlap=False), [(p, MIXED[4]) for p in PROMPTS[4:7]])
+    stop = [probe[f"r{j}"][0][1 + j] for j in range(3)]  # of requests 4, 5 and 6
+    return [
+        MIXED[1],
+        MIXED[3],
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, top_p=0.8, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=13, temperature=0, stop_token_ids=(stop[0],)),
+        SamplingParams(max_tokens=13, temperature=0, stop_token_ids=(stop[1],), min_tokens=2),
+        SamplingParams(max_tokens=13, temperature=0, stop_token_ids=(stop[2],)),
+        SamplingParams(
+            max_tokens=8, temperature=0.8, seed=3, frequency_penalty=0.5, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("stagger", [0, 2], ids=["together", "joining"])
+def test_overlap_gives_the_tokens_of_the_plain_loop(tiny_dir, stagger):
+    jobs = list(zip(PROMPTS, assorted(tiny_dir), strict=True))
+    plain = run(make_engine(tiny_dir, overlap=False), jobs, stagger=stagger)
+    overlapped = run(make_engine(tiny_dir, overlap=True), jobs, stagger=stagger)
+    assert overlapped == plain
+    # Requests ended on a sampled stop id (min_tokens may steer one past its stop id).
+    assert sum(plain[f"r{i}"][1] == "stop" for i in (4, 5, 6)) >= 2
+
+
+def test_preemption_with_a_token_in_flight_keeps_the_tokens(tiny_dir):
+    """A KV pool too small for every request: running requests are preempted while their
+    last token is still on the device, and recompute their prompt plus outputs later."""
+    jobs = [(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    small = {"kv_mb": 1.0, "page_size": 4}
+    plain_eng = make_engine(tiny_dir, overlap=False, **small)
+    plain = run(plain_eng, jobs)
+    eng = make_engine(tiny_dir, overlap=True, **small)
+    assert run(eng, jobs) == plain
+    assert eng.metrics.preemptions._value.get() > 0  # noqa: SLF001 - preemption happened
+
+
+def test_a_known_last_token_schedules_nothing_more(tiny_dir):
+    """max_tokens is known in advance: the overlapped loop computes exactly the plain loop's
+    chunks, never a wasted step after the last token."""
+    seen: dict[bool, list[tuple[str, int, int]]] = {}
+    for overlap in (False, True):
+        eng = make_engine(tiny_dir, overlap=overlap)
+        chunks: list[tuple[str, int, int]] = []
+        forward = eng.runner.forward
+
+        def recording(cs, feed=None, forward=forward, chunks=chunks):  # type: ignore[no-untyped-def]
+            chunks.extend((c.request.request_id, c.start, c.length) for c in cs)
+            return forward(cs, feed)
+
+        eng.runner.forward = recording  # type: ignore[method-assign]
+        run(eng, [(p, MIXED[i]) for i, p in enumerate(PROMPTS)])
+        seen[overlap] = sorted(chunks)
+    assert seen[True] == seen[False]
+
+
+def test_an_abort_while_its_step_is_in_flight_drops_the_token_and_frees_after(tiny_dir):
+    eng = make_engine(tiny_dir, overlap=True)
+    outs: list[RequestOutput] = []
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    eng.submit("r", PROMPTS[3], params, outs.append)
+    for _ in range(4):
+        eng.tick()
+    req = eng.scheduler.get("r")
+    assert req is not None and req.pending == 1  # a decode step is in flight
+    emitted = sum(len(o.token_ids) for o in outs)
+    eng.abort("r")
+    eng._drain_inbox(0)  # noqa: SLF001 - handle the Abort, not the next step
+    assert outs[-1].finish_reason == "abort"
+    # Its pages stay leased to the step in flight until that step completed.
+    assert eng.pool.allocator.num_held > 0
+    assert any(str(le.owner).startswith("step:") for le in eng.leases.live())
+    eng.tick()
+    assert sum(len(o.token_ids) for o in outs) == emitted  # the in-flight token never shows
+    assert not eng.has_work() and eng.pool.allocator.num_held == 0
+    assert eng.leases.violations() == []
+
+
+def test_pd_decode_with_overlap_matches_colocated(tiny_dir):
+    """A decode worker overlapping its steps over pages a prefill worker wrote."""
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.7, seed=i, ignore_eos=True) for i in range(6)
+    ]
+    jobs = list(zip(PROMPTS[:6], params, strict=True))
+    colocated = run(make_engine(tiny_dir, page_size=4, chunk=16, overlap=False), jobs)
+    wire = Wire(tiny_dir, overlap=True)
+    outs = {f"r{i}": wire.submit(f"r{i}", p, sp) for i, (p, sp) in enumerate(jobs)}
+    wire.run_until(lambda: all(o and o[-1].finish_reason for o in outs.values()))
+    wire.run_until(wire.idle)
+    got = {
+        rid: ([t for o in os_ for t in o.token_ids], os_[-1].finish_reason)
+        for rid, os_ in outs.items()
+    }
+    assert got == colocated
+    assert wire.violations() == []

@@ -1,0 +1,137 @@
+"""DeepSeek-V3 (latent attention + experts): greedy ids equal HF transformers' generate in
+float32 on `deepseek-v3-tiny`, through pdserve's engine, alone and 16 at once, with prompts at
+page and prefill-chunk boundaries, chunked prefill and a prefix-cache hit; and PD (a prefill
+role writing latent pages into a decode role's pool) equals co-located."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.offline import build_engine, generate
+from pdserve.engine.params import SamplingParams
+from pdserve.kvcache.layout import KVLayout
+from tests.worker.wire import Wire, ended, tokens
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+PAGE, CHUNK = 4, 12
+# Around the page (4) and chunk (12) boundaries; 16 prompts for the concurrent run.
+LENGTHS = [1, 3, 4, 5, 7, 11, 12, 13, 16, 23, 24, 25, 30, 36, 37, 41]
+
+
+@pytest.fixture(scope="module")
+def ds_dir(builtin_dir) -> Path:
+    return builtin_dir("deepseek-v3-tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(16)
+    return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_ref(ds_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
+    args: dict = dict(page_size=PAGE, max_batched_tokens=CHUNK, kv_budget_mb=4.0)
+    return build_engine(path, max_model_len=512, **{**args, **kw})
+
+
+def test_the_pool_holds_one_latent_buffer_per_layer(ds_dir: Path) -> None:
+    e = engine(ds_dir)
+    assert e.pool.layout == KVLayout.mla("float32", PAGE, 3, kv_lora_rank=32, qk_rope_head_dim=16)
+    assert e.runner.backend.name == "torch"
+
+
+def test_another_backend_asked_for_gives_torch_with_a_log_line(ds_dir, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.runner"):
+        e = engine(ds_dir, attention_backend="triton")
+    assert e.runner.backend.name == "torch"
+    assert "latent attention runs on the torch backend, not triton" in caplog.text
+
+
+def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:
+    e = engine(ds_dir, prefix_cache=False)
+    alone = [generate(e, [p], GREEDY)[0] for p in prompts]
+    wrong = [(n, a, r) for n, a, r in zip(LENGTHS, alone, hf_ref, strict=True) if a != r]
+    assert not wrong, f"prompt length, ours, HF: {wrong[:2]}"
+    assert generate(e, prompts, GREEDY) == hf_ref
+    assert e.pool.allocator.num_held == 0
+
+
+def test_a_prefix_cache_hit_gives_the_same_tokens(ds_dir, prompts, hf_ref) -> None:
+    """The second run of a prompt starts from its cached latent pages (chunked: 37 tokens in
+    chunks of 12) and computes only the rest."""
+    e = engine(ds_dir, prefix_cache=True)
+    i = LENGTHS.index(37)
+    first = generate(e, [prompts[i]], GREEDY)[0]
+    assert e.prefix_cache is not None and e.prefix_cache.stats.hits == 0
+    second = generate(e, [prompts[i]], GREEDY)[0]
+    assert e.prefix_cache.stats.hits == 1 and e.prefix_cache.stats.hit_tokens >= 32
+    assert first == second == hf_ref[i]
+
+
+def test_pd_equals_colocated(ds_dir, prompts, hf_ref) -> None:
+    """A prefill role computes the prompt and writes its latent pages into the decode role's
+    pool over shm; the decode role continues from them."""
+    wire = Wire(ds_dir, page_size=PAGE, chunk=CHUNK)
+    picked = [LENGTHS.index(n) for n in (5, 24, 41)]
+    outs = [wire.submit(f"r{i}", prompts[i], GREEDY) for i in picked]
+    wire.run_until(lambda: all(ended(o) for o in outs))
+    assert [tokens(o) for o in outs] == [hf_ref[i] for i in picked]
+    wire.run_until(wire.idle)
+    assert wire.violations() == []
+
+
+def test_rope_without_interleave_or_yarn_matches_hf(ds_dir, prompts, hf_ref, tmp_path) -> None:
+    """The other rope layout (halves, not pairs) and plain rope, on the same weights."""
+    path = tmp_path / "halves"
+    shutil.copytree(ds_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(rope_interleave=False, rope_scaling=None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    picked = [prompts[LENGTHS.index(n)] for n in (5, 13, 25)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in picked
+        ]
+    assert generate(engine(path), picked, GREEDY) == ref
+    assert ref != [hf_ref[LENGTHS.index(n)] for n in (5, 13, 25)]  # the rope change mattered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_greedy_matches_hf_on_the_gpu(ds_dir, prompts, hf_ref) -> None:
+    """float32 on the GPU: the runner gives latent attention the torch backend (the device's
+    default is triton) and decodes eagerly (no CUDA graphs); HF's ids (HF on the CPU)."""
+    e = build_engine(
+        ds_dir, device="cuda", page_size=PAGE, max_batched_tokens=CHUNK, max_model_len=512
+    )
+    assert e.runner.backend.name == "torch" and e.runner.graphs is None
+    assert generate(e, prompts, GREEDY) == hf_ref
+    assert e.pool.allocator.num_held == 0
