@@ -135,3 +135,28 @@ def test_seeded_sampling_equals_colocated_over_20_seeds(cluster, tiny_dir):
     with ThreadPoolExecutor(20) as pool:
         got = list(pool.map(ask, range(20)))
     assert [s for s in range(20) if got[s] != want[s]] == []
+
+
+def test_min_tokens_bans_a_stop_id_on_the_prefill_workers_token_too(cluster, tiny_dir):
+    """min_tokens with stop_token_ids equal to the greedy first token: the ban applies to the
+    token P samples exactly as on a co-located worker, on every backend (issue 14 part 2)."""
+    prompts = [[(11 * i + 5 * j) % 3000 + 3 for j in range(6 + 7 * i)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    firsts = [ids[0] for ids in run(make_engine(tiny_dir, chunk=CHUNK), prompts, greedy)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, min_tokens=2, stop_token_ids=(f,))
+        for f in firsts
+    ]
+    tok = Tokenizer.from_dir(tiny_dir)
+    want = []
+    for ids, f in zip(
+        run(make_engine(tiny_dir, chunk=CHUNK), prompts, params), firsts, strict=True
+    ):
+        assert ids[0] != f  # the ban changed the first token
+        want.append(tok.decode(ids[:-1] if ids[-1] == f else ids))  # a stop id shows no text
+    for p, f, w in zip(prompts, firsts, want, strict=True):
+        body = {"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0}
+        body |= {"min_tokens": 2, "stop_token_ids": [f]}
+        status, resp = http("POST", cluster.url + "/v1/completions", body)
+        assert status == 200, resp
+        assert resp["choices"][0]["text"] == w
