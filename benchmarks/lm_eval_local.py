@@ -24,9 +24,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.launched import wait_healthy  # noqa: E402
 
 TASK = "pdserve_local_mc"
 STARTUP_S = 120.0
@@ -107,21 +108,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_health(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy within {timeout_s:.0f}s")
-
-
 def start_server(model: Path, pd: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     common = ["--model", str(model), "--served-model-name", "tiny", "--port", str(port)]
@@ -137,7 +123,7 @@ def start_server(model: Path, pd: bool, log: Path) -> tuple[subprocess.Popen[byt
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_health(url, proc, STARTUP_S)
+    wait_healthy(url, proc, STARTUP_S)
     return proc, url
 
 

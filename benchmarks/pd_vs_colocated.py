@@ -29,11 +29,8 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -42,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.launched import Pdserve  # noqa: E402
 from pdserve.bench.config import ArrivalConfig, ClientConfig, DatasetConfig, Slo  # noqa: E402
 from pdserve.bench.dataset import make_requests  # noqa: E402
 from pdserve.bench.metrics import summarize_run  # noqa: E402
@@ -49,9 +47,6 @@ from pdserve.bench.plot import plot_compare  # noqa: E402
 from pdserve.bench.record import RequestRecord, record_from_json  # noqa: E402
 from pdserve.bench.report import write_json  # noqa: E402
 from pdserve.bench.runner import RunResult, Workload, run_workloads  # noqa: E402
-
-READY_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0
 
 
 def split(prefill_threads: int, decode_threads: int) -> list[str]:
@@ -68,67 +63,6 @@ CONFIGS = {
     "pd-d2": split(prefill_threads=1, decode_threads=2),
     "pd-p2": split(prefill_threads=2, decode_threads=1),
 }
-
-
-class Server:
-    """`python -m pdserve ARGS`, up once it prints READY URL; stopped by pid, children too."""
-
-    def __init__(self, args: list[str], log_dir: Path) -> None:
-        self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        if args[0] == "launch":
-            args = [*args, "--log-dir", str(log_dir)]
-        self.argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", *args]
-        self.argv += ["--port", "0"]
-        self.proc: subprocess.Popen[str] | None = None
-        self.url = ""
-
-    def __enter__(self) -> Server:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        ready = threading.Event()
-        log = open(self.log_dir / "stdout.log", "w")  # noqa: SIM115 - the pump closes it
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            with log:
-                for line in self.proc.stdout:
-                    log.write(line)
-                    if line.startswith("READY "):
-                        self.url = line.split()[1]
-                        ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"{self.argv} did not start; see {self.log_dir}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        children = self._children()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for pid in children:  # the launcher stops them; this is for when it could not
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def _children(self) -> list[int]:
-        table = self.log_dir / "cluster.json"
-        if not table.exists():
-            return []
-        return [int(p["pid"]) for p in json.loads(table.read_text())["processes"]]
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
@@ -166,7 +100,7 @@ def scaled(argv: list[str], cpus: int) -> list[str]:
 
 def run_one(name: str, args: argparse.Namespace, slo: Slo, log_dir: Path) -> RunResult:
     argv = [*scaled(CONFIGS[name], args.cpus), "--model", args.model, "--device", args.device]
-    with Server(argv, log_dir) as server:
+    with Pdserve(argv, log_dir) as server:
         client = ClientConfig(url=server.url, request_timeout_s=300.0)
         return asyncio.run(run_workloads(client, workloads(args), slo, warmup=2, progress=False))
 

@@ -41,7 +41,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -52,10 +51,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.launched import Pdserve  # noqa: E402
 from pdserve.bench.metrics import percentile  # noqa: E402
 
-READY_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 600.0
 METRICS_TIMEOUT_S = 10.0
 COUNTERS = ("queries_tokens", "hit_tokens", "host_hit_tokens", "inserted_pages", "evicted_pages")
@@ -68,67 +66,17 @@ WORDS = VOCABULARY.split()
 
 
 # -- the cluster ------------------------------------------------------------------------------
-class Cluster:
-    """`python -m pdserve launch ARGS --port 0`, up once it prints READY URL; every process it
-    started is stopped by pid on exit (the launcher by SIGTERM, then SIGKILL; its children by
-    SIGKILL if the launcher left any), also when the run failed."""
+class Cluster(Pdserve):
+    """`pdserve launch ARGS`: up once it prints READY URL; every process it started is stopped
+    by pid on exit, also when the run failed (benchmarks/launched.py)."""
 
     def __init__(self, args: list[str], log_dir: Path) -> None:
-        self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "launch", *args]
-        self.argv += ["--port", "0", "--log-dir", str(log_dir)]
-        self.proc: subprocess.Popen[str] | None = None
-        self.url = ""
+        super().__init__(["launch", *args], log_dir)
         self.workers: list[str] = []
 
-    def __enter__(self) -> Cluster:
-        try:
-            self._start()
-        except BaseException:  # also Ctrl-C or SIGTERM while it starts: stop what started
-            self.__exit__()
-            raise
-        return self
-
     def _start(self) -> None:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        ready = threading.Event()
-        log = open(self.log_dir / "stdout.log", "w")  # noqa: SIM115 - the pump closes it
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            with log:
-                for line in self.proc.stdout:
-                    log.write(line)
-                    if line.startswith("READY "):
-                        self.url = line.split()[1]
-                        ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(self.argv)} did not start; see {self.log_dir}")
-        self.workers = [p["url"] for p in self._table() if p["name"] != "router"]
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        children = [int(p["pid"]) for p in self._table()]
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for pid in children:  # the launcher stops them; this is for when it could not
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        super()._start()
+        self.workers = [p["url"] for p in self.table() if p["name"] != "router"]
 
     def info(self, worker: str) -> dict[str, Any]:
         """A worker's GET /info, which needs the cluster's key (launch wrote it in the log dir)."""
@@ -136,10 +84,6 @@ class Cluster:
 
         key = ClusterKey.load(self.log_dir / "cluster.key")
         return dict(json.loads(get(worker + "/info", key.http_headers)))
-
-    def _table(self) -> list[dict[str, Any]]:
-        path = self.log_dir / "cluster.json"
-        return json.loads(path.read_text())["processes"] if path.exists() else []
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> str:

@@ -28,3 +28,20 @@ def make_engine(
         max_model_len=max_model_len,
         overlap_schedule=overlap,
     )
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF transformers' float32 greedy `generate` of each prompt alone, EOS off: the oracle."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out

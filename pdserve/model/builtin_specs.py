@@ -7,7 +7,7 @@ the tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.model.corpus import TOKENIZER_VOCAB
@@ -156,28 +156,21 @@ SPECS: dict[str, BuiltinSpec] = {
             routed_scaling_factor=2.5,
         ),
     ),
-    # V3-tiny's shape plus V3.2's indexer in every layer: 16 heads (with 4, exact 0.0 ties at
-    # the top-k cut made HF's choice depend on torch.topk internals), a power-of-two key width
-    # (fp8 index-K's Hadamard rotation) and index_topk 12, so every prompt past 12 tokens
-    # attends sparsely. V3.2's MLA rope is interleaved by definition (no rope_interleave field).
-    "deepseek-v32-tiny": BuiltinSpec(
-        name="deepseek-v32-tiny", architecture="DeepseekV32ForCausalLM",
-        model_type="deepseek_v32", hidden_size=128, intermediate_size=256, num_layers=3,
-        num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=10000.0,
-        max_position_embeddings=1024, rms_norm_eps=1e-6,
-        rope_scaling={
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
-        },
-        tie_word_embeddings=False, qkv_bias=False, qk_norm=False, dtype="float32",
-        deepseek=DeepseekShape(
-            q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16,
-            v_head_dim=20, moe_intermediate_size=64, n_routed_experts=8, n_group=4, topk_group=2,
-            num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
-            routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=32, index_topk=12,
-        ),
-    ),
 }  # fmt: skip
+
+# V3-tiny's shape plus V3.2's indexer in every layer: 16 heads (with 4, exact 0.0 ties at the
+# top-k cut made HF's choice depend on torch.topk internals), a power-of-two key width (fp8
+# index-K's Hadamard rotation) and index_topk 12, so every prompt past 12 tokens attends
+# sparsely. V3.2's MLA rope is interleaved by definition (no rope_interleave field).
+_V3 = SPECS["deepseek-v3-tiny"]
+assert _V3.deepseek is not None
+SPECS["deepseek-v32-tiny"] = replace(
+    _V3,
+    name="deepseek-v32-tiny",
+    architecture="DeepseekV32ForCausalLM",
+    model_type="deepseek_v32",
+    deepseek=replace(_V3.deepseek, index_n_heads=16, index_head_dim=32, index_topk=12),
+)
 
 
 def builtin_spec(name: str) -> BuiltinSpec:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine.params import SamplingParams
-from tests.helpers import make_engine, run
+from tests.helpers import hf_greedy, make_engine, run
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,19 +21,6 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2-tiny", "qwen3-tiny"])
@@ -60,7 +47,7 @@ def test_greedy_matches_hf(builtin_dir, name, page_size, chunk):
     engine = make_engine(path, page_size=page_size, chunk=chunk)
     prompts = prompts_for(2000, lengths)
     alone = [run(engine, [p], GREEDY)[0] for p in prompts]
-    ref = hf_greedy(path, prompts)
+    ref = hf_greedy(path, prompts, NEW_TOKENS)
     mismatched = [(n, a, r) for n, a, r in zip(lengths, alone, ref, strict=True) if a != r]
     assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
     assert engine.pool.allocator.num_held == 0
@@ -110,7 +97,7 @@ def test_greedy_matches_hf_on_the_gpu_with_graphs(builtin_dir, name):
     assert engine.runner.graphs is not None
     prompts = prompts_for(2000, lengths, seed=5)
     together = run(engine, prompts, GREEDY)
-    ref = hf_greedy(path, prompts)
+    ref = hf_greedy(path, prompts, NEW_TOKENS)
     mismatched = [(n, a, r) for n, a, r in zip(lengths, together, ref, strict=True) if a != r]
     assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
     assert engine.runner.graphs.replays > 0 and engine.pool.allocator.num_held == 0

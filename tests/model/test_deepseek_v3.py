@@ -16,6 +16,7 @@ import torch
 from pdserve.engine.offline import build_engine, generate
 from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.layout import KVLayout
+from tests.helpers import hf_greedy
 from tests.worker.wire import Wire, ended, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -40,17 +41,10 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_ref(ds_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32)
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    assert json.loads((ds_dir / "config.json").read_text())["architectures"] == [
+        "DeepseekV3ForCausalLM"
+    ]
+    return hf_greedy(ds_dir, prompts, NEW_TOKENS)
 
 
 def engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
@@ -112,15 +106,7 @@ def test_rope_without_interleave_or_yarn_matches_hf(ds_dir, prompts, hf_ref, tmp
     cfg.update(rope_interleave=False, rope_scaling=None)
     (path / "config.json").write_text(json.dumps(cfg))
     picked = [prompts[LENGTHS.index(n)] for n in (5, 13, 25)]
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in picked
-        ]
+    ref = hf_greedy(path, picked, NEW_TOKENS)
     assert generate(engine(path), picked, GREEDY) == ref
     assert ref != [hf_ref[LENGTHS.index(n)] for n in (5, 13, 25)]  # the rope change mattered
 
