@@ -27,14 +27,14 @@ run: $(STAMP)
 
 # Two test processes, each taking whole files (module fixtures start their servers once): the
 # suite waits on child processes as much as it computes, so two share 2 cores well (11.4 min
-# serially, 7.6 in two, on the 2-core CI machine).
+# serially, 8.5 in two, on the 2-core CI machine).
 test: $(STAMP) lint
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # The fast tier for a developer's loop: every test that starts no process (tests/conftest.py
-# marks the others `process`), well under a minute, no lint.
+# marks the others `process`), about 2 minutes on 2 cores, no lint.
 test-fast: $(STAMP)
-	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -m "not process" tests
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks
