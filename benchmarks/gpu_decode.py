@@ -27,6 +27,7 @@ short by a time limit still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -48,6 +49,7 @@ from pdserve.engine.runner import ModelRunner  # noqa: E402
 from pdserve.engine.scheduler import Chunk  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.config import ModelArch  # noqa: E402
+from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 
 PAGE_SIZE = 16
 PREFILL_TOKENS = 8192  # the step budget while prefilling: a batch of 256 prompts in ~10 steps
@@ -280,19 +282,23 @@ def bench_model(
         attention_backend=args.backend,
         enforce_eager=args.eager,
     )
+    freeze_startup_heap()  # as a server does before it serves (pdserve/runtime/gc_freeze.py)
     runner = engine.runner
     graphs = runner.graphs
     if graphs is not None:
         cap = graphs.capture_report
         report.meta.setdefault("graph_capture_s", {})[name] = cap.seconds if cap else None
-    for batch in args.batches:
-        before = graphs.replays if graphs is not None else 0
-        row = run_pdserve(engine, runner, batch, args)
-        row["graphs"] = graphs is not None and graphs.replays > before
-        row.update(roofline(step_cost(engine, batch, row["ctx"]), ceilings))
-        row["forward_over_roofline"] = round(row["forward_ms"] / row["roofline_ms"], 2)
-        row["engine_over_roofline"] = round(row["engine_step_ms"] / row["roofline_ms"], 2)
-        report.add(name, batch, row)
+    try:
+        for batch in args.batches:
+            before = graphs.replays if graphs is not None else 0
+            row = run_pdserve(engine, runner, batch, args)
+            row["graphs"] = graphs is not None and graphs.replays > before
+            row.update(roofline(step_cost(engine, batch, row["ctx"]), ceilings))
+            row["forward_over_roofline"] = round(row["forward_ms"] / row["roofline_ms"], 2)
+            row["engine_over_roofline"] = round(row["engine_step_ms"] / row["roofline_ms"], 2)
+            report.add(name, batch, row)
+    finally:
+        gc.unfreeze()  # this process goes on (HF, the next model): its garbage is collectable
     del engine, runner
     if device.type == "cuda":
         torch.cuda.empty_cache()

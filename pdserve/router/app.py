@@ -36,6 +36,7 @@ from pdserve.router.policy import PrefixSettings, make_policy
 from pdserve.router.prefix_index import fleet_page_size
 from pdserve.router.registry import Registry
 from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.timing import HANDLERS_STOP_S, ROUTER_STOP_S
 from pdserve.server.admission import Admission
@@ -217,6 +218,7 @@ class Router:
                 return stop.exit_code or 0
             startup.result()  # raises what startup raised
             runner = await listener.serve(self.app(listener))
+            freeze_startup_heap()  # no full GC pass over the tokenizer and libraries later
             announce_ready(f"http://{self.cfg.host}:{listener.port}")
             log.info(
                 "routing %s over %d decode and %d prefill workers (%s) on http://%s:%d",

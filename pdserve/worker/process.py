@@ -29,6 +29,7 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg, Send
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
+from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
@@ -271,6 +272,7 @@ class Server:
             self.supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
         runner = await listener.serve(self.app(listener))
         url = f"http://{self.cfg.host}:{listener.port}"
+        freeze_startup_heap()  # no full GC pass over the model and libraries while serving
         if self.fatal is None:  # never announce a process that is already dying
             announce_ready(url)
         log.info("serving %s on %s", self.cfg.engine.model.name, url)
