@@ -8,7 +8,6 @@ the decode worker gets a room; doctor must exit 2 and name the control thread an
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
+from http.client import HTTPException
 from pathlib import Path
 
 import pytest
@@ -81,7 +81,7 @@ def generate_in_background(d_url: str, control: str, rid: str) -> None:
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 r.read()
-        except (OSError, http.client.HTTPException):
+        except (OSError, HTTPException):
             pass  # the worker is stopped at the end of the test, mid-stream; nobody reads this
 
     threading.Thread(target=run, daemon=True).start()
