@@ -308,6 +308,9 @@ class Engine:
         if launched is not None and not (self.overlap and self.role.overlaps):
             self._complete_inflight()
         self.steps += 1
+        if self._generated:  # emit_token's count, the decode role's first tokens included
+            self.metrics.generated_tokens.inc(self._generated)
+            self._generated = 0
         counts = self.scheduler.counts()
         self.metrics.running.set(counts["running"])
         self.metrics.waiting.set(counts["waiting"])
@@ -375,12 +378,6 @@ class Engine:
             lease.release()
 
     def _emit(self, picks: Picks) -> None:
-        self._emit_each(picks)
-        if self._generated:
-            self.metrics.generated_tokens.inc(self._generated)
-            self._generated = 0
-
-    def _emit_each(self, picks: Picks) -> None:
         for req, tok, lp in picks:
             if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
                 continue
