@@ -124,19 +124,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.server.auth import load_api_key
     from pdserve.worker.process import run_server
 
-    if args.role == "decode":
-        from pdserve.transfer.receiver import unavailable
+    engine = engine_config(args)
+    if args.role != "colocated":
+        from pdserve.transfer.receiver import choose_backend, unavailable
 
-        why = unavailable(args.backend)
-        if why is not None:
+        args.backend = choose_backend(args.backend, engine.model.device)
+        why = unavailable(args.backend, engine.model.device) if args.role == "decode" else None
+        if why is not None:  # the decode side picks the data plane; P follows its Register
             print(f"pdserve serve: {why}", file=sys.stderr)
             return 2
+    else:
+        args.backend = "shm"  # unused: a co-located server moves no KV
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     cfg = ServerConfig(
-        engine=engine_config(args),
+        engine=engine,
         host=args.host,
         port=args.port,
         role=args.role,
@@ -239,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--backend",
-        default="shm",
-        choices=BACKENDS,
-        help="KV transfer data plane for prefill/decode roles (nixl: pip install 'pdserve[nixl]')",
+        default="auto",
+        choices=("auto", *BACKENDS),
+        help="KV transfer data plane for prefill/decode roles (auto: shm on CPU, nixl on a "
+        "GPU, tcp without NIXL; nixl: pip install 'pdserve[nixl]')",
     )
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     sv.add_argument(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,12 @@ def add_launch_command(sub: Any) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode (or co-located) workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
-    p.add_argument("--backend", default="shm", choices=BACKENDS, help="KV data plane")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", *BACKENDS),
+        help="KV data plane (auto: shm on CPU, nixl on a GPU, tcp without NIXL)",
+    )
     p.add_argument(
         "--policy",
         default="least-outstanding",
@@ -126,11 +132,35 @@ def add_launch_command(sub: Any) -> None:
     p.set_defaults(func=cmd_launch)
 
 
+def launch_backend(args: argparse.Namespace) -> str | None:
+    """The data plane every decode worker will register (`auto` resolved for the device the
+    workers will use); None, after saying why, when it cannot work here."""
+    from pdserve.config import resolve_device
+    from pdserve.transfer.receiver import choose_backend, unavailable
+
+    if not args.prefill:
+        return "shm" if args.backend == "auto" else args.backend  # co-located: no KV moves
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return None
+    backend = choose_backend(args.backend, device)
+    why = unavailable(backend, device)
+    if why is not None:
+        print(f"pdserve launch: {why}", file=sys.stderr)
+        return None
+    return backend
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.model.builtin import resolve_model
     from pdserve.runtime.launcher import LaunchConfig, Launcher
     from pdserve.server.auth import load_api_key
 
+    backend = launch_backend(args)
+    if backend is None:
+        return 2
     workers = args.prefill + args.decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
@@ -170,7 +200,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,
-        backend=args.backend,
+        backend=backend,
         debug_faults=args.debug_faults,
         policy=args.policy,
         log_level=args.log_level,

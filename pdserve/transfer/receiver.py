@@ -136,10 +136,27 @@ class NixlReceiver:
         self.agent.settle()
 
 
-def unavailable(backend: str) -> str | None:
-    """Why a decode worker cannot receive over `backend` on this host; None if it can."""
+def choose_backend(requested: str, device: str) -> str:
+    """`--backend auto`: shm where the KV pool is host memory (P writes straight into D's
+    pool), NIXL where it is on a GPU (VRAM to VRAM), tcp on a GPU host without NIXL. Any
+    other name is the user's choice, checked by `unavailable`."""
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return "shm"
+    return "nixl" if nixl_available() else "tcp"
+
+
+def unavailable(backend: str, device: str = "cpu") -> str | None:
+    """Why a decode worker on `device` cannot receive KV over `backend` on this host; None if
+    it can. (A prefill worker writes over whatever its decode peer registered.)"""
     if backend == "nixl" and not nixl_available():
         return f"--backend nixl needs NIXL: {INSTALL_HINT}"
+    if backend == "shm" and device != "cpu":
+        return (
+            "--backend shm places the decode pool in shared host memory, and a pool on "
+            f"{device} is not: use --backend nixl (VRAM to VRAM) or tcp, or leave --backend auto"
+        )
     return None
 
 

@@ -119,10 +119,13 @@ def _fp8_reference_indexer(
     mask: torch.Tensor,
     position_ids: Any,
     cache: Any = None,
+    past_key_values: Any = None,
 ) -> torch.Tensor:
     """HF's indexer with fp8 index-K: its own keys and queries, each key stored as fp8 with
     its per-token scale, scores in plain float32 on the dequantised values (the formula of
-    HF's float path), our tie rule. Batch 1."""
+    HF's float path), our tie rule. Batch 1. (transformers 5.17 passes the cache as
+    `past_key_values`, 5.24 as `cache`.)"""
+    cache = cache if cache is not None else past_key_values
     cos, sin = pe
     rope, n, d = self.qk_rope_head_dim, self.n_heads, self.head_dim
     q = self.wq_b(q_resid).view(*hidden.shape[:2], n, d)
