@@ -1,0 +1,173 @@
+"""Where a decode forward's GPU time goes, kernel by kernel, beside its wall time (one GPU).
+
+    python benchmarks/gpu_kernels.py --models llama3.2-1b-shape --batches 1,32,128 --out k.json
+    python benchmarks/gpu_kernels.py --device cpu --models tiny --batches 2 --ctx 40  # smoke
+
+For each model and batch the engine prefills B random `--ctx`-token prompts (as
+benchmarks/gpu_decode.py does), plans one decode step, then runs `ModelRunner.forward` over it
+`--steps` times under torch.profiler (CUDA graphs on, as served; the profiler sees each kernel of
+a replayed graph). Reported per step: the forward's period on the stream (CUDA events, no
+profiler), the sum of its kernels' times, their count, and the kernels grouped by what they
+do (GEMMs, attention, the fused elementwise kernels, the sampler's, copies), with the top
+kernels by time. `gap` = period - kernel time: where the GPU idles between kernels
+(launch latency, host waits). The weight GEMMs' bandwidth = the weights' bytes / GEMM time,
+against the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_decode import (  # noqa: E402
+    PAGE_SIZE,
+    PREFILL_TOKENS,
+    check_none_ended,
+    decode_chunks,
+    kv_budget_mb,
+    measure_ceilings,
+    prefill,
+    time_steps,
+)
+from pdserve.engine.offline import build_engine  # noqa: E402
+from pdserve.model.builtin import resolve_model  # noqa: E402
+
+GROUPS = [  # (group, pattern on the kernel's name), first match wins
+    ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|sm100_|ampere_|matmul|splitK"),
+    ("attention", r"paged|attend|decode_kernel|flash|sdpa|_attn"),
+    ("fused elementwise", r"rms|norm|rotary|silu|store|add_"),
+    ("sampler", r"gumbel|argmax|topk|sort|softmax|max_"),
+    ("copy", r"[Mm]emcpy|[Mm]emset|copy|cat|index"),
+]
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name):
+            return group
+    return "other"
+
+
+def kernel_table(prof: Any, steps: int, cuda: bool) -> list[dict[str, Any]]:
+    """The CUDA kernels (and memcpys) the profiler saw, per step: [{name, ms, count}]. On the
+    CPU (a smoke run of this script): the aten ops' own CPU time instead."""
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        elif not cuda and ev.name.startswith("aten::"):
+            t = ev.self_cpu_time_total
+        else:
+            continue
+        r = rows[ev.name]
+        r[0] += t
+        r[1] += 1
+    return sorted(
+        (
+            {"name": n, "ms": t / 1e3 / steps, "count": c / steps, "group": group_of(n)}
+            for n, (t, c) in rows.items()
+        ),
+        key=lambda r: -r["ms"],
+    )
+
+
+def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> list[dict[str, Any]]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    path = resolve_model(f"builtin:{name}")
+    top = max(args.batches)
+    max_len = args.ctx + 64
+    engine = build_engine(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=PAGE_SIZE,
+        max_batched_tokens=PREFILL_TOKENS,
+        max_running=top,
+        kv_budget_mb=kv_budget_mb(path, dtype, top * (max_len + PAGE_SIZE)),
+        max_model_len=max_len,
+        enforce_eager=args.eager,
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in engine.model.parameters() if p.dim() == 2
+    )
+    out = []
+    for batch in args.batches:
+        ended: dict[str, str] = {}
+        ids = prefill(engine, batch, args.ctx, 64, ended)
+        engine.sync()
+        check_none_ended(ended)
+        chunks = decode_chunks(engine, ids)
+        period = statistics.median(
+            time_steps(lambda c=chunks: engine.runner.forward(c), device, 5, args.steps)
+        )
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.runner.forward(chunks)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        kernels = kernel_table(prof, args.steps, device.type == "cuda")
+        by_group: dict[str, float] = defaultdict(float)
+        for k in kernels:
+            by_group[k["group"]] += k["ms"]
+        busy = sum(k["ms"] for k in kernels)
+        gemm_s = by_group["gemm"] / 1e3
+        row = {
+            "model": name,
+            "batch": batch,
+            "period_ms": round(period * 1e3, 4),
+            "kernel_ms": round(busy, 4),
+            "gap_ms": round(period * 1e3 - busy, 4),
+            "kernels_per_step": round(sum(k["count"] for k in kernels), 1),
+            "groups_ms": {g: round(v, 4) for g, v in sorted(by_group.items(), key=lambda x: -x[1])},
+            "gemm_GBps": round(weight_bytes / gemm_s / 1e9, 1) if gemm_s else None,
+            "copy_GBps": ceilings["copy_GBps"],
+            "top": [{**k, "ms": round(k["ms"], 4)} for k in kernels[: args.top]],
+        }
+        print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+        for k in row["top"]:
+            print(f"    {k['ms']:8.4f} ms  x{k['count']:5.1f}  {k['group']:18s} {k['name'][:110]}")
+        out.append(row)
+        for rid in ids:
+            engine.abort(rid)
+        engine.tick()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama3.2-1b-shape")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--ctx", type=int, default=320)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    if not torch.cuda.is_available() and args.device.startswith("cuda"):
+        print("no CUDA device: run with --device cpu for a smoke run (aten ops)", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings(torch.device(args.device), getattr(torch, args.dtype))
+    print(json.dumps({"ceilings": ceilings}), flush=True)
+    rows = [r for m in args.models.split(",") for r in bench(m, args, ceilings)]
+    if args.out:
+        Path(args.out).write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
