@@ -59,10 +59,10 @@ def _top_p_kernel(
     lse = tl.load(lse_ptr + q_idx)
     base = z_ptr + row * z_stride
     b = tl.arange(0, NUM_DIGITS)  # bucket b holds digit NUM_DIGITS - 1 - b: the top first
-    above = tl.zeros([], tl.float32)  # mass of the tokens known to rank above t*
-    prefix = tl.zeros([], tl.int64)  # t*'s key bits fixed so far
+    above = top_p * 0.0  # mass of the tokens known to rank above t* (a float32 scalar)
+    prefix = row * 0  # t*'s key bits fixed so far (an int64 scalar)
     for i in tl.static_range(NUM_PASSES):
-        shift: tl.constexpr = 28 - 4 * i
+        shift = 28 - 4 * i
         mass = tl.zeros([NUM_DIGITS], tl.float32)
         for start in range(0, V, BLOCK_V):
             ids = start + tl.arange(0, BLOCK_V)
@@ -87,7 +87,7 @@ def _top_p_kernel(
     t_star = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
     q = tl.exp(t_star - lse)
     c = tl.maximum(tl.ceil((top_p - above) / q), 1.0)
-    seen = tl.zeros([], tl.float32)  # tokens equal to t* in earlier blocks
+    seen = top_p * 0.0  # tokens equal to t* in earlier blocks
     for start in range(0, V, BLOCK_V):
         ids = start + tl.arange(0, BLOCK_V)
         ok = ids < V
