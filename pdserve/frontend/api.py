@@ -13,7 +13,6 @@ about 5 us a token. A request body must arrive within BODY_TIMEOUT_S.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from pdserve.frontend.format import Formatter
+from pdserve.frontend.format import Formatter, sse
 from pdserve.frontend.generation import Backend, Generation
 from pdserve.frontend.protocol import (
     ApiError,
@@ -56,10 +55,6 @@ def failure(error: str | None) -> ApiError:
             408, f"{error} (the request's timeout)", type_="timeout_error", code="timeout"
         )
     return ApiError(500, error or "generation failed", type_="server_error")
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class OpenAIApi:
@@ -231,11 +226,13 @@ class OpenAIApi:
         await resp.prepare(request)
         for chunk in fmt.stream_start():
             await resp.write(sse(chunk))
-        async for d in gen.deltas():
-            for chunk in fmt.stream_chunks(d):
-                await resp.write(sse(chunk))
-            if d.finish_reason == "error":
-                await resp.write(sse(failure(d.choice.error).body()))
+        async for batch in gen.batches():  # one write for whatever arrived together
+            events: list[bytes] = []
+            for d in batch:
+                events.extend(fmt.stream_events(d))
+                if d.finish_reason == "error":
+                    events.append(sse(failure(d.choice.error).body()))
+            await resp.write(b"".join(events))
         if fmt.spec.include_usage:
             await resp.write(sse(fmt.usage_chunk()))
         await resp.write(b"data: [DONE]\n\n")

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pdserve.frontend.generation import Choice, Delta, Generation
 from pdserve.frontend.protocol import GenerationSpec
 from pdserve.frontend.textstream import Detokenizer
@@ -53,6 +55,11 @@ class Formatter:
         self.echoed = [len(t) for t in self.texts]  # characters of echoed prompt, per choice
         # A stream's generated tokens' text_offsets, per choice, after the echoed prompt if any.
         self.offsets = [self._generated_offsets(c) for c in gen.choices]
+        # A chunk's envelope is the same for the whole stream: its bytes up to the choice's
+        # body, once (what `sse(self._envelope([body], chunk=True))` would write around it).
+        envelope = encode_json(self._envelope([], chunk=True))
+        assert envelope.endswith(b'"choices":[]}')
+        self._sse_head = b"data: " + envelope[:-2]
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = ("chat.completion" if self.chat else "text_completion") + (
@@ -128,6 +135,12 @@ class Formatter:
             return [self._echo_chunk(c) for c in self.gen.choices if c.index not in waiting]
         return []
 
+    def stream_events(self, d: Delta) -> list[bytes]:
+        """`stream_chunks(d)` as SSE events; a delta's own chunk from the envelope's bytes."""
+        if d.choice.index in self.echo_pending:
+            return [sse(chunk) for chunk in self.stream_chunks(d)]
+        return [self._sse_head + encode_json(self.delta_body(d)) + b"]}\n\n"]
+
     def stream_chunks(self, d: Delta) -> list[dict[str, Any]]:
         """The chunks a delta becomes: its own, after the choice's echoed prompt if that waited
         for the prompt's scores."""
@@ -153,6 +166,10 @@ class Formatter:
         return self._envelope([body], chunk=True)
 
     def stream_delta(self, d: Delta) -> dict[str, Any]:
+        return self._envelope([self.delta_body(d)], chunk=True)
+
+    def delta_body(self, d: Delta) -> dict[str, Any]:
+        """A delta's choice in a stream chunk."""
         i = d.choice.index
         lp = None
         if self.spec.params.logprobs is not None and d.logprobs:
@@ -162,8 +179,7 @@ class Formatter:
             body["delta"] = {"content": d.text} if d.text or d.finish_reason is None else {}
         else:
             body["text"] = d.text
-        chunk = self._envelope([body], chunk=True)
-        return chunk
+        return body
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": self.usage()}
@@ -230,6 +246,14 @@ class Formatter:
         if "\ufffd" not in text:
             return text
         return "bytes:" + "".join(f"\\x{b:02x}" for b in self.tok.token_bytes(token_id))
+
+
+encode_json = msgspec.json.Encoder().encode  # UTF-8, compact, several times json.dumps' speed
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE event of a JSON object."""
+    return b"data: " + encode_json(obj) + b"\n\n"
 
 
 # What vLLM shows for a logprob of -inf (JSON has no infinity; json.dumps would write -Infinity).

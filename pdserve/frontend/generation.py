@@ -1,15 +1,16 @@
 """One API call's generation: fan out prompts x n choices to a backend, fan the outputs in.
 
 The backend is anything with validate/submit/abort (the local engine here; a remote decode
-worker behind the router later). Outputs cross from the engine thread into asyncio through
-`call_soon_threadsafe`. Every wait is bounded by the call's deadline, and a choice that is
-still running when the caller stops listening (disconnect, error, stop string) is aborted.
+worker behind the router). Outputs cross from the engine thread into asyncio through the
+loop's `Handoff`, one wake-up per burst, and wait in one `OutputStream` per call; what piled
+up while the caller was busy comes out merged, one delta per choice
+(server/output_stream.py). Every wait is bounded by the call's deadline, and a choice that
+is still running when the caller stops listening (disconnect, error, stop string) is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pdserve.frontend.textstream import Detokenizer, TextStream
 from pdserve.protocol.outputs import RequestOutput, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import STREAM_GRACE_S
+from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
 
 
 class Backend(Protocol):
@@ -85,38 +87,59 @@ class Generation:
             for i, p in enumerate(prompts)
             for j in range(n)
         ]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self._stream: OutputStream[tuple[int, RequestOutput]] | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        stream = self._stream = OutputStream(loop, loop.time() + self.timeout_s + STREAM_GRACE_S)
+        push, put = handoff(loop).push, stream.put
         for c in self.choices:
             params = self.params
             if params.seed is not None and c.index:
                 params = params.replace(seed=params.seed + c.index)
 
             def sink(out: RequestOutput, i: int = c.index) -> None:
-                loop.call_soon_threadsafe(self._queue.put_nowait, (i, out))
+                push(put, (i, out))
 
             self.backend.submit(c.request_id, c.prompt_ids, params, sink, self.timeout_s)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield text deltas until every choice has finished; aborts leftovers on exit."""
-        deadline = time.monotonic() + self.timeout_s + STREAM_GRACE_S
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    async def batches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas of whatever arrived since the last batch: at most one per choice and
+        output run, so a stream that fell behind catches up in one chunk per choice. Until
+        every choice has finished; aborts leftovers on exit."""
+        stream = self._stream
+        assert stream is not None, "start() first"
         try:
             while any(c.finish_reason is None for c in self.choices):
-                remaining = deadline - time.monotonic()
                 try:
-                    i, out = await asyncio.wait_for(self._queue.get(), max(remaining, 0.001))
-                except TimeoutError:
+                    items = await stream.take()
+                except StreamTimeout:
+                    batch = []
                     for c in self.choices:
                         if c.finish_reason is None:
                             c.finish_reason, c.error = "error", "timed out waiting for the engine"
-                            yield Delta(c, c.text.finish(), (), (), "error")
+                            batch.append(Delta(c, c.text.finish(), (), (), "error"))
+                    yield batch
                     return
-                delta = self._apply(self.choices[i], out)
-                if delta is not None:
-                    yield delta
+                per_choice: dict[int, list[RequestOutput]] = {}
+                for i, out in items:
+                    per_choice.setdefault(i, []).append(out)
+                batch = []
+                for i, outs in per_choice.items():
+                    for out in merge_runs(outs):
+                        delta = self._apply(self.choices[i], out)
+                        if delta is not None:
+                            batch.append(delta)
+                if batch:
+                    yield batch
         finally:
+            stream.close()
             for c in self.choices:
                 if c.finish_reason is None or c.text.stopped:
                     self.backend.abort(c.request_id)
@@ -127,9 +150,17 @@ class Generation:
         shown = out.token_ids
         if out.finish_reason == "stop" and shown and not self.include_stop:
             shown = shown[:-1]  # the stop token (or EOS) itself, as vLLM: ids and logprobs keep it
-        text = "".join(c.text.push(t) for t in shown)
-        c.token_ids.extend(out.token_ids)
-        c.logprobs.extend(out.logprobs)
+        kept = len(out.token_ids)
+        parts = []
+        for k, t in enumerate(shown):
+            parts.append(c.text.push(t))
+            if c.text.stopped:  # a stop string: what an output carries past it was never shown
+                kept = k + 1
+                break
+        text = "".join(parts)
+        token_ids, logprobs = out.token_ids[:kept], out.logprobs[:kept]
+        c.token_ids.extend(token_ids)
+        c.logprobs.extend(logprobs)
         c.prompt_logprobs.extend(out.prompt_logprobs)
         if c.text.stopped:
             c.finish_reason = "stop"
@@ -139,9 +170,9 @@ class Generation:
             if out.finish_reason == "abort":  # we never asked: the engine is shutting down
                 c.finish_reason = "error"
                 c.error = out.error or "the request was aborted by the server"
-        if not text and not out.token_ids and c.finish_reason is None:
+        if not text and not token_ids and c.finish_reason is None:
             return None
-        return Delta(c, text, out.token_ids, out.logprobs, c.finish_reason)
+        return Delta(c, text, token_ids, logprobs, c.finish_reason)
 
     @property
     def completion_tokens(self) -> int:

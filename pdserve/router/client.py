@@ -17,6 +17,7 @@ import aiohttp
 from pdserve.protocol.outputs import RequestOutput, decode_line
 
 ERROR_BODY_LIMIT = 2000  # characters of a worker's error body worth quoting
+MAX_LINE_BYTES = 256 * 2**20  # one /generate line at most (prompt logprobs can be large)
 
 
 class WorkerError(Exception):
@@ -96,10 +97,31 @@ class WorkerClient:
                     raise WorkerError(
                         self.url, f"POST /generate answered HTTP {r.status}: {await _error_text(r)}"
                     )
-                async for raw in r.content:
-                    if not raw.strip():
+                # Read whatever arrived and split it here: a burst of lines costs one await,
+                # not one readline each.
+                parts: list[bytes] = []  # the line not yet complete
+                size = 0
+                async for piece in r.content.iter_any():
+                    if b"\n" not in piece:
+                        parts.append(piece)
+                        size += len(piece)
+                        if size > MAX_LINE_BYTES:
+                            raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
                         continue
-                    out = decode_line(raw, rid)
+                    *lines, rest = piece.split(b"\n")
+                    if parts:
+                        lines[0] = b"".join(parts) + lines[0]
+                    parts, size = [rest], len(rest)
+                    for raw in lines:
+                        if not raw.strip():
+                            continue
+                        out = decode_line(raw, rid)
+                        yield out
+                        if out.finish_reason is not None:
+                            return
+                last = b"".join(parts)  # a last line without its newline
+                if last.strip():
+                    out = decode_line(last, rid)
                     yield out
                     if out.finish_reason is not None:
                         return
@@ -112,7 +134,7 @@ class WorkerClient:
             ) from e
         except aiohttp.ClientError as e:
             raise WorkerError(self.url, f"POST /generate: the connection failed: {e!r}") from e
-        except ValueError as e:  # a malformed line (decode_line), a line over aiohttp's limit
+        except ValueError as e:  # a malformed line (decode_line), a line over MAX_LINE_BYTES
             raise WorkerError(self.url, f"POST /generate sent a bad stream: {e}") from e
 
 

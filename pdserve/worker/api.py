@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
-import time
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +30,7 @@ from pdserve.frontend.protocol import ApiError, bad, check_timeout
 from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.runtime.timing import STREAM_GRACE_S
+from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
@@ -143,35 +143,31 @@ class WorkerApi:
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S
+        stream: OutputStream[RequestOutput] = OutputStream(loop, loop.time() + wait_s)
+        push = handoff(loop).push
+        put = stream.put
         extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
-        self.engine.submit(
-            rid,
-            prompt,
-            params,
-            lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
-            timeout,
-            **extra,
-        )
+        self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
-        timeout = timeout or self.engine.cfg.request_timeout_s
-        deadline = time.monotonic() + timeout + STREAM_GRACE_S
         try:
             await resp.prepare(request)
             while not finished:
+                # Everything that came while the last write waited goes out as one line.
                 try:
-                    out = await asyncio.wait_for(
-                        queue.get(), max(deadline - time.monotonic(), 0.001)
-                    )
-                except TimeoutError:
-                    out = RequestOutput(
-                        rid, (), (), "error", "worker timed out waiting for its engine"
-                    )
-                finished = out.finish_reason is not None
-                await resp.write(encode_line(out))
+                    outs = merge_runs(await stream.take())
+                except StreamTimeout:
+                    outs = [
+                        RequestOutput(
+                            rid, (), (), "error", "worker timed out waiting for its engine"
+                        )
+                    ]
+                finished = any(o.finish_reason is not None for o in outs)
+                await resp.write(b"".join(encode_line(o) for o in outs))
             await resp.write_eof()
         finally:
+            stream.close()
             if not finished:
                 self.engine.abort(rid)
         return resp
