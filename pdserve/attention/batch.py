@@ -2,8 +2,9 @@
 
 The runner turns a step's chunks into `SeqSpan`s and `BatchBuilder.build` turns those into one
 `Batch`, on the host, once per step; its tensors reach the device in one staged copy
-(`staging.py`). A backend derives its own metadata from the Batch (`AttentionBackend.prepare`);
-nothing here is specific to one attention kernel.
+(`staging.py`); decodes keep their page-table rows from step to step (`page_table.py`). A
+backend derives its own metadata from the Batch (`AttentionBackend.prepare`); nothing here is
+specific to one attention kernel.
 
 Layout (the scheduler's order): the first `num_decodes` sequences are decodes, one new token
 each; prefill chunks follow. The step's tokens are flat, sequence after sequence, so sequence
@@ -19,12 +20,14 @@ tables): `BatchBuilder` refuses a pool whose slots would not fit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from pdserve.attention.page_table import PageTable
 from pdserve.attention.staging import Staging
 
 INDEX_DTYPE = torch.int32
@@ -39,6 +42,20 @@ class SeqSpan(NamedTuple):
     start: int  # context length: tokens already in the pool
     pages: Sequence[int]  # the sequence's pages in token order; enough for start + new tokens
     samples: bool  # whether its last token's logits are wanted
+    # Whose sequence it is, the same object from step to step (the runner's Request): a decode
+    # keeps its page-table row between steps (page_table.py). None: a row for this build only.
+    owner: object | None = None
+
+
+class Decodes(NamedTuple):
+    """A step's decodes as columns, one entry per sequence (each computes one token at
+    `starts[i]`): the runner's form of most rows of a large step."""
+
+    token_ids: list[int]
+    starts: list[int]
+    pages: list[Sequence[int]]  # each sequence's pages in token order
+    samples: list[bool]
+    owners: list[object]  # whose persistent page-table row each uses (page_table.py)
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,7 @@ class Batch:
     page_size: int
     host_query_start: tuple[int, ...]  # [B+1]
     host_kv_lens: tuple[int, ...]  # [B]
+    extra: tuple[torch.Tensor, ...] = ()  # BatchBuilder.build's `extra` lists, on the device
 
     @property
     def num_seqs(self) -> int:
@@ -84,9 +102,21 @@ class Batch:
 
 
 class BatchBuilder:
-    """Builds each step's Batch and uploads it through one persistent `Staging`."""
+    """Builds each step's Batch and uploads it through one persistent `Staging`.
 
-    def __init__(self, page_size: int, num_pages: int, device: torch.device) -> None:
+    Decodes (the leading one-token spans: most rows of a large step) are built as columns:
+    their page-table rows persist between steps in a `PageTable`, synced by the pages added
+    since (page_table.py), so a decode costs a few appends and the rest is numpy over the
+    batch. Prefill chunks are built a sequence (and for slots a page) at a time."""
+
+    def __init__(
+        self,
+        page_size: int,
+        num_pages: int,
+        device: torch.device,
+        gone: Callable[[object], bool] = lambda _owner: False,
+    ) -> None:
+        """`gone(owner)`: whether a span's owner left for good (its row may be reused)."""
         if num_pages * page_size > MAX_INDEX:
             raise ValueError(
                 f"a pool of {num_pages} pages of {page_size} tokens has slots past int32 "
@@ -94,45 +124,66 @@ class BatchBuilder:
             )
         self.page_size = page_size
         self.staging = Staging(device, INDEX_DTYPE)
+        self.table = PageTable(gone)
 
-    def build(self, spans: Sequence[SeqSpan]) -> Batch:
-        """Spans in step order; the leading one-token spans are the decodes.
+    def release(self, owner: object) -> None:
+        """`owner`'s sequence left: its page-table row may be reused."""
+        self.table.release(owner)
 
-        Plain Python lists, a sequence (and for slots a page) at a time: a decode costs a few
-        list appends, where one small torch op would cost more."""
+    def build(self, spans: Sequence[SeqSpan], extra: Sequence[Sequence[int]] = ()) -> Batch:
+        """Spans in step order; the leading one-token spans are the decodes. `extra`: more
+        int lists to upload in the same copy, as `Batch.extra`."""
         if not spans:
             raise ValueError("a batch needs at least one sequence")
+        nd = 0
+        while nd < len(spans) and len(spans[nd].token_ids) == 1:
+            nd += 1
+        dec = spans[:nd]
+        decodes = Decodes(
+            [s.token_ids[0] for s in dec],
+            [s.start for s in dec],
+            [s.pages for s in dec],
+            [s.samples for s in dec],
+            [s if s.owner is None else s.owner for s in dec],  # a span: a row for this build
+        )
+        try:
+            return self.build_step(decodes, spans[nd:], extra)
+        finally:
+            for s in dec:
+                if s.owner is None:
+                    self.table.release(s)
+
+    def build_step(
+        self, decodes: Decodes, prefills: Sequence[SeqSpan], extra: Sequence[Sequence[int]] = ()
+    ) -> Batch:
+        """The step's decodes, as columns, then its other spans (`build`: the same from spans;
+        the runner's per-step call)."""
+        nd = len(decodes.starts)
+        if nd + len(prefills) == 0:
+            raise ValueError("a batch needs at least one sequence")
         ps = self.page_size
-        num_decodes = 0
-        while num_decodes < len(spans) and len(spans[num_decodes].token_ids) == 1:
-            num_decodes += 1
-        kv_lens = [s.start + len(s.token_ids) for s in spans]
-        num_pages = [-(-n // ps) for n in kv_lens]
-        width = max(num_pages)
-        ids: list[int] = []
+        # Decodes: one token, one slot and one persistent page-table row each.
+        ids = list(decodes.token_ids)
+        starts = decodes.starts
+        rows = self.table.sync_all(decodes.owners, decodes.pages, [p // ps + 1 for p in starts])
+        samples = [b for b, s in enumerate(decodes.samples) if s]
+        d_pos = np.array(starts, dtype=np.int64)
+        d_need = d_pos // ps + 1
+        # Prefill chunks: their tokens, positions and slots a page at a time.
         positions: list[int] = []
         slots: list[int] = []
-        table: list[int] = []
-        query_start = [0]
-        samples: list[int] = []
-        for s, end, need in zip(spans, kv_lens, num_pages, strict=True):
+        query_start = list(range(nd + 1))
+        kv_lens = [p + 1 for p in starts]
+        p_tables: list[Sequence[int]] = []
+        for s in prefills:
+            end = s.start + len(s.token_ids)
+            need = -(-end // ps)
             if len(s.pages) < need:
                 raise ValueError(
                     f"a sequence of {s.start} + {end - s.start} tokens needs {need} pages of "
                     f"{ps} tokens, it holds {len(s.pages)}"
                 )
             pages = s.pages[:need]  # a copy of a list (SeqSpan.pages may be a live view)
-            if end - s.start == 1:  # a decode: one token, one slot (most rows of most steps)
-                ids.append(s.token_ids[0])
-                positions.append(s.start)
-                slots.append(pages[s.start // ps] * ps + s.start % ps)
-                table.extend(pages)
-                if need < width:
-                    table.extend([0] * (width - need))
-                query_start.append(query_start[-1] + 1)
-                if s.samples:
-                    samples.append(query_start[-1] - 1)
-                continue
             ids.extend(s.token_ids)
             positions.extend(range(s.start, end))
             pos = s.start
@@ -142,29 +193,45 @@ class BatchBuilder:
                 first = pages[page] * ps + offset
                 slots.extend(range(first, first + run))
                 pos += run
-            table.extend(pages)
-            table.extend([0] * (width - need))
+            p_tables.append(pages)
+            kv_lens.append(end)
             query_start.append(query_start[-1] + end - s.start)
             if s.samples:
                 samples.append(query_start[-1] - 1)
-        q_lens = [b - a for a, b in zip(query_start, query_start[1:], strict=False)]
-        parts = [ids, positions, slots, query_start, q_lens, kv_lens, table, samples]
-        input_ids, positions_d, slots_d, qs_d, q_lens_d, kv_lens_d, table_d, samples_d = (
-            self.staging.upload(parts)
-        )
+        width = max([len(t) for t in p_tables] + ([int(d_need.max())] if nd else []))
+        table = np.zeros((nd + len(prefills), width), dtype=np.int32)
+        if nd:
+            self.table.gather(rows, d_need, table[:nd])
+        for b, pages in enumerate(p_tables, start=nd):
+            table[b, : len(pages)] = pages
+        d_slots = table[np.arange(nd), d_pos // ps].astype(np.int64) * ps + d_pos % ps
+        q_lens = np.diff(np.array(query_start))
+        parts: list[Sequence[int] | np.ndarray] = [
+            ids,
+            np.concatenate([d_pos, np.array(positions, dtype=np.int64)]),
+            np.concatenate([d_slots, np.array(slots, dtype=np.int64)]),
+            query_start,
+            q_lens,
+            kv_lens,
+            table.reshape(-1),
+            samples,
+            *extra,
+        ]
+        up = self.staging.upload(parts)
         return Batch(
-            input_ids=input_ids,
-            positions=positions_d,
-            slot_mapping=slots_d,
-            query_start=qs_d,
-            query_lens=q_lens_d,
-            kv_lens=kv_lens_d,
-            page_table=table_d.view(len(spans), width),
-            sample_indices=samples_d,
-            num_decodes=num_decodes,
+            input_ids=up[0],
+            positions=up[1],
+            slot_mapping=up[2],
+            query_start=up[3],
+            query_lens=up[4],
+            kv_lens=up[5],
+            page_table=up[6].view(nd + len(prefills), width),
+            sample_indices=up[7],
+            num_decodes=nd,
             page_size=ps,
             host_query_start=tuple(query_start),
             host_kv_lens=tuple(kv_lens),
+            extra=tuple(up[8:]),
         )
 
 

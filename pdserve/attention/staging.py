@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 ALIGN = 16  # elements: each part's offset in the buffer is a multiple of this
@@ -49,10 +50,12 @@ class Staging:
         """Elements the buffers hold before they must grow."""
         return self._host.numel()
 
-    def upload(self, parts: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
-        """`parts` (lists of ints, or host tensors of any shape; values must fit `dtype`) as
-        views of one device buffer, in order, after one copy: a list comes back 1-D, a tensor
-        in its own shape. Valid until the next `upload`."""
+    def upload(
+        self, parts: Sequence[Sequence[int] | np.ndarray | torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`parts` (lists of ints, 1-D numpy arrays, or host tensors of any shape; values must
+        fit `dtype`) as views of one device buffer, in order, after one copy: a list or an
+        array comes back 1-D, a tensor in its own shape. Valid until the next `upload`."""
         sizes = [p.numel() if isinstance(p, torch.Tensor) else len(p) for p in parts]
         offsets = []
         end = 0
@@ -68,7 +71,7 @@ class Staging:
             if isinstance(p, torch.Tensor):
                 self._host[o : o + n].copy_(p.reshape(-1))
             elif n:
-                self._host_np[o : o + n] = p  # numpy converts a list in one pass
+                self._host_np[o : o + n] = p  # numpy converts a list (or casts) in one pass
         if self.device.type == "cpu":
             flat = self._host[:end].clone()
         else:

@@ -2,13 +2,12 @@
 
 It is composed of a scheduler, a runner, the sampler and a role (engine/role.py), and its loop
 is `drain inbox -> poll transfers -> expire -> admit -> schedule -> forward -> sample -> emit ->
-send`, each a verb called by name (docs/architecture.md §Loop). Other threads talk to it only
+send`, each a verb called by name (docs/architecture.md §Loop); forward, sample and emit are one
+`Stepper.step` (engine/stepper.py: plain or overlapped). Other threads talk to it only
 through the inbox (submit, abort, snapshot) and hear back through each request's sink; there
 are no locks on request state. A request ends in one place, `finish`, with a reason from one
 enum (`Event`). A failure inside a step fails only the requests it belongs to
-(engine/isolation.py): the forward is run again chunk by chunk, or the rows are sampled one by
-one, and the rest of the batch goes on with the tokens it would have had (LESSONS #16). A
-command whose handling raises fails its own request.
+(engine/isolation.py, LESSONS #16); a command whose handling raises fails its own request.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.commands import Abort, Command, SnapshotQuery, Submit
-from pdserve.engine.inflight import InFlight, Picks
-from pdserve.engine.isolation import forward_each, sample_each
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.params import SamplingParams, validate_prompt
 from pdserve.engine.request import (
@@ -39,9 +36,10 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, sample
-from pdserve.engine.scheduler import Scheduler, StepPlan
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.snapshot import engine_snapshot, overdue
+from pdserve.engine.stepper import Stepper
 from pdserve.kvcache.host_pool import host_tier
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Lease, Leases
@@ -91,13 +89,11 @@ class Engine:
         self.sampler = Sampler(max_slots=cfg.scheduler.max_running)  # penalties' device state
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
-        # Overlapped scheduling (engine/inflight.py): the step in flight, if any, and the one
-        # being launched; requests ending meanwhile keep their pages until theirs completed.
+        # Overlapped scheduling (engine/inflight.py): the stepper keeps the step in flight.
         overlap = runner.overlap_schedule
         self.overlap = pool.device.type == "cuda" if overlap is None else overlap
-        self._inflight: InFlight | None = None
+        self.stepper = Stepper(self)
         self._generated = 0  # tokens emitted since generated_tokens was last advanced
-        self._launching: InFlight | None = None
         self.role: Role = Colocated()
         self.transport: Callable[[Send], None] = _unsent  # where the role's messages go
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
@@ -210,11 +206,11 @@ class Engine:
     def sync(self) -> None:
         """Process the step in flight, if any: every sampled token is then on the host (tools
         and tests that plan a step themselves; the loop never needs it)."""
-        self._complete_inflight()
+        self.stepper.complete()
 
     def has_work(self) -> bool:
         """Requests to step, or a step in flight whose outputs are not processed yet."""
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self.stepper.in_flight
 
     def _wait_s(self) -> float:
         if self.has_work():
@@ -287,110 +283,13 @@ class Engine:
         self.overdue = overdue(now - OVERDUE_GRACE_S, now, reqs, self.role.rooms())
 
     def step(self) -> None:
-        """Schedule and launch a step; then process the outputs of the step before it (with
-        overlap: engine/inflight.py) or of this one (without)."""
-        plan = self.scheduler.schedule()
-        self.metrics.preemptions.inc(len(plan.preempted))
-        launched = None
-        if plan.chunks:
-            launched = self._launching = InFlight(list(plan.chunks))
-            try:
-                self._launch(plan, launched)
-            except Exception as e:  # noqa: BLE001 - a bug past the isolation: fail the step
-                self.metrics.step_errors.inc()
-                log.exception("engine step failed; failing %d requests", len(plan.chunks))
-                for c in plan.chunks:
-                    self._fail_in_step(c.request, f"engine step failed: {type(e).__name__}: {e}")
-            launched.launched(self.pool.device)
-        self._complete_inflight()  # the step before: requests it ends keep pages for `launched`
-        self._launching = None
-        self._inflight = launched
-        if launched is not None and not (self.overlap and self.role.overlaps):
-            self._complete_inflight()
+        """Schedule, launch, and emit the tokens of the step before (overlapped) or of this
+        one (plain): engine/stepper.py. Then the step's metrics."""
+        plan = self.stepper.step()
         self.steps += 1
-        if self._generated:  # emit_token's count, the decode role's first tokens included
-            self.metrics.generated_tokens.inc(self._generated)
-            self._generated = 0
-        counts = self.scheduler.counts()
-        self.metrics.running.set(counts["running"])
-        self.metrics.waiting.set(counts["waiting"])
-        self.metrics.pages_used.set(counts["pages_used"])
-        if self.prefix_cache is not None:
-            self.metrics.prefix_cache.update(self.prefix_cache.stats)
-
-    def _launch(self, plan: StepPlan, step: InFlight) -> None:
-        """Forward and sample `plan` on the device, nothing waiting for the results; the
-        tokens become pending on their requests."""
-        chunks = step.chunks
-        feed = self._inflight.feed() if self._inflight is not None else None
-        try:
-            logits = self.runner.forward(chunks, feed)
-        except Exception as e:  # noqa: BLE001 - find the chunk at fault, run the others
-            self.metrics.step_errors.inc()
-            log.warning(
-                "forward failed (%s: %s); running its chunks one by one", type(e).__name__, e
-            )
-            logits, chunks = forward_each(self.runner, chunks, self._fail_in_step, feed)
-        for c in chunks:
-            c.request.num_computed = c.start + c.length
-        self.role.after_forward(plan)
-        # One row of `logits` each; a request that ends meanwhile keeps its row, and its
-        # token is dropped when the step completes.
-        sampling = [c.request for c in chunks if c.samples]
-        if not sampling:
-            return
-        try:
-            step.sampled = self.sampler.launch(logits, sampling)
-        except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
-            self.metrics.step_errors.inc()
-            log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
-            self._complete_inflight()  # its tokens come first
-            self._emit(sample_each(sample, logits, sampling, self._fail_in_step))
-            return
-        step.sampling = sampling
-        for req in sampling:
-            req.pending += 1
-            req.pending_last = (
-                req.num_output_tokens >= req.params.max_tokens
-                or req.num_tokens >= self.max_model_len
-            )
-
-    def _complete_inflight(self) -> None:
-        """Process the step in flight, if any: its tokens, then its retired pages."""
-        step, self._inflight = self._inflight, None
-        if step is None:
-            return
-        try:
-            picks = step.picks()
-        except Exception as e:  # noqa: BLE001 - its draws are lost: their requests fail
-            self.metrics.step_errors.inc()
-            log.exception("a step's sampled tokens could not be read")
-            picks = []
-            for req in step.sampling:
-                req.pending -= 1
-                self._fail_in_step(req, f"its tokens were lost: {type(e).__name__}: {e}")
-        for req, _, _ in picks:
-            req.pending -= 1  # 2 while the step after this one is being launched
-            req.pending_last = req.pending_last and req.pending > 0
-        self._emit(picks)
-        step.wait()
-        for lease in step.retire:
-            lease.release()
-
-    def _emit(self, picks: Picks) -> None:
-        for req, tok, lp in picks:
-            if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
-                continue
-            try:
-                if not self.role.take_token(req, tok, lp):
-                    self.emit_token(req, tok, lp)
-            except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
-                log.exception("handling a token of %s failed", req.request_id)
-                self._fail_in_step(req, f"handling its token failed: {type(e).__name__}: {e}")
-
-    def _fail_in_step(self, req: Request, why: str) -> None:
-        if not req.status.finished and not self.role.fail(req, why):
-            self.finish(req, Event.FAIL, why)
+        generated, self._generated = self._generated, 0  # emit_token's, D's first tokens too
+        cache = self.prefix_cache.stats if self.prefix_cache is not None else None
+        self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
 
     # -- the verbs roles use ----------------------------------------------------------------
     def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
@@ -452,7 +351,8 @@ class Engine:
         if req.status.finished:
             return None
         lease = None
-        step = self._step_computing(req)
+        self.runner.release(req)  # its page-table row (attention/page_table.py)
+        step = self.stepper.computing(req)
         if self.scheduler.get(req.request_id) is not req:
             req.transition(event)
         elif keep_pages_for is not None:
@@ -481,13 +381,6 @@ class Engine:
             )
         )
         return lease
-
-    def _step_computing(self, req: Request) -> InFlight | None:
-        """The latest launched step that computes `req`, if it may still be running."""
-        for step in (self._launching, self._inflight):
-            if step is not None and step.computes(req):
-                return step
-        return None
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(

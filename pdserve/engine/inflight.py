@@ -1,6 +1,6 @@
 """Overlapped scheduling: the step in flight, whose outputs are processed one step later.
 
-With overlap on (RunnerConfig.overlap_schedule; CUDA's default) the engine's step is
+With overlap on (RunnerConfig.overlap_schedule; CUDA's default) the step (engine/stepper.py) is
 
     schedule N+1 -> build and launch N+1 -> wait for N's sampled ids -> process N's outputs
 
@@ -12,7 +12,8 @@ What makes it exact:
 - **Inputs stay on the device.** A request sampled by step N has that token *pending*
   (`Request.pending`, counted in `num_tokens`, not yet in `output_ids`). Step N+1's batch holds
   a placeholder for it, and `Feed.fill` copies the id from N's sampled ids on the device
-  before the forward: no host round trip between the steps.
+  before the forward: no host round trip between the steps (one slice copy when the requests
+  that sampled in N decode in N+1 in the same order, else indices uploaded with the batch).
 - **Sampling reads only counts.** A row's draw depends on (seed, output position) and the
   min_tokens bans on how many tokens it has, both known with a token pending
   (`Request.num_output_tokens`). Penalties read the ids from the sampler's state on the device
@@ -56,12 +57,31 @@ class Feed:
             raise RuntimeError(f"request {req.request_id}: no token of it is in flight")
         return row
 
-    def fill(self, input_ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
-        """input_ids[dst[i]] = ids[src[i]], on the device, queued behind the step in flight."""
-        pin = input_ids.device.type == "cuda"
-        idx = torch.tensor([dst, src], dtype=torch.long, pin_memory=pin)
-        idx = idx.to(input_ids.device, non_blocking=True)
-        input_ids.index_copy_(0, idx[0], self.ids.index_select(0, idx[1]).to(input_ids.dtype))
+    def staged_rows(self, dst: list[int], src: list[int]) -> list[list[int]]:
+        """The index lists `fill` needs on the device, uploaded with the step's batch: none when
+        `dst` and `src` are each one run of consecutive rows (the common step: the requests
+        that sampled last step decode now, in the same order)."""
+        return [] if _is_run(dst) and _is_run(src) else [dst, src]
+
+    def fill(
+        self,
+        input_ids: torch.Tensor,
+        dst: list[int],
+        src: list[int],
+        staged: Sequence[torch.Tensor],
+    ) -> None:
+        """input_ids[dst[i]] = ids[src[i]], on the device, queued behind the step in flight;
+        `staged`: `staged_rows(dst, src)` on the device."""
+        if not staged:
+            n = len(dst)
+            input_ids[dst[0] : dst[0] + n].copy_(self.ids[src[0] : src[0] + n])
+            return
+        rows, picks = staged[0].long(), staged[1].long()
+        input_ids.index_copy_(0, rows, self.ids.index_select(0, picks).to(input_ids.dtype))
+
+
+def _is_run(rows: list[int]) -> bool:
+    return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 @dataclass

@@ -28,7 +28,9 @@ class Status(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in FINISHED
+        # By identity: a set lookup hashes an enum member in Python, and this runs for every
+        # token. Every state but these two is in FINISHED (tests/engine/test_request.py).
+        return self is not Status.WAITING and self is not Status.RUNNING
 
 
 FINISHED = frozenset(
@@ -111,9 +113,20 @@ class Request:
     # without (the OpenAI front end always sets one, so PD and co-located draw alike). The
     # draw at output position i is a function of (seed, i): engine/sampling/random_stream.py.
     seed: int = field(init=False)
+    # Its params ask for the plain argmax and nothing else (no bias, bans, penalties, draw or
+    # logprobs): a step whose rows all do needs no sampling tensors (sampling/batch.py).
+    argmax_only: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
+        p = self.params
+        self.seed = p.seed if p.seed is not None else secrets.randbits(64)
+        self.argmax_only = (
+            p.greedy
+            and not p.logit_bias
+            and not p.min_tokens
+            and not p.needs_penalties
+            and p.logprobs is None
+        )
 
     @property
     def pages(self) -> list[int]:
@@ -141,6 +154,13 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def token_at(self, pos: int) -> int | None:
+        """all_ids[pos], or None for a token still in flight (`pending`): a decode's input."""
+        n = len(self.prompt_ids)
+        if pos < n:
+            return self.prompt_ids[pos]
+        return self.output_ids[pos - n] if pos - n < len(self.output_ids) else None
 
     @property
     def num_pages(self) -> int:

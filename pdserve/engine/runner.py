@@ -1,10 +1,11 @@
 """The model runner: a step's chunks -> one Batch -> the backend's metadata -> logits.
 
 The Batch (pdserve/attention/batch.py) is built on the host once per step and reaches the
-device in one staged copy; the attention backend derives its own metadata from it once, and
-every layer reuses that. The model sees only tokens, positions and an AttentionContext. On
-CUDA, a decode-only step replays a captured graph instead (engine/cuda_graphs.py) when the
-backend supports it and graphs are on.
+device in one staged copy; decodes go to it as columns, and each request keeps its page-table
+row from step to step (attention/page_table.py) until `release` (Engine.finish). The attention
+backend derives its own metadata from it once, and every layer reuses that. The model sees
+only tokens, positions and an AttentionContext. On CUDA, a decode-only step replays a captured
+graph instead (engine/cuda_graphs.py) when the backend supports it and graphs are on.
 
 Prompt logprobs (params.prompt_logprobs): for the chunks of requests that ask, and only for
 those rows, the forward also scores each prompt position against the next prompt token, in
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from pdserve.attention.backend import AttentionBackend, AttentionContext
-from pdserve.attention.batch import Batch, BatchBuilder, SeqSpan
+from pdserve.attention.batch import Batch, BatchBuilder, Decodes, SeqSpan
 from pdserve.attention.registry import default_backend, make_backend
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphableBackend
 from pdserve.engine.inflight import Feed
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 
 # Prompt rows scored at once: bounds the [rows, vocab] float32 buffer of a long prompt chunk.
 PROMPT_LOGPROB_ROWS = 512
+
+
+def _finished(owner: object) -> bool:
+    """Whether a page-table row's owner has finished (its row is taken back if not released)."""
+    return isinstance(owner, Request) and owner.status.finished
 
 
 class ModelRunner:
@@ -59,7 +65,7 @@ class ModelRunner:
             log.info("latent attention runs on the torch backend, not %s", name)
             name = "torch"
         self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)
-        self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device)
+        self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device, _finished)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
             if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
@@ -75,28 +81,55 @@ class ModelRunner:
 
     def build(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> Batch:
         """The step's Batch; chunks in the scheduler's order (decodes first). A chunk whose
-        last token is still in flight (`Request.pending`) takes it from `feed` on the device."""
-        spans: list[SeqSpan] = []
-        dst: list[int] = []  # rows of input_ids to fill from the device
-        src: list[int] = []  # their rows in feed.ids
-        at = 0
-        for c in chunks:
-            ids = c.request.tokens(c.start, c.start + c.length)
-            if len(ids) < c.length:
-                if feed is None or len(ids) != c.length - 1:
-                    raise RuntimeError(
-                        f"request {c.request.request_id}: {c.length - len(ids)} input tokens "
-                        "are not on the host and no step in flight sampled them"
-                    )
-                src.append(feed.row(c.request))
+        last token is still in flight (`Request.pending`) takes it from `feed` on the device.
+
+        Decodes go to the builder as columns (a few list comprehensions over the batch), each
+        request keeping its page-table row from step to step (attention/page_table.py)."""
+        nd = 0
+        while nd < len(chunks) and chunks[nd].length == 1:
+            nd += 1
+        reqs = [c.request for c in chunks[:nd]]
+        starts = [c.start for c in chunks[:nd]]
+        ids = [r.token_at(p) for r, p in zip(reqs, starts, strict=True)]
+        dst = [b for b, t in enumerate(ids) if t is None]  # rows of input_ids fed on the device
+        src = [self._in_flight(feed, reqs[b], 1) for b in dst]  # their rows in feed.ids
+        decodes = Decodes(
+            [0 if t is None else t for t in ids],  # a placeholder, overwritten below
+            starts,
+            [r.page_view for r in reqs],
+            [c.samples for c in chunks[:nd]],
+            list(reqs),
+        )
+        prefills: list[SeqSpan] = []
+        at = nd
+        for c in chunks[nd:]:
+            req = c.request
+            span_ids = req.tokens(c.start, c.start + c.length)
+            if len(span_ids) < c.length:
+                src.append(self._in_flight(feed, req, c.length - len(span_ids)))
                 dst.append(at + c.length - 1)
-                ids = [*ids, 0]  # a placeholder, overwritten on the device below
-            spans.append(SeqSpan(ids, c.start, c.request.page_view, c.samples))
+                span_ids = [*span_ids, 0]
+            prefills.append(SeqSpan(span_ids, c.start, req.page_view, c.samples, req))
             at += c.length
-        batch = self.builder.build(spans)
-        if dst and feed is not None:
-            feed.fill(batch.input_ids, dst, src)
+        if feed is None or not dst:
+            return self.builder.build_step(decodes, prefills)
+        batch = self.builder.build_step(decodes, prefills, feed.staged_rows(dst, src))
+        feed.fill(batch.input_ids, dst, src, batch.extra)
         return batch
+
+    @staticmethod
+    def _in_flight(feed: Feed | None, req: Request, missing: int) -> int:
+        """`req`'s row in `feed`: its one input token not on the host was sampled there."""
+        if feed is None or missing != 1:
+            raise RuntimeError(
+                f"request {req.request_id}: {missing} input tokens are not on the host and "
+                "no step in flight sampled them"
+            )
+        return feed.row(req)
+
+    def release(self, req: Request) -> None:
+        """`req` left the engine: its page-table row may be reused (attention/page_table.py)."""
+        self.builder.release(req)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> torch.Tensor:

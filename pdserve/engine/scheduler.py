@@ -40,19 +40,24 @@ from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.prefix_cache import PrefixCache
 
 
-@dataclass(frozen=True)
 class Chunk:
     """`length` tokens of `request` starting at position `start` are computed this step;
     `samples`: the chunk reaches the end of the request's tokens, so the next one is sampled
-    (fixed when the chunk is made: the request's token count does not change within a step)."""
+    (fixed when the chunk is made: the request's token count does not change within a step).
 
-    request: Request
-    start: int
-    length: int
-    samples: bool = field(init=False)
+    Read-only by convention. A plain slotted class, not a frozen dataclass: one is made per
+    request per step, and a frozen dataclass's __init__ costs several times more."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.start + self.length == self.request.num_tokens)
+    __slots__ = ("request", "start", "length", "samples")
+
+    def __init__(self, request: Request, start: int, length: int) -> None:
+        self.request = request
+        self.start = start
+        self.length = length
+        self.samples = start + length == request.num_tokens
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.request.request_id}, start={self.start}, length={self.length})"
 
 
 @dataclass
@@ -149,7 +154,7 @@ class Scheduler:
             if n == 0:  # its last token is still in flight (engine/inflight.py)
                 i += 1
                 continue
-            if not self._reserve(req, n, plan):
+            if not self._has_room(req, n) and not self._reserve(req, n, plan):
                 if i < len(self.running) and self.running[i] is req:
                     i += 1  # no page for it this step: only pinned requests could give way
                 continue  # else req itself was preempted; running[i] is now the next one
@@ -183,6 +188,10 @@ class Scheduler:
         # Decodes (one token) first, then prefill chunks: the runner's layout.
         plan.chunks.sort(key=lambda c: c.length != 1)
         return plan
+
+    def _has_room(self, req: Request, n: int) -> bool:
+        """Whether `req`'s pages already hold `n` more tokens (most decode steps)."""
+        return req.num_computed + n <= req.num_pages * self.page_size
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""

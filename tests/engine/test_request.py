@@ -42,6 +42,7 @@ def test_finished_states_are_sticky_and_live_states_can_end():
         assert not any(k[0] is s for k in TRANSITIONS)
     for s in (Status.WAITING, Status.RUNNING):
         assert (s, Event.ABORT) in TRANSITIONS and (s, Event.FAIL) in TRANSITIONS
+    assert [s for s in Status if s.finished] == [s for s in Status if s in FINISHED]
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,8 @@ class SamplingBatch:
         request for a token id that does not fit. With `state`, the penalties read it (the
         caller stages and commits `penalties.plan`, or abandons it); without, every
         penalised row's ids are uploaded."""
+        if all(r.argmax_only for r in reqs):
+            return cls(sparse=None, penalties=None, draw=None, logprobs=None)
         up = _Upload()
         has_sparse = _sparse(up, reqs, vocab)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -184,6 +186,8 @@ def _sparse(up: _Upload, reqs: Sequence[Request], vocab: int) -> bool:
     values: list[float] = []
     for i, r in enumerate(reqs):
         p = r.params
+        if not p.logit_bias and (not p.min_tokens or r.num_output_tokens >= p.min_tokens):
+            continue  # nothing to add (most rows of most steps)
         add = dict(p.logit_bias)
         if r.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
