@@ -168,37 +168,6 @@ def time_penalties(rows: list[Request], logits: torch.Tensor, repeat: int) -> di
     }
 
 
-def time_top_p(logits: torch.Tensor, repeat: int) -> dict[str, Any]:
-    """The top_p filter alone, two ways on the same rows (top_p 0.9 at temperature 0.8): the
-    full stable sort (the CPU's path, the reference) and the radix select (CUDA's,
-    engine/sampling/triton_top_p.py); `rows_differ`: rows whose kept sets are not equal."""
-    from pdserve.engine.sampling.processors import filter_top_p_sorted
-    from pdserve.engine.sampling.triton_top_p import filter_top_p_
-
-    dev = logits.device
-    z = logits / 0.8
-    rows = torch.arange(z.shape[0], device=dev)
-    ps = torch.full((z.shape[0], 1), 0.9, device=dev)
-    out: dict[str, Any] = {}
-    kept = {}
-    for label, fn in (("sort", filter_top_p_sorted), ("radix", filter_top_p_)):
-        times = []
-        for i in range(repeat + 1):
-            w = z.clone()
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            fn(w, rows, ps)
-            torch.cuda.synchronize(dev)
-            if i:
-                times.append(time.perf_counter() - t0)
-        kept[label] = ~w.isinf()
-        out[f"{label}_median_ms"] = statistics.median(times) * 1e3
-        out[f"{label}_min_ms"] = min(times) * 1e3
-    out["kept_per_row_mean"] = kept["sort"].sum(1).float().mean().item()
-    out["rows_differ"] = int((kept["sort"] != kept["radix"]).any(1).sum().item())
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -227,9 +196,6 @@ def main() -> None:
             rows = make_rows(kinds, args.batch, args.vocab, args.history)
             both = time_penalties(rows, logits, args.repeat)
             print(json.dumps({**line, "sampler": "host ids vs device state", **both}), flush=True)
-        if name == "top_p" and logits.is_cuda:
-            both = time_top_p(logits, args.repeat)
-            print(json.dumps({**line, "sampler": "filter: sort vs radix", **both}), flush=True)
 
 
 if __name__ == "__main__":

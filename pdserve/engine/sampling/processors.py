@@ -83,26 +83,15 @@ def filter_min_p_top_k(z: torch.Tensor, d: Draw) -> None:
 
 
 def filter_top_p(z: torch.Tensor, d: Draw) -> None:
-    """In place on z [R, V], for the rows with top_p < 1 only. On CUDA a radix select finds
-    each row's cut without sorting (sampling/triton_top_p.py); the sort below is the reference."""
+    """In place on z [R, V], for the rows with top_p < 1 only."""
     if d.top_p_rows is None or d.top_p is None:
         return
-    if z.is_cuda:
-        from pdserve.engine.sampling.triton_top_p import filter_top_p_
-
-        filter_top_p_(z, d.top_p_rows, d.top_p)
-        return
-    filter_top_p_sorted(z, d.top_p_rows, d.top_p)
-
-
-def filter_top_p_sorted(z: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor) -> None:
-    """In place on z [R, V]: rows [Q] int64, top_p [Q, 1] float32."""
-    sub = z.index_select(0, rows)  # [Q, V]
+    sub = z.index_select(0, d.top_p_rows)  # [Q, V]
     ordered, order = sub.sort(dim=-1, descending=True, stable=True)
     probs = ordered.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-    ordered.masked_fill_(before >= top_p, NEG_INF)  # the first token always stays
-    z.index_copy_(0, rows, sub.scatter_(1, order, ordered))
+    ordered.masked_fill_(before >= d.top_p, NEG_INF)  # the first token always stays
+    z.index_copy_(0, d.top_p_rows, sub.scatter_(1, order, ordered))
 
 
 def draw(logits: torch.Tensor, d: Draw) -> torch.Tensor:
