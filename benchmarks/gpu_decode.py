@@ -213,16 +213,38 @@ def run_pdserve(
     sync(device)
     fwd_wall = (time.perf_counter() - wall0) / args.steps
     before = [len(r.output_ids) for r in reqs]
+    graphs = runner.graphs
+    replays = lambda: graphs.replays if graphs is not None else 0  # noqa: E731
+    misses: list[str] = []  # why a measured tick ran eagerly (the first few)
+    if graphs is not None:
+        fits = graphs.fits
+
+        def fits_or_say_why(batch: Any) -> bool:
+            ok = fits(batch)
+            if not ok and len(misses) < 3:
+                misses.append(
+                    f"decodes {batch.num_decodes} of {batch.num_seqs} rows, table width "
+                    f"{batch.page_table.shape[1]} (graphs: {graphs.max_pages} pages, "
+                    f"{graphs.sizes[-1]} rows)"
+                )
+            return ok
+
+        graphs.fits = fits_or_say_why  # type: ignore[method-assign]
     engine.overlap = False
+    r0 = replays()
     tick = time_steps(engine.tick, device, args.warmup, args.steps)
+    r1 = replays()
     engine.overlap = True  # overlapped scheduling (engine/inflight.py), same requests
     overlapped = time_steps(engine.tick, device, args.warmup, args.steps)
+    r2 = replays()
     wall0 = time.perf_counter()
     for _ in range(args.steps):
         engine.tick()
     sync(device)
     overlap_wall = (time.perf_counter() - wall0) / args.steps
     engine.sync()
+    if graphs is not None:
+        graphs.fits = fits  # type: ignore[method-assign]
     engine.overlap = overlap_default
     check_none_ended(ended)
     if [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)] != [
@@ -248,6 +270,10 @@ def run_pdserve(
         "overlap_wall_ms": round(overlap_wall * 1e3, 4),
         "overlap_tok_s": round(batch / overlap_ms * 1e3, 1),
         "overlap_over_forward": round(overlap_ms / fwd_ms, 3),
+        # ticks that replayed a graph, of those measured: an eager step shows here
+        "plain_graph_ticks": f"{r1 - r0}/{args.warmup + args.steps}",
+        "overlap_graph_ticks": f"{r2 - r1}/{args.warmup + args.steps}",
+        "eager_because": misses,
     }
 
 
