@@ -277,6 +277,25 @@ def run_pdserve(
     }
 
 
+def decode_engine(path: Path, args: argparse.Namespace, max_len: int) -> Engine:
+    """An engine for max(args.batches) requests of up to `max_len` tokens each (KV for all of
+    them), prefilling PREFILL_TOKENS a step, graphs unless --eager."""
+    top = max(args.batches)
+    tokens = top * (-(-max_len // PAGE_SIZE) * PAGE_SIZE)
+    return build_engine(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=PAGE_SIZE,
+        max_batched_tokens=PREFILL_TOKENS,
+        max_running=top,
+        kv_budget_mb=kv_budget_mb(path, getattr(torch, args.dtype), tokens),
+        max_model_len=max_len,
+        attention_backend=getattr(args, "backend", None),
+        enforce_eager=args.eager,
+    )
+
+
 def kv_budget_mb(path: Path, dtype: torch.dtype, tokens: int) -> float:
     arch = ModelArch.from_dir(path)
     per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype.itemsize
@@ -294,20 +313,7 @@ def bench_model(
     t0 = time.perf_counter()
     path = resolve_model(f"builtin:{name}")
     report.meta.setdefault("model_build_s", {})[name] = round(time.perf_counter() - t0, 1)
-    top = max(args.batches)
-    tokens = top * (-(-(args.ctx + 4 * (args.warmup + args.steps) + 16) // PAGE_SIZE) * PAGE_SIZE)
-    engine = build_engine(
-        path,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=PAGE_SIZE,
-        max_batched_tokens=PREFILL_TOKENS,
-        max_running=top,
-        kv_budget_mb=kv_budget_mb(path, dtype, tokens),
-        max_model_len=args.ctx + 4 * (args.warmup + args.steps) + 64,
-        attention_backend=args.backend,
-        enforce_eager=args.eager,
-    )
+    engine = decode_engine(path, args, max_len=args.ctx + 4 * (args.warmup + args.steps) + 64)
     freeze_startup_heap()  # as a server does before it serves (pdserve/runtime/gc_freeze.py)
     runner = engine.runner
     graphs = runner.graphs

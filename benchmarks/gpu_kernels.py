@@ -31,16 +31,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_decode import (  # noqa: E402
-    PAGE_SIZE,
-    PREFILL_TOKENS,
     check_none_ended,
     decode_chunks,
-    kv_budget_mb,
+    decode_engine,
     measure_ceilings,
     prefill,
     time_steps,
 )
-from pdserve.engine.offline import build_engine  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel's name), first match wins
@@ -84,21 +81,8 @@ def kernel_table(prof: Any, steps: int, cuda: bool) -> list[dict[str, Any]]:
 
 def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> list[dict[str, Any]]:
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
     path = resolve_model(f"builtin:{name}")
-    top = max(args.batches)
-    max_len = args.ctx + 64
-    engine = build_engine(
-        path,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=PAGE_SIZE,
-        max_batched_tokens=PREFILL_TOKENS,
-        max_running=top,
-        kv_budget_mb=kv_budget_mb(path, dtype, top * (max_len + PAGE_SIZE)),
-        max_model_len=max_len,
-        enforce_eager=args.eager,
-    )
+    engine = decode_engine(path, args, max_len=args.ctx + 64)
     weight_bytes = sum(
         p.numel() * p.element_size() for p in engine.model.parameters() if p.dim() == 2
     )
