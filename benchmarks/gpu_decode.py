@@ -32,7 +32,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hf_decode import hf_decode_steps  # noqa: E402
+from benchmarks.roofline import measure_ceilings, roofline, step_cost, sync, time_steps  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
@@ -54,91 +54,6 @@ from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 PAGE_SIZE = 16
 PREFILL_TOKENS = 8192  # the step budget while prefilling: a batch of 256 prompts in ~10 steps
 PREFILL_TIMEOUT_S = 600.0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(fn: Callable[[], object], device: torch.device, warmup: int, n: int) -> list[float]:
-    """Seconds per call of `fn`, call by call, after `warmup` calls. On CUDA each interval is
-    between events recorded on the stream around the call: GPU time when the GPU is the
-    bottleneck, launch time when the host is."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    if device.type != "cuda":
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for i in range(n):
-        fn()
-        events[i + 1].record()
-    sync(device)
-    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(n)]
-
-
-# ---------------------------------------------------------------- ceilings and roofline
-
-
-def measure_ceilings(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """The device-to-device copy bandwidth (bytes read + written per second) and the matmul
-    rate in `dtype` (FLOP/s), measured now."""
-    on_gpu = device.type == "cuda"
-    nbytes = 2**30 if on_gpu else 2**26
-    copy_s = _median_copy_s(nbytes, device)
-    n = 8192 if on_gpu else 512
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    mm_s = statistics.median(time_steps(lambda: a @ b, device, 3, 10))
-    return {
-        "copy_bytes": nbytes,
-        "copy_GBps": round(2 * nbytes / copy_s / 1e9, 1),
-        "matmul_n": n,
-        "matmul_TFLOPs": round(2 * n**3 / mm_s / 1e12, 2),
-    }
-
-
-def _median_copy_s(nbytes: int, device: torch.device) -> float:
-    """Seconds to copy `nbytes` from one device buffer to another (both freed on return)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    return statistics.median(time_steps(lambda: dst.copy_(src), device, 3, 10))
-
-
-def step_cost(engine: Engine, batch: int, ctx: float) -> tuple[int, int]:
-    """(bytes, FLOPs) a decode step of `batch` rows at mean context `ctx` must move and do."""
-    model, arch = engine.model, engine.model.arch
-    params = dict(model.named_parameters())  # a tied head is here once, as the embedding
-    embed = params["model.embed_tokens.weight"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    matmul_weights = sum(p.numel() for p in params.values() if p.dim() == 2)
-    if not arch.tie_word_embeddings:  # the lookup reads `batch` rows of its table, no matmul
-        weight_bytes -= (embed.numel() - batch * arch.hidden_size) * embed.element_size()
-        matmul_weights -= embed.numel()
-    layout = engine.pool.layout
-    kv_bytes = int(batch * (ctx + 1) * layout.page_bytes / layout.page_size)  # ctx read, 1 written
-    attn_flops = int(4 * batch * ctx * arch.num_layers * arch.num_heads * arch.head_dim)
-    return weight_bytes + kv_bytes, 2 * batch * matmul_weights + attn_flops
-
-
-def roofline(cost: tuple[int, int], ceilings: dict[str, float]) -> dict[str, float]:
-    nbytes, flops = cost
-    mem_s = nbytes / (ceilings["copy_GBps"] * 1e9)
-    flop_s = flops / (ceilings["matmul_TFLOPs"] * 1e12)
-    return {
-        "bytes_per_step": nbytes,
-        "flops_per_step": flops,
-        "roofline_mem_ms": round(mem_s * 1e3, 4),
-        "roofline_flop_ms": round(flop_s * 1e3, 4),
-        "roofline_ms": round(max(mem_s, flop_s) * 1e3, 4),
-    }
 
 
 # ---------------------------------------------------------------- pdserve
@@ -215,21 +130,6 @@ def run_pdserve(
     before = [len(r.output_ids) for r in reqs]
     graphs = runner.graphs
     replays = lambda: graphs.replays if graphs is not None else 0  # noqa: E731
-    misses: list[str] = []  # why a measured tick ran eagerly (the first few)
-    if graphs is not None:
-        fits = graphs.fits
-
-        def fits_or_say_why(batch: Any) -> bool:
-            ok = fits(batch)
-            if not ok and len(misses) < 3:
-                misses.append(
-                    f"decodes {batch.num_decodes} of {batch.num_seqs} rows, table width "
-                    f"{batch.page_table.shape[1]} (graphs: {graphs.max_pages} pages, "
-                    f"{graphs.sizes[-1]} rows)"
-                )
-            return ok
-
-        graphs.fits = fits_or_say_why  # type: ignore[method-assign]
     engine.overlap = False
     r0 = replays()
     tick = time_steps(engine.tick, device, args.warmup, args.steps)
@@ -243,8 +143,6 @@ def run_pdserve(
     sync(device)
     overlap_wall = (time.perf_counter() - wall0) / args.steps
     engine.sync()
-    if graphs is not None:
-        graphs.fits = fits  # type: ignore[method-assign]
     engine.overlap = overlap_default
     check_none_ended(ended)
     if [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)] != [
@@ -270,10 +168,9 @@ def run_pdserve(
         "overlap_wall_ms": round(overlap_wall * 1e3, 4),
         "overlap_tok_s": round(batch / overlap_ms * 1e3, 1),
         "overlap_over_forward": round(overlap_ms / fwd_ms, 3),
-        # ticks that replayed a graph, of those measured: an eager step shows here
+        # ticks that replayed a graph, of those measured: a step run eagerly shows here
         "plain_graph_ticks": f"{r1 - r0}/{args.warmup + args.steps}",
         "overlap_graph_ticks": f"{r2 - r1}/{args.warmup + args.steps}",
-        "eager_because": misses,
     }
 
 

@@ -34,10 +34,9 @@ from benchmarks.gpu_decode import (  # noqa: E402
     check_none_ended,
     decode_chunks,
     decode_engine,
-    measure_ceilings,
     prefill,
-    time_steps,
 )
+from benchmarks.roofline import measure_ceilings, time_steps  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel's name), first match wins
