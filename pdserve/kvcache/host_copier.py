@@ -127,7 +127,6 @@ class StreamCopier:
 
 @dataclass
 class ManualCopy:
-    copier: ManualCopier
     fail: bool = False
     ran: bool = False
 
@@ -144,7 +143,6 @@ class ManualCopier:
     queue: list[tuple[ManualCopy, torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = field(
         default_factory=list
     )
-    issued: int = 0
 
     def copy(
         self, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]], to_host: bool
@@ -152,9 +150,8 @@ class ManualCopier:
         if to_host:
             copy_pages(src, dst, pairs)
             return Finished()
-        c = ManualCopy(self)
+        c = ManualCopy()
         self.queue.append((c, src, dst, list(pairs)))
-        self.issued += 1
         return c
 
     def complete(self, upto: Copy | None = None, fail: bool = False) -> int:

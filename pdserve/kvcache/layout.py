@@ -164,6 +164,7 @@ class ModelShape(Protocol):
     def dsa(self) -> IndexerShape | None: ...
 
 
+LATENT = "latent"  # MLA's one cached vector a token (model/mla.py)
 INDEX_K, INDEX_K_SCALE = "index_k", "index_k_scale"  # V3.2's indexer keys (model/dsa_indexer.py)
 
 
@@ -276,7 +277,7 @@ class KVLayout:
         """Multi-head latent attention (DeepSeek-V3): one "latent" buffer [1, kv_lora_rank +
         qk_rope_head_dim] of `dtype` in every layer (the normed compressed KV, then the rotated
         key every head shares)."""
-        latent = BufferSpec("latent", (1, kv_lora_rank + qk_rope_head_dim), dtype)
+        latent = BufferSpec(LATENT, (1, kv_lora_rank + qk_rope_head_dim), dtype)
         return cls((latent,), page_size, num_layers, tp_rank, tp_size)
 
     @classmethod

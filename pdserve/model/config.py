@@ -298,7 +298,7 @@ def _deepseek_v3(cfg: dict[str, Any], where: str, arch: str) -> ModelArch:
     nope, rot, v = (int(need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     scale = (nope + rot) ** -0.5
     if scaling.rope_type == "yarn" and scaling.mscale_all_dim:
-        m = _yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+        m = yarn_mscale(scaling.factor, scaling.mscale_all_dim)
         scale = scale * m * m
     if "q_lora_rank" not in cfg:  # HF's default (1536) would be a guess about this checkpoint
         raise ModelConfigError(f"{where}: required field 'q_lora_rank' is missing (null: q_proj)")
@@ -374,7 +374,9 @@ def _dsa(cfg: dict[str, Any], where: str, need: Any) -> DSAArch:
         raise ModelConfigError(f"{where}: {e}") from None
 
 
-def _yarn_mscale(scale: float, mscale: float) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `scale` (HF's yarn_get_mscale):
+    of the softmax scale here, of the rope tables' attention factor in model/mla.py."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

@@ -52,6 +52,7 @@ from pdserve.kvcache import layout
 from pdserve.kvcache.layout import INDEX_K as KEY_BUFFER
 from pdserve.kvcache.layout import INDEX_K_SCALE as SCALE_BUFFER
 from pdserve.kvcache.layout import BufferSpec
+from pdserve.model.mla import rotate
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -97,15 +98,6 @@ class IndexerArch:
             rope_dim=int(cfg["qk_rope_head_dim"]),
             topk=int(cfg["index_topk"]),
         )
-
-
-# -- RoPE ------------------------------------------------------------------------------------
-def _rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Non-interleaved RoPE: pairs (x[i], x[i + P/2]). x [T, n, P]; cos, sin [T, 1, P/2].
-    Bit-equal to HF's `x * cos + rotate_half(x) * sin` on cat(cos, cos) tables (a - b and
-    a + (-b) round alike)."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
 # -- fp8 storage -----------------------------------------------------------------------------
@@ -209,7 +201,7 @@ class Indexer(nn.Module):
         a = self.arch
         k = self.k_norm(self.wk(hidden))
         k_rot, k_pass = k.split([a.rope_dim, a.head_dim - a.rope_dim], -1)
-        return torch.cat((_rope_half(k_rot[:, None], cos, sin)[:, 0], k_pass), dim=-1)
+        return torch.cat((rotate(k_rot[:, None], cos, sin, interleave=False)[:, 0], k_pass), dim=-1)
 
     def queries(
         self,
@@ -220,7 +212,7 @@ class Indexer(nn.Module):
         a = self.arch
         q = self.wq_b(q_resid).view(-1, a.n_heads, a.head_dim)
         q_rot, q_pass = q.split([a.rope_dim, a.head_dim - a.rope_dim], -1)
-        return torch.cat((_rope_half(q_rot, cos, sin), q_pass), dim=-1)
+        return torch.cat((rotate(q_rot, cos, sin, interleave=False), q_pass), dim=-1)
 
     def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, n_heads] float32
         """Per-head score weights, n_heads**-0.5 included. HF keeps weights_proj in float32 and

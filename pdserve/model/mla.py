@@ -24,15 +24,11 @@ import torch
 from torch import nn
 
 from pdserve.attention.backend import AttentionContext, CausalContext, GatherBackend
-from pdserve.model.config import MLAArch, ModelArch, RopeScaling
+from pdserve.kvcache.layout import LATENT
+from pdserve.model.config import MLAArch, ModelArch, RopeScaling, yarn_mscale
 from pdserve.model.llama import RMSNorm
 
-LATENT = "latent"  # the KV layout's buffer name (kvcache/layout.py KVLayout.mla)
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps
-
-
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_tables(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
@@ -45,9 +41,9 @@ def rope_tables(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, f
     if s.attention_factor is not None:
         attention = s.attention_factor
     elif s.mscale and s.mscale_all_dim:
-        attention = _mscale(factor, s.mscale) / _mscale(factor, s.mscale_all_dim)
+        attention = yarn_mscale(factor, s.mscale) / yarn_mscale(factor, s.mscale_all_dim)
     else:
-        attention = _mscale(factor)
+        attention = yarn_mscale(factor)
     orig = s.original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
