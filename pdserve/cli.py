@@ -122,19 +122,15 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.frontend.fields import reject_unknown_fields
     from pdserve.server.auth import load_api_key
+    from pdserve.transfer.receiver import resolve_backend
     from pdserve.worker.process import run_server
 
     engine = engine_config(args)
-    if args.role != "colocated":
-        from pdserve.transfer.receiver import choose_backend, unavailable
-
-        args.backend = choose_backend(args.backend, engine.model.device)
-        why = unavailable(args.backend, engine.model.device) if args.role == "decode" else None
-        if why is not None:  # the decode side picks the data plane; P follows its Register
-            print(f"pdserve serve: {why}", file=sys.stderr)
-            return 2
-    else:
-        args.backend = "shm"  # unused: a co-located server moves no KV
+    # The decode side picks the data plane (P follows its Register): only D is refused here.
+    backend, why = resolve_backend(args.backend, engine.model.device, args.role != "colocated")
+    if why is not None and args.role == "decode":
+        print(f"pdserve serve: {why}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
@@ -145,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         role=args.role,
         control_port=args.control_port,
-        backend=args.backend,
+        backend=backend,
         debug_faults=args.debug_faults,
         cluster_key_file=args.cluster_key_file,
         api_key=load_api_key(args.api_key, args.api_key_file),

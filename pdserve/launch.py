@@ -136,17 +136,14 @@ def launch_backend(args: argparse.Namespace) -> str | None:
     """The data plane every decode worker will register (`auto` resolved for the device the
     workers will use); None, after saying why, when it cannot work here."""
     from pdserve.config import resolve_device
-    from pdserve.transfer.receiver import choose_backend, unavailable
+    from pdserve.transfer.receiver import resolve_backend
 
-    if not args.prefill:
-        return "shm" if args.backend == "auto" else args.backend  # co-located: no KV moves
     try:
-        device = resolve_device(args.device)
+        device = resolve_device(args.device) if args.prefill else "cpu"  # co-located: unused
     except ValueError as e:
         print(f"pdserve launch: {e}", file=sys.stderr)
         return None
-    backend = choose_backend(args.backend, device)
-    why = unavailable(backend, device)
+    backend, why = resolve_backend(args.backend, device, moves_kv=args.prefill > 0)
     if why is not None:
         print(f"pdserve launch: {why}", file=sys.stderr)
         return None

@@ -147,6 +147,16 @@ def choose_backend(requested: str, device: str) -> str:
     return "nixl" if nixl_available() else "tcp"
 
 
+def resolve_backend(requested: str, device: str, moves_kv: bool) -> tuple[str, str | None]:
+    """(the data plane, why it cannot work here or None) for `serve` and `launch`. A worker
+    that moves no KV (co-located) keeps the default and loads nothing: resolving `auto` may
+    import NIXL."""
+    if not moves_kv:
+        return ("shm" if requested == "auto" else requested), None
+    backend = choose_backend(requested, device)
+    return backend, unavailable(backend, device)
+
+
 def unavailable(backend: str, device: str = "cpu") -> str | None:
     """Why a decode worker on `device` cannot receive KV over `backend` on this host; None if
     it can. (A prefill worker writes over whatever its decode peer registered.)"""
