@@ -35,7 +35,9 @@ class Handoff:
     """Items from any thread into one loop, one wake-up per burst."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weakly: the registry below is keyed weakly by the loop, and a strong reference from
+        # its value would keep every loop (one per asyncio.run) alive forever.
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[Deliver, Any]] = []
         self._scheduled = False
@@ -64,7 +66,10 @@ class Handoff:
             deliver(item)
             return
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            loop = self._loop()
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: nothing will drain, say so to the caller
             with self._lock:
                 self._scheduled = False

@@ -129,3 +129,40 @@ def test_a_push_from_the_loop_waits_behind_a_pending_drain() -> None:
         return got
 
     assert asyncio.run(go()) == ["engine", "loop"]
+
+
+def test_a_delivery_that_raises_loses_none_of_the_others() -> None:
+    async def go() -> list[int]:
+        loop = asyncio.get_running_loop()
+        got: list[int] = []
+        done = asyncio.Event()
+        h = handoff(loop)
+
+        def deliver(i: int) -> None:
+            if i == 1:
+                raise RuntimeError("a broken sink")
+            got.append(i)
+            if i == 3:
+                done.set()
+
+        t = threading.Thread(target=lambda: [h.push(deliver, i) for i in range(4)])
+        t.start()
+        t.join(10)
+        await asyncio.wait_for(done.wait(), 10)
+        return got
+
+    assert asyncio.run(go()) == [0, 2, 3]
+
+
+def test_a_loop_that_ended_is_not_kept_alive_by_its_handoff() -> None:
+    import gc
+    import weakref
+
+    async def go() -> weakref.ref[asyncio.AbstractEventLoop]:
+        loop = asyncio.get_running_loop()
+        handoff(loop)
+        return weakref.ref(loop)
+
+    ref = asyncio.run(go())
+    gc.collect()
+    assert ref() is None
