@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.runtime.gpu_wait import wait_event
+
 ALIGN = 16  # elements: each part's offset in the buffer is a multiple of this
 MIN_CAPACITY = 4096  # elements
 
@@ -63,7 +65,7 @@ class Staging:
             offsets.append(end)
             end = _round_up(end + n, ALIGN)
         if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffer may still be the source of a copy
+            wait_event(self._copied, "the last upload")  # the pinned buffer may be its source
             self._copied = None
         if end > self.capacity:
             self._grow(end)

@@ -40,6 +40,7 @@ from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import Sampled
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.lease import Lease
+from pdserve.runtime.gpu_wait import wait_event
 
 Picks = list[tuple[Request, int, TokenLogprob | None]]
 
@@ -108,7 +109,7 @@ class InFlight:
     def wait(self) -> None:
         """Until the step ran on the device (its pages may then be reused by anyone)."""
         if self._done is not None:
-            self._done.synchronize()
+            wait_event(self._done, "a step's end")
 
     def computes(self, req: Request) -> bool:
         """Whether this step reads or writes `req`'s pages."""

@@ -37,6 +37,7 @@ from pdserve.engine.sampling.processors import (
     apply_slot_penalties,
     draw,
 )
+from pdserve.runtime.gpu_wait import wait_event
 
 
 def sample(
@@ -69,7 +70,7 @@ class Sampled:
     def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """Waits for the copy (the step that sampled has then run) and decodes it."""
         if self._copied is not None:
-            self._copied.synchronize()
+            wait_event(self._copied, "a step's sampled ids")
         flat = self._host.tolist()
         if self._lp is None:
             return [int(t) for t in flat], [None] * self._n

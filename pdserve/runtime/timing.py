@@ -16,6 +16,9 @@ from __future__ import annotations
 # from the peer or the transfer's progress thread on a small machine.
 ROLE_POLL_S = 0.0005
 ENGINE_HEARTBEAT_S = 30.0  # the engine thread's heartbeat bound: a CPU step can take seconds
+# A thread waiting for the GPU to reach an event (a step's end, a copy) gives up after this
+# (runtime/gpu_wait.py): far past any step, so only a hung device trips it.
+GPU_WAIT_TIMEOUT_S = 120.0
 OVERDUE_GRACE_S = 1.0  # a request or room this far past its deadline is reported by /health
 OVERDUE_EVERY_S = 0.25  # how often the overdue list is recomputed
 

@@ -25,6 +25,7 @@ import torch
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.protocol.messages import KVChunk
+from pdserve.runtime.gpu_wait import wait_event
 from pdserve.transfer.control import Control
 from pdserve.transfer.errors import PeerGone as PeerGone
 from pdserve.transfer.errors import WriteError as WriteError
@@ -138,7 +139,7 @@ class ShmWriter:
 
         def copy() -> None:
             if ready is not None:  # on the copier thread: the engine computes on meanwhile
-                ready.synchronize()
+                wait_event(ready, "the step that computed the pages")
             # A page is one contiguous run on both sides: a plain copy per page is the
             # fastest path (faster than index_copy_ into the mapping).
             for page, d in zip(source_pages(src, src_pages), dst_pages, strict=True):
@@ -172,7 +173,7 @@ class TcpWriter:
 
         def copy() -> None:
             if ready is not None:
-                ready.synchronize()
+                wait_event(ready, "the step that computed the pages")
             # One frame per page, its raw bytes. The send only queues the frames on the
             # control outbox, ahead of the PrefillDone that follows this write.
             frames = tuple(page.numpy().tobytes() for page in source_pages(src, src_pages))

@@ -112,12 +112,16 @@ def test_tcp_receiver_refuses_wrong_sizes():
 
 
 class RecordingEvent:
-    """Stands in for torch.cuda.Event (no GPU here): records that the copy waited on it."""
+    """Stands in for torch.cuda.Event (no GPU here): the step is still running at the first
+    query and lands its pages at the second; records that the copy waited for it."""
 
     def __init__(self, src: KVPool) -> None:
-        self.src, self.waited = src, False
+        self.src, self.waited, self.queries = src, False, 0
 
     def query(self) -> bool:
+        self.queries += 1
+        if self.queries == 2:
+            self.synchronize()
         return self.waited
 
     def synchronize(self) -> None:
