@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.engine.inflight import Feed
+from pdserve.engine.inflight import Feed, Picks
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Chunk
@@ -53,7 +53,6 @@ def forward_each(
     return torch.cat(rows), kept
 
 
-Picks = list[tuple[Request, int, TokenLogprob | None]]
 
 
 def sample_each(

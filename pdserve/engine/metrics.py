@@ -1,15 +1,20 @@
 """Prometheus metrics of one engine, in their own registry (several engines may share a process).
 
 The inter-token latency is observed once per emitted token, hundreds of times a step at a large
-batch: `StepHistogram` counts those into its buckets with one bisect each and adds the counts to
-the Prometheus histogram once a step (`flush`), so `/metrics` shows the same series.
+batch: `StepHistogram` counts those into its buckets with one bisect each and publishes them once
+a step (`flush`) through a custom collector, so `/metrics` shows the same series.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from bisect import bisect_left
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pdserve.kvcache.prefix_cache import CacheStats
 from pdserve.runtime.timing import LATENCY_BUCKETS
@@ -41,12 +46,10 @@ class EngineMetrics:
             registry=r,
         )
         self.itl = StepHistogram(
-            Histogram(
-                "pdserve_inter_token_latency_seconds",
-                "Time between a request's tokens",
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+            "pdserve_inter_token_latency_seconds",
+            "Time between a request's tokens",
+            LATENCY_BUCKETS,
+            r,
         )
         self.e2e = Histogram(
             "pdserve_e2e_request_latency_seconds",
@@ -77,36 +80,47 @@ class EngineMetrics:
 
 class StepHistogram:
     """A Prometheus histogram observed many times a step: `observe` counts into local buckets
-    (one bisect), `flush` adds them to the histogram (a lock per non-empty bucket, not per
-    observation). Between flushes `/metrics` lags by at most one step.
+    (one bisect: an observation goes to the first bound >= it, as prometheus_client's does),
+    `flush` publishes the running totals once a step as one tuple, and the registry collects
+    it as an ordinary histogram (a custom collector: prometheus_client's public API, no lock
+    per observation). Between flushes `/metrics` lags by at most one step.
+    tests/engine/test_metrics.py checks the rendered text against a plain Histogram's."""
 
-    The histogram's buckets are not cumulative inside (prometheus_client sums them when it is
-    collected) and an observation goes to the first bound >= it: exactly what bisect_left
-    finds. tests/engine/test_metrics.py checks the rendered text against plain `observe`."""
-
-    def __init__(self, histogram: Histogram) -> None:
-        self.histogram = histogram
-        self._bounds = list(histogram._upper_bounds)  # the last is +Inf
-        self._counts = [0] * len(self._bounds)
+    def __init__(
+        self, name: str, doc: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self.name, self.doc = name, doc
+        self._bounds = [*buckets, math.inf]
+        self._les = [floatToGoString(b) for b in self._bounds]
+        self._counts = [0] * len(self._bounds)  # since the last flush, per bucket
         self._sum = 0.0
-        self._n = 0
+        self._published: tuple[tuple[int, ...], float] = (tuple(self._counts), 0.0)
+        registry.register(self)
 
     def observe(self, amount: float) -> None:
         self._counts[bisect_left(self._bounds, amount)] += 1
         self._sum += amount
-        self._n += 1
 
     def flush(self) -> None:
-        if not self._n:
+        if not any(self._counts):
             return
-        h = self.histogram
-        h._sum.inc(self._sum)
-        for i, n in enumerate(self._counts):
-            if n:
-                h._buckets[i].inc(n)
-                self._counts[i] = 0
+        totals, total_sum = self._published
+        self._published = (
+            tuple(t + n for t, n in zip(totals, self._counts, strict=True)),
+            total_sum + self._sum,
+        )
+        self._counts = [0] * len(self._bounds)
         self._sum = 0.0
-        self._n = 0
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.doc)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        totals, total_sum = self._published  # one consistent snapshot, whatever thread reads
+        family = HistogramMetricFamily(self.name, self.doc)
+        cumulative = list(itertools.accumulate(totals))
+        family.add_metric([], list(zip(self._les, cumulative, strict=True)), total_sum)
+        return [family]
 
 
 class PrefixCacheMetrics:

@@ -21,7 +21,7 @@ def test_step_histogram_renders_as_plain_observes():
     values += [b for b in LATENCY_BUCKETS]  # exactly on each bound: that bucket, as observe
     plain_r, step_r = CollectorRegistry(), CollectorRegistry()
     plain = Histogram("x_seconds", "doc", buckets=LATENCY_BUCKETS, registry=plain_r)
-    step = StepHistogram(Histogram("x_seconds", "doc", buckets=LATENCY_BUCKETS, registry=step_r))
+    step = StepHistogram("x_seconds", "doc", LATENCY_BUCKETS, step_r)
     for v in values[:7]:
         plain.observe(v)
         step.observe(v)
