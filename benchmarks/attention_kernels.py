@@ -15,7 +15,7 @@ Decode, batch 1, 32 and 128 at contexts of 320 and 4,096 tokens:
   * GB/s: K and V bytes read (every row's context) over triton's gpu_ms, beside a
     device-to-device copy measured in the same run ((read + written bytes) / time);
   * sweeps (not with --quick): split counts, and the decode kernel's block_n, num_warps and
-    num_stages, each timed the same way.
+    num_stages, each timed the same way; and 1, 2 or 4 splits with wide key tiles (128, 256).
 Prefill: chunks over cached context, torch vs triton, GPU time and TFLOP/s.
 Correctness: max |triton - torch| per case (bfloat16 rounding: ~1e-2); a case over
 TOLERANCE fails the run (exit 1). Without CUDA it says so and exits 2, unless --smoke: tiny
@@ -213,6 +213,14 @@ def decode_sweep(
     heuristic = backend.decode_buffers(rows, max_pages).num_splits
     settings = [(n, 64, 4, 3) for n in sweeps.splits]
     settings += [(heuristic, *x) for x in sweeps.launches]
+    # a short context in one or two wide tiles: fewer dependent page-table -> K/V rounds
+    settings += [
+        (n, b, w, 2)
+        for n in (1, 2, 4)
+        for b in (128, 256)
+        for w in (4, 8)
+        if n <= max(sweeps.splits)
+    ]
     results = []
     for splits, block_n, warps, stages in settings:
         buffers = backend.decode_buffers(rows, max_pages, num_splits=splits)

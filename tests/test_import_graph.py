@@ -125,6 +125,7 @@ ALLOWED_UPWARD = {
     ("model", "kernels"),  # same layer: the fused ops
     ("model", "kvcache"),  # same layer: V3.2's indexer names its index-K buffers (layout.py)
     ("attention", "kvcache"),  # same layer: the pool's views
+    ("attention", "kernels"),  # same layer: RoPE's math, which the fused RoPE + KV store shares
     ("transfer", "kvcache"),
 }
 

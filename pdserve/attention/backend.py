@@ -2,8 +2,9 @@
 
 A backend owns everything about attention that is not the model's math: which kernel runs,
 the metadata that kernel wants, and how new K/V reach the pool's pages. The model computes
-q, k, v (and RoPE) and calls, per layer, `store_kv` then `attend`; it never sees the pool or
-the metadata's contents.
+q, k, v and calls, per layer, `rope_store_kv` (RoPE on q and k, then `store_kv`: one kernel
+on the triton backend, two ops elsewhere) then `attend`; it never sees the pool or the
+metadata's contents.
 
 A model whose attention the backend has no kernel for (DeepSeek's latent attention, in HF's
 expanded form) uses the generic pair of a `GatherBackend` instead: `store` writes a named KV
@@ -24,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import torch
 
 from pdserve.attention.batch import Batch, CausalIndex
+from pdserve.kernels import ops
 
 MetaT = TypeVar("MetaT")
 
@@ -37,6 +39,18 @@ class AttentionShape(Protocol):
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding for a step's tokens (neox style: each head's two halves)."""
+
+    positions: torch.Tensor  # [T]
+    inv_freq: torch.Tensor  # [head_dim / 2] float32 (any scaling already applied)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated (kernels/ops.rotary: in place on CUDA)."""
+        return ops.rotary(q, k, self.positions, self.inv_freq)
 
 
 class AttentionBackend(Protocol[MetaT]):
@@ -56,6 +70,19 @@ class AttentionBackend(Protocol[MetaT]):
     ) -> None:
         """Write the new tokens' K/V into their pool slots (`Batch.slot_mapping`), converted to
         the pool's dtype; nothing else in the pool changes. Called before `attend`."""
+        ...
+
+    def rope_store_kv(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        rope: Rope,
+        metadata: MetaT,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.apply(q, k)` then `store_kv` of the rotated keys; returns the rotated (q, k),
+        the keys `attend` is then given. Bit for bit the two steps, fused where it can be."""
         ...
 
     def attend(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.attention.backend import AttentionShape, CausalContext
+from pdserve.attention.backend import AttentionShape, CausalContext, Rope
 from pdserve.attention.batch import Batch, CausalIndex, causal_index
 from pdserve.kvcache.pool import KVPool
 
@@ -160,6 +160,19 @@ class TorchBackend:
         k_cache, v_cache = self.kv[layer]
         k_cache[metadata.new_slots] = k.to(k_cache.dtype)
         v_cache[metadata.new_slots] = v.to(v_cache.dtype)
+
+    def rope_store_kv(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        rope: Rope,
+        metadata: TorchMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = rope.apply(q, k)
+        self.store_kv(layer, k, v, metadata)
+        return q, k
 
     def attend(
         self,

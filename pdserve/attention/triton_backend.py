@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.backend import AttentionShape
+from pdserve.attention.backend import AttentionShape, Rope
 from pdserve.attention.batch import INDEX_DTYPE, Batch
 from pdserve.attention.triton_decode import choose_num_splits, paged_decode, partial_shapes
 from pdserve.attention.triton_prefill import paged_prefill
-from pdserve.attention.triton_store import store_kv
+from pdserve.attention.triton_store import rope_store_kv, store_kv
 from pdserve.kvcache.pool import KVPool
 
 CPU_SMS = 4  # the "GPU size" the split heuristic assumes under the CPU interpreter
@@ -228,6 +228,25 @@ class TritonBackend:
     ) -> None:
         k_cache, v_cache = self.kv[layer]
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+
+    def rope_store_kv(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        rope: Rope,
+        metadata: TritonMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            q, k = rope.apply(q, k)
+            self.store_kv(layer, k, v, metadata)
+            return q, k
+        k_cache, v_cache = self.kv[layer]
+        rope_store_kv(
+            q, k, v, k_cache, v_cache, metadata.slot_mapping, rope.positions, rope.inv_freq
+        )
+        return q, k
 
     def attend(
         self,

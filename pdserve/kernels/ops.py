@@ -1,16 +1,23 @@
 """The fused ops a model calls: a Triton kernel for CUDA tensors, the torch reference for the
 rest (kernels/reference.py). Triton is imported on the first CUDA call only, so a CPU process
-never loads it."""
+never loads it.
+
+The weight products (`linear`, `silu_mul_linear`) of a single 16-bit row on CUDA, the
+batch-1 decode step, take the Triton GEMV (kernels/triton_gemv.py), which beat cuBLAS on every
+layer matrix of the built-in shapes (benchmarks/gemv.py); every other product stays on cuBLAS
+through F.linear, float32 (the parity oracle) included."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels import reference
 
 _triton: ModuleType | None = None
+_triton_gemv: ModuleType | None = None
 
 
 def _kernels() -> ModuleType:
@@ -20,6 +27,37 @@ def _kernels() -> ModuleType:
 
         _triton = triton_fused
     return _triton
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """kernels/triton_gemv when it takes this product (one 16-bit CUDA row), else None."""
+    global _triton_gemv
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return None
+    if _triton_gemv is None:
+        from pdserve.kernels import triton_gemv
+
+        _triton_gemv = triton_gemv
+    return _triton_gemv if _triton_gemv.supports(x, weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[N, K] @ [O, K].T (+ bias) -> [N, O]: F.linear."""
+    gemv = _gemv(x, weight)
+    if gemv is not None:
+        return gemv.gemv(x, weight, bias)  # type: ignore[no-any-return]
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """linear(silu_mul(gate_up), weight, bias): an MLP's down projection of its gate-up output,
+    in one kernel where the GEMV takes it (the same bits as the two ops)."""
+    gemv = _gemv(gate_up, weight)
+    if gemv is not None:
+        return gemv.gemv(gate_up, weight, bias, silu_mul=True)  # type: ignore[no-any-return]
+    return F.linear(silu_mul(gate_up), weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

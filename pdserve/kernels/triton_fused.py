@@ -106,7 +106,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     base,
     head_stride,
     n_heads,
@@ -122,6 +122,15 @@ def _rotate_heads(
     lo_ptr = base + heads[:, None] * head_stride + i[None, :]
     x1 = tl.load(lo_ptr, mask=mask, other=0.0)
     x2 = tl.load(lo_ptr + HALF, mask=mask, other=0.0)
+    y1, y2 = rope_halves(x1, x2, freq)
+    tl.store(lo_ptr, y1, mask=mask)
+    tl.store(lo_ptr + HALF, y2, mask=mask)
+
+
+@triton.jit
+def rope_halves(x1, x2, freq):
+    """The rotated halves (y1, y2) of heads whose halves are x1, x2 ([H, D/2], the tensor's
+    dtype), by angles `freq` ([D/2] float32: position * inv_freq)."""
     cos = tl.cos(freq).to(x1.dtype).to(tl.float32)[None, :]  # the reference's .to(q.dtype)
     sin = tl.sin(freq).to(x1.dtype).to(tl.float32)[None, :]
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -129,8 +138,7 @@ def _rotate_heads(
     # rounded to the dtype before the sum, as the reference's separate ops are.
     y1 = (a1 * cos).to(x1.dtype).to(tl.float32) + (-a2 * sin).to(x1.dtype).to(tl.float32)
     y2 = (a2 * cos).to(x1.dtype).to(tl.float32) + (a1 * sin).to(x1.dtype).to(tl.float32)
-    tl.store(lo_ptr, y1.to(x1.dtype), mask=mask)
-    tl.store(lo_ptr + HALF, y2.to(x1.dtype), mask=mask)
+    return y1.to(x1.dtype), y2.to(x1.dtype)
 
 
 @triton.jit
@@ -154,10 +162,10 @@ def _rotary_kernel(
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     freq = pos * tl.load(inv_freq_ptr + i, mask=imask, other=0.0)
-    _rotate_heads(
+    rotate_heads(
         q_ptr + tok * q_tok_stride, q_head_stride, HQ, freq, imask, HALF, BLOCK_H, BLOCK_HALF
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr + tok * k_tok_stride, k_head_stride, HKV, freq, imask, HALF, BLOCK_H, BLOCK_HALF
     )
 

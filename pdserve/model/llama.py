@@ -2,15 +2,17 @@
 
 Pure: no scheduling, sockets or parallelism. Tokens arrive flat ([T]) with their positions;
 attention arrives as one AttentionContext (a backend and this step's metadata): each layer
-computes q, k, v and RoPE, then asks the backend to store the new K/V and to attend. Where
-K/V live (the paged pool) and which kernel runs are the backend's business. Numerics follow
-the HF reference (float32 RoPE, RMSNorm in float32) so greedy outputs match HF transformers
-token for token.
+computes q, k and v, then asks the backend to rotate q and k (RoPE) and store the new K/V,
+and to attend. Where K/V live (the paged pool) and which kernel runs are the backend's
+business. Numerics follow the HF reference (float32 RoPE, RMSNorm in float32) so greedy
+outputs match HF transformers token for token.
 
 Fused for fewer kernel launches (docs/architecture.md §Model): q, k and v come from one
 `qkv_proj`, gate and up from one `gate_up_proj` (the loader concatenates the checkpoint's
 tensors: model/weight_map.py), and RMSNorm with the residual add, SiLU-and-multiply and RoPE
-are single ops (kernels/ops.py: Triton on CUDA, the unfused torch reference elsewhere). The
+are single ops (kernels/ops.py: Triton on CUDA, the unfused torch reference elsewhere), as is
+the down projection of SiLU-and-multiply at batch 1 (`Linear`: a decode row's weight products
+run kernels/ops.linear's skinny matmul there, cuBLAS otherwise). The
 residual stream travels beside the hidden state, vLLM-style: each layer returns both, and
 the next norm adds them.
 """
@@ -23,9 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.attention.backend import AttentionContext
+from pdserve.attention.backend import AttentionContext, Rope
 from pdserve.kernels import ops
 from pdserve.model.config import ModelArch, RopeScaling
+
+
+class Linear(nn.Linear):
+    """nn.Linear (HF's parameter names) whose products go through kernels/ops.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -72,8 +81,8 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         q_out, kv_out = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_split = (q_out, kv_out, kv_out)
-        self.qkv_proj = nn.Linear(arch.hidden_size, q_out + 2 * kv_out, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(q_out, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = Linear(arch.hidden_size, q_out + 2 * kv_out, bias=arch.qkv_bias)
+        self.o_proj = Linear(q_out, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -92,8 +101,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # per head (Qwen3)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, inv_freq)
-        ctx.backend.store_kv(self.layer_idx, k, v, ctx.metadata)
+        rope = Rope(positions, inv_freq)
+        q, k = ctx.backend.rope_store_kv(self.layer_idx, q, k, v, rope, ctx.metadata)
         o = ctx.backend.attend(self.layer_idx, q, k, v, ctx.metadata)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -102,11 +111,12 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         h, i, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)  # gate rows, then up rows
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up_proj = Linear(h, 2 * i, bias=bias)  # gate rows, then up rows
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        down = self.down_proj
+        return ops.silu_mul_linear(self.gate_up_proj(x), down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):

@@ -98,6 +98,11 @@ class Recorder:
         self.calls.append(("store", layer, tuple(k.shape), tuple(v.shape), metadata))
         self.stored = k
 
+    def rope_store_kv(self, layer, q, k, v, rope, metadata):
+        q, k = rope.apply(q, k)
+        self.store_kv(layer, k, v, metadata)
+        return q, k
+
     def attend(self, layer, q, k, v, metadata) -> torch.Tensor:
         assert k is self.stored  # attend sees the keys that were just stored
         self.calls.append(("attend", layer, tuple(q.shape), metadata))
