@@ -1,11 +1,13 @@
 """The processes a benchmark starts: `python -m pdserve ...` until its READY line, stopped by pid.
 
 Shared by the benchmark scripts (tests have their own, tests/procs.py). `Pdserve` runs `serve`
-or `launch` on port 0, copies its output to a log while watching for `READY <url>`, and on
-exit stops it (SIGTERM, a bounded wait, SIGKILL) and then, for `launch`, every process its
-cluster table lists, by pid, in case the launcher could not (also when the run failed or was
-interrupted while starting). `wait_healthy` polls a URL's /health for a process started
-otherwise.
+or `launch` on port 0 as a `runtime.child.Child` (its output to LOG_DIR/stdout.log, no pipe;
+it dies with us), waits for its `READY <url>` line, and on exit stops it (SIGTERM, a bounded
+wait, SIGKILL). For `launch` it then makes sure every process of the cluster table is gone:
+the launcher stops them and they die with it, so this only waits (bounded); one still running
+is SIGKILLed only if it is still a pdserve process (a pid the kernel gave to someone else is
+left alone), and waited for again. Also when the run failed or was interrupted while
+starting. `wait_healthy` polls a URL's /health for a process started otherwise.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.chaos.cluster import is_pdserve, wait_gone
+from pdserve.runtime.child import Child, ChildFailed
+
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 10.0  # for the cluster's processes to exit after the launcher stopped
+GONE_TIMEOUT_S = 10.0  # for those SIGKILLed then to be gone
+POLL_S = 0.2
 
 
 class Pdserve:
@@ -35,8 +42,9 @@ class Pdserve:
             args = [*args, "--log-dir", str(log_dir)]
         self.argv = [sys.executable, "-m", "pdserve", "--log-level", log_level, *args]
         self.argv += ["--port", "0"]
-        self.proc: subprocess.Popen[str] | None = None
+        self.child: Child | None = None
         self.url = ""
+        self.exit_timeout_s = EXIT_TIMEOUT_S
 
     def __enter__(self) -> Pdserve:
         try:
@@ -47,48 +55,57 @@ class Pdserve:
         return self
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        ready = threading.Event()
-        log = open(self.log_dir / "stdout.log", "w")  # noqa: SIM115 - the pump closes it
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            with log:
-                for line in self.proc.stdout:
-                    log.write(line)
-                    if line.startswith("READY "):
-                        self.url = line.split()[1]
-                        ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
+        (self.log_dir / "cluster.json").unlink(missing_ok=True)  # an older run's pids: not ours
+        self.child = Child("pdserve", self.argv, self.log_dir / "stdout.log")
+        self.child.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(self.argv)} did not start; see {self.log_dir}")
+        try:
+            while not self.child.check_ready():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{' '.join(self.argv)} printed no READY line in time")
+                time.sleep(POLL_S)
+        except (ChildFailed, RuntimeError) as e:
+            raise RuntimeError(f"{e}; see {self.log_dir}:\n{self.child.log_tail()}") from e
+        self.url = str(self.child.url)
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
+        if self.child is None:
             return
-        children = [int(p["pid"]) for p in self.table()]
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for pid in children:  # the launcher stops them; this is for when it could not
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        cluster = [int(p["pid"]) for p in self.table()]  # read while the launcher still runs
+        self.child.stop(STOP_TIMEOUT_S)
+        stop_leftovers(cluster, self.exit_timeout_s)
 
     def table(self) -> list[dict[str, Any]]:
         """`launch`'s process table (name, pid, url of each process); empty for `serve`."""
         path = self.log_dir / "cluster.json"
         return json.loads(path.read_text())["processes"] if path.exists() else []
+
+
+def stop_leftovers(pids: list[int], exit_timeout_s: float) -> list[int]:
+    """Wait (bounded) for those of `pids` that are pdserve processes to exit (a pid that is
+    someone else's by now is not waited for), SIGKILL the ones still running and wait for
+    them to be gone. Returns the pdserve processes that survived it all."""
+    left = wait_gone([p for p in pids if is_pdserve(p)], exit_timeout_s)
+    return wait_gone([p for p in left if kill_if_pdserve(p)], GONE_TIMEOUT_S)
+
+
+def kill_if_pdserve(pid: int) -> bool:
+    """SIGKILL `pid` if it is a pdserve process. Through a pidfd taken before the check, so a
+    pid that changes hands between the check and the kill is never hit: the pidfd still
+    names the process that had it, which is then gone. True if the signal was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if not is_pdserve(pid):
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:

@@ -3,14 +3,15 @@
     python benchmarks/prefix.py [--conversations 32 --turns 6 --concurrency 8]
                                 [--topologies colocated pd] [--modes off on small host]
 
-Workload: one shared system prompt of about --system-tokens tokens; --conversations
-conversations of --turns turns, all open at once, with at most --concurrency requests in flight.
-Each conversation's turns go in order, so the conversations interleave as users' do, and a
-conversation's next turn comes after most others' turns (its prefix must survive that long in
-the cache). Every turn's prompt is the conversation so far (system prompt, then each earlier
-"User: ..." message and the model's answer) plus a new user message of about --user-tokens
-tokens; the answer is --output-tokens tokens (ignore_eos). Requests stream through the router
-of `pdserve launch`, started by this script on a free port and stopped by pid.
+Workload (benchmarks/chat_workload.py): one shared system prompt of about --system-tokens
+tokens; --conversations conversations of --turns turns, all open at once, with at most
+--concurrency requests in flight. Each conversation's turns go in order, so the conversations
+interleave as users' do, and a conversation's next turn comes after most others' turns (its
+prefix must survive that long in the cache). Every turn's prompt is the conversation so far
+(system prompt, then each earlier "User: ..." message and the model's answer) plus a new user
+message of about --user-tokens tokens; the answer is --output-tokens tokens (ignore_eos).
+Requests stream through the router of `pdserve launch`, started by this script on a free port
+and stopped by pid.
 
 Topologies: colocated (`launch --prefill 0 --decode 1`) and pd (`launch --prefill 1 --decode 1`,
 where P holds the cache); with --topologies, also colocated2 (two co-located workers, routed by
@@ -41,33 +42,29 @@ import asyncio
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.chat_workload import (  # noqa: E402
+    RunResult,
+    Workload,
+    drive,
+    make_workload,
+    warm_up,
+)
 from benchmarks.launched import Pdserve  # noqa: E402
 from pdserve.bench.metrics import percentile  # noqa: E402
 
-REQUEST_TIMEOUT_S = 600.0
 METRICS_TIMEOUT_S = 10.0
 COUNTERS = ("queries_tokens", "hit_tokens", "host_hit_tokens", "inserted_pages", "evicted_pages")
-VOCABULARY = (  # the words of the generated prompts
-    "the cache page token model answer system prompt request worker router decode prefill "
-    "memory layout buffer stream latency batch schedule evict host device policy shared turn "
-    "question careful explain reason step result check value table index chain hash"
-)
-WORDS = VOCABULARY.split()
 
 
 # -- the cluster ------------------------------------------------------------------------------
@@ -106,124 +103,6 @@ def cache_counters(workers: list[str]) -> dict[str, float]:
                 if line.startswith(f"pdserve_prefix_cache_{name}_total "):
                     out[name] += float(line.split()[-1])
     return out
-
-
-# -- the workload -----------------------------------------------------------------------------
-def text_of(tokenizer: Any, rng: random.Random, tokens: int, lead: str) -> str:
-    """`lead` plus random words until the text is about `tokens` tokens long."""
-    words = [lead]
-    while len(tokenizer.encode(" ".join(words))) < tokens:
-        words += [rng.choice(WORDS) for _ in range(8)] + ["."]
-    return " ".join(words)
-
-
-@dataclass
-class Workload:
-    system: str
-    users: list[list[str]]  # per conversation, per turn
-
-
-def make_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
-    rng = random.Random(args.seed)
-    system = text_of(tokenizer, rng, args.system_tokens, "System: you are a careful assistant.")
-    users = [
-        [
-            text_of(tokenizer, rng, args.user_tokens, f"Conversation {c}, question {t}:")
-            for t in range(args.turns)
-        ]
-        for c in range(args.conversations)
-    ]
-    return Workload(system, users)
-
-
-@dataclass
-class Turn:
-    ttft: float | None = None
-    latency: float = 0.0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class RunResult:
-    turns: list[Turn] = field(default_factory=list)
-    duration_s: float = 0.0
-    cache: dict[str, float] = field(default_factory=dict)  # counter deltas over the run
-
-
-async def one_turn(
-    session: aiohttp.ClientSession, url: str, prompt: str, args: argparse.Namespace
-) -> tuple[Turn, str]:
-    body = {
-        "prompt": prompt,
-        "max_tokens": args.output_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    turn, text = Turn(), []
-    sent = time.perf_counter()
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                turn.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return turn, ""
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                obj = json.loads(line[5:])
-                if "error" in obj:
-                    turn.error = json.dumps(obj["error"])[:200]
-                for choice in obj.get("choices") or []:
-                    if choice.get("text") and turn.ttft is None:
-                        turn.ttft = time.perf_counter() - sent
-                    text.append(choice.get("text") or "")
-                    if choice.get("finish_reason") not in (None, "stop", "length"):
-                        turn.error = f"finish_reason {choice['finish_reason']}"
-                usage = obj.get("usage") or {}
-                turn.prompt_tokens = usage.get("prompt_tokens", turn.prompt_tokens)
-                turn.output_tokens = usage.get("completion_tokens", turn.output_tokens)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        turn.error = f"{type(e).__name__}: {e}"
-    turn.latency = time.perf_counter() - sent
-    return turn, "".join(text)
-
-
-async def drive(url: str, work: Workload, args: argparse.Namespace) -> RunResult:
-    result = RunResult()
-    slots = asyncio.Semaphore(args.concurrency)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-
-    async def conversation(session: aiohttp.ClientSession, users: list[str]) -> None:
-        history = work.system
-        for msg in users:
-            prompt = f"{history}\nUser: {msg}\nAssistant:"
-            async with slots:  # a slot per request: every conversation stays open throughout
-                turn, answer = await one_turn(session, url, prompt, args)
-            result.turns.append(turn)
-            if turn.error is not None:
-                return  # the rest of this conversation would not be the same workload
-            history = prompt + answer
-
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(conversation(session, u) for u in work.users))
-        result.duration_s = time.perf_counter() - t0
-    return result
-
-
-async def warm_up(url: str, args: argparse.Namespace) -> None:
-    """Two requests on a prompt no conversation shares, the second continuing the first."""
-    base = "Warm-up. " + " ".join(f"w{i}" for i in range(max(8, args.system_tokens // 2)))
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for prompt in (base, f"{base} Again."):
-            turn, _ = await one_turn(session, url, prompt, args)
-            if turn.error is not None:
-                raise RuntimeError(f"the warm-up request failed: {turn.error}")
 
 
 # -- one configuration ------------------------------------------------------------------------

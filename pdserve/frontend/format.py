@@ -53,8 +53,10 @@ class Formatter:
             for c in gen.choices:
                 self.texts[c.index] = self.decode(c.prompt_ids)
         self.echoed = [len(t) for t in self.texts]  # characters of echoed prompt, per choice
-        # A stream's generated tokens' text_offsets, per choice, after the echoed prompt if any.
-        self.offsets = [self._generated_offsets(c) for c in gen.choices]
+        # A stream's generated tokens' text_offsets, per choice, after the echoed prompt if any:
+        # built on the choice's first scored delta, so only a completions stream with logprobs
+        # detokenises for them (`_stream_offsets`).
+        self.offsets: dict[int, TextOffsets] = {}
         # A chunk's envelope is the same for the whole stream: its bytes up to the choice's
         # body, once (what `sse(self._envelope([body], chunk=True))` would write around it).
         envelope = encode_json(self._envelope([], chunk=True))
@@ -88,11 +90,13 @@ class Formatter:
         choices = []
         for c in self.gen.choices:
             lp = None
-            if self.spec.params.logprobs is not None:
+            if self.spec.params.logprobs is not None and self.chat:
+                lp = self._chat_logprobs(c.logprobs)
+            elif self.spec.params.logprobs is not None:
                 prompt, first = self._echoed(c)
-                lp = self._logprobs(c.logprobs, self._generated_offsets(c))
+                lp = self._completion_logprobs(c.logprobs, self._generated_offsets(c))
                 if first is not None:  # echo: the prompt's entries first, offsets from 0
-                    scored = self._logprobs(prompt, self._prompt_offsets(), first)
+                    scored = self._completion_logprobs(prompt, self._prompt_offsets(), first)
                     lp = {k: scored[k] + lp[k] for k in lp}
             if self.chat:
                 choices.append(
@@ -156,7 +160,7 @@ class Formatter:
         prompt, first = self._echoed(c)
         scored = self.spec.params.logprobs is not None and first is not None
         if scored and len(prompt) == len(c.prompt_ids) - 1:
-            lp = self._logprobs(prompt, self._prompt_offsets(), first)
+            lp = self._completion_logprobs(prompt, self._prompt_offsets(), first)
         body = {
             "index": c.index,
             "text": self.texts[c.index],
@@ -172,8 +176,10 @@ class Formatter:
         """A delta's choice in a stream chunk."""
         i = d.choice.index
         lp = None
-        if self.spec.params.logprobs is not None and d.logprobs:
-            lp = self._logprobs(list(d.logprobs), self.offsets[i])
+        if self.spec.params.logprobs is not None and d.logprobs and self.chat:
+            lp = self._chat_logprobs(list(d.logprobs))
+        elif self.spec.params.logprobs is not None and d.logprobs:
+            lp = self._completion_logprobs(list(d.logprobs), self._stream_offsets(d.choice))
         body: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": d.finish_reason}
         if self.chat:
             body["delta"] = {"content": d.text} if d.text or d.finish_reason is None else {}
@@ -198,30 +204,40 @@ class Formatter:
         detok = self.tok.incremental(self.spec.skip_special_tokens)
         return TextOffsets(detok, self.echoed[c.index])
 
-    def _logprobs(
-        self, lps: list[Any], offsets: TextOffsets, first: int | None = None
+    def _stream_offsets(self, c: Choice) -> TextOffsets:
+        """Choice `c`'s generated tokens' offsets across the whole stream, made at first use."""
+        got = self.offsets.get(c.index)
+        if got is None:
+            got = self.offsets[c.index] = self._generated_offsets(c)
+        return got
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        """Chat's logprobs: each token with its bytes and exactly the N best (no offsets)."""
+        tok = self.tok
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            return {
+                "token": self._key(tid),
+                "logprob": _finite(lp),
+                "bytes": list(tok.token_bytes(tid)),
+            }
+
+        return {
+            "content": [
+                {
+                    **entry(x.token_id, x.logprob),
+                    "top_logprobs": [entry(t, v) for t, v in x.top],
+                }
+                for x in lps
+            ]
+        }
+
+    def _completion_logprobs(
+        self, lps: list[TokenLogprob], offsets: TextOffsets, first: int | None = None
     ) -> dict[str, Any]:
         """`first`: a token shown before `lps` with null logprob and alternatives; `offsets`
-        (completions) walks the text the tokens make."""
+        walks the text the tokens make."""
         tok = self.tok
-        if self.chat:
-
-            def entry(tid: int, lp: float) -> dict[str, Any]:
-                return {
-                    "token": self._key(tid),
-                    "logprob": _finite(lp),
-                    "bytes": list(tok.token_bytes(tid)),
-                }
-
-            return {
-                "content": [
-                    {
-                        **entry(x.token_id, x.logprob),
-                        "top_logprobs": [entry(t, v) for t, v in x.top],
-                    }
-                    for x in lps
-                ]
-            }
         lead: list[TokenLogprob | None] = [None] if first is not None else []
         entries = lead + lps
         ids = ([first] if first is not None else []) + [x.token_id for x in lps]

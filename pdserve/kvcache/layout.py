@@ -1,11 +1,11 @@
 """The KV layout descriptor: which typed buffers a paged KV pool holds, and where in a page.
 
-A layer's KV is a set of named buffers, each with its own per-token shape and dtype, and a
-buffer may exist in some layers only (Llama: "k" and "v" [kv_heads, head_dim] in every layer;
-DeepSeek MLA: one "latent" [1, 576]; V3.2's indexer adds "index_k" in fp8 with a float32
-"index_k_scale" beside it). A page is ONE contiguous run of `page_bytes` bytes holding
-`page_size` tokens of every (layer, buffer), layer-major, each region starting on an `ALIGN`
-boundary so that a typed view of it is aligned for every dtype:
+A layer's KV is a set of named buffers (`BufferSpec`, kvcache/buffer_spec.py), each with its
+own per-token shape and dtype, and a buffer may exist in some layers only (Llama: "k" and "v"
+[kv_heads, head_dim] in every layer; DeepSeek MLA: one "latent" [1, 576]; V3.2's indexer adds
+"index_k" in fp8 with a float32 "index_k_scale" beside it). A page is ONE contiguous run of
+`page_bytes` bytes holding `page_size` tokens of every (layer, buffer), layer-major, each region
+starting on an `ALIGN` boundary so that a typed view of it is aligned for every dtype:
 
     page = [layer 0: buf a | pad | buf b | pad] [layer 1: buf a | pad] ...   (page_bytes)
 
@@ -17,124 +17,25 @@ field that differ. `from_dict` reads a peer's descriptor and raises only ValueEr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from pdserve.kvcache.buffer_spec import DTYPES, MAX_LAYERS, BufferSpec, check_int
+
 ALIGN = 64  # bytes: every region starts on this boundary (a cache line; any dtype's alignment)
-# Bounds on a descriptor, so that a peer's cannot make us compute or allocate without end.
+# Bounds on a descriptor, so that a peer's cannot make us compute or allocate without end (a
+# buffer's own bounds are in kvcache/buffer_spec.py).
 MAX_BUFFERS = 32
-MAX_LAYERS = 1024
 MAX_PAGE_SIZE = 1 << 16
-MAX_NDIM = 4
-MAX_DIM = 1 << 20
-MAX_NAME = 64
 MAX_TP = 1 << 16
 MAX_PAGE_BYTES = 1 << 32
 
-# The dtypes a buffer may have: plain numeric types that a byte slice can be viewed as.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-
-
-def _int(what: str, v: object, lo: int, hi: int) -> int:
-    """`v` as an int in [lo, hi], or ValueError (bools are not ints here)."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{what} must be an int, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        shown = v if v.bit_length() <= 64 else f"a {v.bit_length()}-bit int"  # not 4,000 digits
-        raise ValueError(f"{what} must be in [{lo}, {hi}], got {shown}")
-    return v
-
-
-def _ints(what: str, v: object, max_len: int, lo: int, hi: int) -> tuple[int, ...]:
-    if not isinstance(v, tuple):
-        raise ValueError(f"{what} must be a tuple of ints, got {type(v).__name__}")
-    if not 1 <= len(v) <= max_len:
-        raise ValueError(f"{what} must have 1 to {max_len} entries, got {len(v)}")
-    return tuple(_int(f"{what}[{i}]", x, lo, hi) for i, x in enumerate(v))
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """One named KV buffer: `shape` per token, of `dtype`, in `layers` (None: every layer)."""
-
-    name: str
-    shape: tuple[int, ...]  # per token, e.g. (num_kv_heads, head_dim)
-    dtype: str  # a name in DTYPES, e.g. "bfloat16"
-    layers: tuple[int, ...] | None = None  # strictly increasing layer indices
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not 1 <= len(self.name) <= MAX_NAME:
-            raise ValueError(f"buffer name must be a string of 1 to {MAX_NAME} characters")
-        if not (self.name.isascii() and self.name.replace("_", "").replace(".", "").isalnum()):
-            raise ValueError(f"buffer name {self.name!r}: use letters, digits, '_' and '.'")
-        what = f"buffer {self.name!r}"
-        _ints(f"{what} shape", self.shape, MAX_NDIM, 1, MAX_DIM)
-        if not isinstance(self.dtype, str):
-            raise ValueError(f"{what} dtype must be a string, got {type(self.dtype).__name__}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"{what} dtype {self.dtype[:32]!r} is not one of {sorted(DTYPES)}")
-        if self.layers is not None:
-            layers = _ints(f"{what} layers", self.layers, MAX_LAYERS, 0, MAX_LAYERS - 1)
-            if any(a >= b for a, b in zip(layers, layers[1:], strict=False)):
-                raise ValueError(f"{what} layers must be strictly increasing, got {layers}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes one token of this buffer occupies in one layer."""
-        return math.prod(self.shape) * self.itemsize
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "layers": None if self.layers is None else list(self.layers),
-        }
-
-    @classmethod
-    def from_dict(cls, d: object) -> BufferSpec:
-        if not isinstance(d, Mapping):
-            raise ValueError(f"a buffer must be a dict, got {type(d).__name__}")
-        # Any: __post_init__ checks every value's type (a peer's dict holds anything).
-        kw: dict[Any, Any] = {
-            k: tuple(v) if isinstance(v, list | tuple) else v for k, v in d.items()
-        }
-        try:
-            return cls(**kw)
-        except TypeError as e:  # missing or unknown keys, non-string keys
-            raise ValueError(f"buffer: {e}") from None
-
 
 class LatentShape(Protocol):
-    """What a latent-attention layout needs of a model (model/config.py MLAArch has it)."""
+    """What a latent-attention layout needs of a model (model/deepseek_config.py MLAArch has it)."""
 
     @property
     def kv_lora_rank(self) -> int: ...
@@ -143,7 +44,7 @@ class LatentShape(Protocol):
 
 
 class IndexerShape(Protocol):
-    """What V3.2's index-K buffers need of a model (model/config.py DSAArch has it)."""
+    """What V3.2's index-K buffers need of a model (model/deepseek_config.py DSAArch has it)."""
 
     @property
     def index_head_dim(self) -> int: ...
@@ -211,10 +112,10 @@ class KVLayout:
     page_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _int("KVLayout.page_size", self.page_size, 1, MAX_PAGE_SIZE)
-        _int("KVLayout.num_layers", self.num_layers, 1, MAX_LAYERS)
-        _int("KVLayout.tp_size", self.tp_size, 1, MAX_TP)
-        _int("KVLayout.tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        check_int("KVLayout.page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        check_int("KVLayout.num_layers", self.num_layers, 1, MAX_LAYERS)
+        check_int("KVLayout.tp_size", self.tp_size, 1, MAX_TP)
+        check_int("KVLayout.tp_rank", self.tp_rank, 0, self.tp_size - 1)
         if not isinstance(self.buffers, tuple) or not 1 <= len(self.buffers) <= MAX_BUFFERS:
             raise ValueError(f"KVLayout.buffers must be a tuple of 1 to {MAX_BUFFERS} buffers")
         if not all(isinstance(b, BufferSpec) for b in self.buffers):

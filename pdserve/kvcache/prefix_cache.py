@@ -1,7 +1,8 @@
 """The prefix cache: KV pages of finished prompts, reused by later requests with the same prefix.
 
 Like vLLM's automatic prefix caching (and SGLang's radix cache at page granularity), the key of
-a page is a chain over its whole prefix: (the key of the page before it, this page's token ids).
+a page is a chain over its whole prefix: (the key of the page before it, this page's token ids),
+computed by protocol/page_keys.py, the definition the router's cache-aware policy shares.
 Only full pages whose KV was computed are cached, so a page is reused only after exactly the
 same tokens. Each entry keeps its token ids and its parent's key and a lookup compares them, so
 a hash collision is a miss, never someone else's KV.
@@ -28,21 +29,15 @@ from typing import Any, NamedTuple
 from pdserve.kvcache.host_loads import HostLoads
 from pdserve.kvcache.host_pool import Evicted, HostPool
 from pdserve.kvcache.lease import Leases
+from pdserve.protocol.page_keys import ChainPage, chain
 
 OWNER = "prefix cache"
-ROOT = 0  # the parent key of a prompt's first page
-
-
-def page_key(parent: int, tokens: tuple[int, ...]) -> int:
-    """A full page's key: its tokens after the page whose key is `parent` (collisions are
-    caught by the entry's check, so a fast hash will do)."""
-    return hash((parent, tokens))
 
 
 @dataclass(frozen=True)
 class Entry:
     page: int
-    parent: int  # the key of the page before it (ROOT for a first page)
+    parent: int  # the key of the page before it (page_keys.ROOT for a first page)
     tokens: tuple[int, ...]
 
 
@@ -92,18 +87,12 @@ class PrefixCache:
         """Cached pages (shared with requests or not)."""
         return len(self._entries)
 
-    def _keys(self, token_ids: Sequence[int], num_pages: int) -> list[tuple[int, Entry]]:
-        """The key and the entry each of the first `num_pages` full pages would have."""
-        out, parent, ps = [], ROOT, self.page_size
-        for i in range(num_pages):
-            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
-            key = page_key(parent, tokens)
-            out.append((key, Entry(-1, parent, tokens)))
-            parent = key
-        return out
+    def _keys(self, token_ids: Sequence[int], num_pages: int) -> list[ChainPage]:
+        """The key, parent and tokens of each of the first `num_pages` full pages."""
+        return chain(token_ids, self.page_size, num_pages)
 
-    def _lookup(self, key: int, want: Entry) -> Entry | None:
-        got = self._entries.get(key)
+    def _lookup(self, want: ChainPage) -> Entry | None:
+        got = self._entries.get(want.key)
         if got is None or got.parent != want.parent or got.tokens != want.tokens:
             return None  # absent, or a hash collision
         return got
@@ -114,29 +103,31 @@ class PrefixCache:
         Counted in the stats by `record`, once the lookup is used."""
         pages: list[int] = []
         keys: list[int] = []
-        for key, want in self._keys(token_ids, len(token_ids) // self.page_size):
-            got = self._lookup(key, want)
+        for want in self._keys(token_ids, len(token_ids) // self.page_size):
+            got = self._lookup(want)
             if got is None:
                 break
             pages.append(got.page)
-            keys.append(key)
+            keys.append(want.key)
         self._touch(keys)
         return pages
 
     def match_host(self, token_ids: Sequence[int], start: int, most: int) -> HostMatch:
         """Host pages of full pages `start`, `start + 1`, ... of `token_ids` (at most `most`),
         continuing a device match of `start` pages; each is pinned (HostPool.pin) for the
-        load that will read it. Empty without a host tier."""
+        load that will read it; a page whose write to the host has not ended is not served.
+        Empty without a host tier."""
         if self.host is None or most < 1:
             return HostMatch([], [])
+        self.host.settle()  # writes that ended since: their pages can be served now
         num_pages = min(len(token_ids) // self.page_size, start + most)
         keys: list[int] = []
         pages: list[int] = []
-        for key, want in self._keys(token_ids, num_pages)[start:]:
-            got = self.host.lookup(key, want.parent, want.tokens)
+        for want in self._keys(token_ids, num_pages)[start:]:
+            got = self.host.lookup(want.key, want.parent, want.tokens)
             if got is None:
                 break
-            keys.append(key)
+            keys.append(want.key)
             pages.append(got.page)
         self.host.touch(keys)
         self.host.pin(pages)
@@ -163,7 +154,8 @@ class PrefixCache:
             raise ValueError(f"{full} full pages computed but a page table of {len(pages)}")
         added: list[int] = []
         keys: list[int] = []
-        for i, (key, want) in enumerate(self._keys(token_ids, full)):
+        for i, want in enumerate(self._keys(token_ids, full)):
+            key = want.key
             got = self._entries.get(key)
             if got is None:
                 page = pages[i]

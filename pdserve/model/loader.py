@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -214,22 +214,59 @@ def copy_placements(
     params: dict[str, nn.Parameter],
     scales: dict[str, Fp8Scale] | None = None,
 ) -> None:
-    """Fill each placement's destination from its file, one file open at a time, in file order;
-    a source with an fp8 scale (`scales`) is dequantised on the way."""
+    """Fill each placement's destination from its file, file by file, in offset order; a
+    source with an fp8 scale (`scales`) is dequantised on the way. Each file is opened once
+    (its scales may sit in another shard) and closed after its last read."""
     scales = scales or {}
     by_file: dict[Path, list[Placement]] = defaultdict(list)
     for p in placements:
         by_file[stored[p.source].file].append(p)
+    reads = [stored[p.source].file for p in placements]
+    reads += [scales[p.source].tensor.file for p in placements if p.source in scales]
     bounce = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-    with torch.no_grad():
+    with torch.no_grad(), OpenFiles(reads) as files:
         for file, group in sorted(by_file.items()):
-            with open(file, "rb", buffering=0) as f:
-                for p in sorted(group, key=lambda p: stored[p.source].offset):
-                    dst = p.destination(params[p.target])
-                    if p.source in scales:
-                        dst.copy_(_dequantised(f, stored[p.source], scales[p.source]))
-                    else:
-                        bounce = _copy_tensor(f, stored[p.source], dst, bounce)
+            for p in sorted(group, key=lambda p: stored[p.source].offset):
+                dst = p.destination(params[p.target])
+                t = stored[p.source]
+                if p.source in scales:
+                    scale = scales[p.source]
+                    dst.copy_(_dequantised(files.get(file), t, files.get(scale.tensor.file), scale))
+                    files.done(scale.tensor.file)
+                else:
+                    bounce = _copy_tensor(files.get(file), t, dst, bounce)
+                files.done(file)
+
+
+class OpenFiles:
+    """The checkpoint files a load reads, each opened at its first read and closed after its
+    last (`reads` lists the file of every read, one entry per read): no file is opened twice,
+    and no more stay open than the reads still need. All are closed on exit."""
+
+    def __init__(self, reads: list[Path]) -> None:
+        self._left = Counter(reads)
+        self._open: dict[Path, io.FileIO] = {}
+
+    def get(self, file: Path) -> io.FileIO:
+        if file not in self._open:
+            if self._left[file] < 1:
+                raise RuntimeError(f"{file}: read after its last planned read")
+            self._open[file] = open(file, "rb", buffering=0)  # noqa: SIM115 - closed by done()
+        return self._open[file]
+
+    def done(self, file: Path) -> None:
+        """One read of `file` finished; the last one closes it."""
+        self._left[file] -= 1
+        if self._left[file] == 0:
+            self._open.pop(file).close()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
 
 def _copy_tensor(
@@ -340,11 +377,13 @@ def _read_whole(f: io.FileIO, t: StoredTensor) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
 
 
-def _dequantised(f: io.FileIO, weight: StoredTensor, scale: Fp8Scale) -> torch.Tensor:
-    """The fp8 weight [M, N] times its scale [ceil(M/b0), ceil(N/b1)] per block, float32."""
+def _dequantised(
+    f: io.FileIO, weight: StoredTensor, sf: io.FileIO, scale: Fp8Scale
+) -> torch.Tensor:
+    """The fp8 weight [M, N] (in `f`) times its scale [ceil(M/b0), ceil(N/b1)] (in `sf`, maybe
+    the same file) per block, float32."""
     w = _read_whole(f, weight).float()  # [M, N]
-    with open(scale.tensor.file, "rb", buffering=0) as sf:
-        s = _read_whole(sf, scale.tensor)  # [ceil(M / b0), ceil(N / b1)] float32
+    s = _read_whole(sf, scale.tensor)  # [ceil(M / b0), ceil(N / b1)] float32
     b0, b1 = scale.block
     m, n = w.shape
     return w * s.repeat_interleave(b0, 0)[:m].repeat_interleave(b1, 1)[:, :n]

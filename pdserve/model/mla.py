@@ -25,8 +25,10 @@ from torch import nn
 
 from pdserve.attention.backend import AttentionContext, CausalContext, GatherBackend
 from pdserve.kvcache.layout import LATENT
-from pdserve.model.config import MLAArch, ModelArch, RopeScaling, yarn_mscale
+from pdserve.model.config import ModelArch
+from pdserve.model.deepseek_config import MLAArch
 from pdserve.model.llama import RMSNorm
+from pdserve.model.rope_scaling import RopeScaling, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import ops
-from pdserve.model.config import MoEArch
+from pdserve.model.deepseek_config import MoEArch
 
 # Parameter names (suffixes) kept in float32 whatever the model's dtype, as HF keeps them.
 FLOAT32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

@@ -20,12 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from pdserve.router.prefix_index import (
-    DEFAULT_CAPACITY_PAGES,
-    DEFAULT_PAGE_SIZE,
-    PrefixIndex,
-    page_keys,
-)
+from pdserve.protocol.page_keys import page_keys
+from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES, DEFAULT_PAGE_SIZE, PrefixIndex
 
 
 class Candidate(Protocol):

@@ -2,9 +2,10 @@
 
 The worker's prefix cache (kvcache/prefix_cache.py) keys a full page by a chain over its whole
 prefix: (the previous page's key, this page's token ids). The router keys the prompts it sends
-the same way (`page_keys`) and remembers, per worker, the keys of the pages it sent there. A
-prompt's expected hit on a worker is then the longest run of its page keys, from the first,
-that the worker's index holds (`match`).
+with the very same function (`page_keys`, protocol/page_keys.py, the one definition both
+import) and remembers, per worker, the keys of the pages it sent there. A prompt's expected
+hit on a worker is then the longest run of its page keys, from the first, that the worker's
+index holds (`match`).
 
 It is approximate by design, and only ever a routing hint: the router does not see the worker
 evict, nor which requests failed, and it keeps keys, not tokens (a 64-bit hash collision costs
@@ -22,20 +23,8 @@ from typing import Any
 
 from pdserve.config import CacheConfig
 
-ROOT = 0  # the parent key of a prompt's first page
 DEFAULT_CAPACITY_PAGES = 65536  # per worker: ~1M tokens at 16 a page, a few MB of router memory
 DEFAULT_PAGE_SIZE = CacheConfig.page_size  # for workers whose /info does not say
-
-
-def page_keys(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The chain key of each full page of `token_ids` (a partial last page has none)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    keys, parent = [], ROOT
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = hash((parent, tuple(token_ids[start : start + page_size])))
-        keys.append(parent)
-    return keys
 
 
 def fleet_page_size(infos: Iterable[Mapping[str, Any]]) -> int:

@@ -4,9 +4,10 @@ A request with a prefill address gets a room (63-bit id, never reused) holding a
 pages for its prompt, and a PrefillRequest to that P; it joins the decode batch only on
 PrefillDone, when its KV is complete, and takes the room's lease with it. Every room moves
 through the D table of `protocol/rooms.py`; its lease is released only on a transition that
-carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). P workers are
-pinged every second; one silent for PEER_TIMEOUT_S is declared dead and its rooms fenced
-(`PrefillPeers.liveness`; LESSONS #7, #8, #9).
+carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). Pairing with P
+workers (Register before a room's PrefillRequest, Pings) is `PrefillPairing`
+(worker/prefill_pairing.py); one silent for PEER_TIMEOUT_S is declared dead and its rooms
+fenced (LESSONS #7, #8, #9).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from pdserve.runtime.timing import (
     ABORT_ACK_TIMEOUT_S,
     FENCE_MARGIN_S,
     FENCE_S,
-    PEER_ENGINE_STALL_S,
     PREFILL_TIMEOUT_S,
 )
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
 from pdserve.worker.api import params_to_json
-from pdserve.worker.decode_rooms import WAIT, Admission, DRoom, PrefillPeer
+from pdserve.worker.decode_rooms import WAIT, Admission, DRoom
+from pdserve.worker.prefill_pairing import PrefillPairing
 from pdserve.worker.prefill_peers import PrefillPeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import decode_snapshot
@@ -70,14 +71,27 @@ class DecodeRole:
         self.identity = identity
         self.receiver: KVReceiver = open_receiver(backend, identity, self.pool)
         self.control = control
-        self.peers = PrefillPeers()  # at most MAX_PREFILL_PEERS, idle ones forgotten
-        self.forget = forget or (lambda address: None)
         self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
         self.admitting: deque[Admission] = deque()  # waiting for destination pages
         self._room_ids = itertools.count((secrets.randbits(31) << 31) + 1)
         self.stats = RoleStats()
         self.outbox: list[m.Send] = []
+        self.pairing = PrefillPairing(
+            PrefillPeers(),  # at most MAX_PREFILL_PEERS, idle ones forgotten
+            self._send,
+            lambda: register_message(self.receiver, self.pool),
+            forget or (lambda address: None),
+            self.stats,
+        )
+
+    @property
+    def peers(self) -> PrefillPeers:
+        return self.pairing.peers
+
+    @peers.setter
+    def peers(self, peers: PrefillPeers) -> None:  # tests bound the set differently
+        self.pairing.peers = peers
 
     def take_outbox(self) -> list[m.Send]:
         out, self.outbox = self.outbox, []
@@ -113,17 +127,10 @@ class DecodeRole:
 
     def _inbound(self, cmd: Inbound) -> None:
         msg = cmd.msg
-        peer = self.peers.get(cmd.peer)
-        stalled = isinstance(msg, m.Pong) and msg.engine_busy_s > PEER_ENGINE_STALL_S
-        if peer is not None and not stalled:
-            peer.last_pong = time.monotonic()  # any word from P proves it alive...
-        if stalled:  # ...but a Pong from a P whose engine is stuck in one tick does not
-            self.stats.stale["pong_engine_stalled"] += 1
+        self.pairing.heard(cmd.peer, msg)
         if isinstance(msg, m.RegisterAck):
             return self._register_ack(cmd.peer, msg)
         if isinstance(msg, m.Pong):
-            if peer is not None:
-                peer.clock.observe(msg.ping_sent_at, msg.sent_at)
             return
         room = self.by_room.get(msg.room)
         if room is None or room.epoch != msg.epoch or room.peer != cmd.peer:
@@ -133,7 +140,7 @@ class DecodeRole:
             case m.PrefillAccept():
                 self._apply(room, DEvent.ACCEPT)
             case m.PrefillReject(reason=reason):
-                if not (msg.unregistered and self._register_again(room)):
+                if not (msg.unregistered and self.pairing.register_again(room)):
                     self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
             case m.PrefillDone():
                 room.done = msg
@@ -184,12 +191,7 @@ class DecodeRole:
         self._take_landed()  # counted now: its PrefillDone may be next in the inbox
 
     def _register_ack(self, address: str, msg: m.RegisterAck) -> None:
-        if self.peers.get(address) is None:
-            self.stats.unexpected["RegisterAck"] += 1
-            return
-        queued, refused = self.peers.acked(address, msg.ok, msg.error)
-        if refused is not None:
-            log.error("prefill worker %s refused us: %s", address, refused)
+        queued, refused = self.pairing.acked(address, msg)
         for rid in queued:
             room = self.by_room.get(rid)
             if room is not None and refused is not None:
@@ -227,9 +229,7 @@ class DecodeRole:
         if req.deadline is not None:
             left = min(left, req.deadline - time.monotonic())
         # Pairing first: past the peer limit this request fails and leases nothing.
-        peer, gone = self.peers.open(sub.prefill, time.monotonic(), self._busy_peers())
-        for address in gone:
-            self.forget(address)
+        peer = self.pairing.open(sub.prefill, self._busy_peers())
         rid = next(self._room_ids)
         # The lease is opened last and the room registered at once: nothing between can raise,
         # so a failed admission either has a room that owns the pages or holds none.
@@ -244,29 +244,8 @@ class DecodeRole:
         )
         self.by_room[room.room] = room
         self.by_request[req.request_id] = room
-        if peer.refused is not None:  # it refused us or was declared dead: pair anew
-            peer = self.peers.replace(sub.prefill)
-        if not peer.registered:
-            if not peer.queued:  # no Register in flight yet
-                self._send_register(peer)
-            peer.queued.append(room.room)
-        else:
+        if self.pairing.join(peer, room.room):  # else it waits for the RegisterAck
             self._send_prefill(room)
-
-    def _send_register(self, peer: PrefillPeer) -> None:
-        self._send(peer.address, register_message(self.receiver, self.pool))
-
-    def _register_again(self, room: DRoom) -> bool:
-        """P restarted and forgot us: pair again and resend `room` (once); False: give up."""
-        peer = self.peers.get(room.peer)
-        if peer is None or room.state is not DState.PENDING or room.reregistered:
-            return False
-        room.reregistered, peer.registered = True, False
-        if not peer.queued:  # no Register in flight yet
-            log.warning("prefill worker %s forgot us (restarted?): registering again", peer.address)
-            self._send_register(peer)
-        peer.queued.append(room.room)
-        return True
 
     def _send(self, peer: str, msg: m.Msg) -> None:
         self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity)))
@@ -385,16 +364,10 @@ class DecodeRole:
         for room in self.by_room.values():
             if room.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING):
                 waiting.setdefault(room.peer, []).append(room)
-        since = {address: min(r.since for r in rooms) for address, rooms in waiting.items()}
-        pings, dead = self.peers.liveness(now, since)
-        for peer in pings:
-            self._send(peer.address, m.Ping(sent_at=time.time()))
-        for peer, waited in dead:
-            log.warning("prefill worker %s silent for %.1fs: declared dead", peer.address, waited)
-            for room in waiting[peer.address]:
-                self._apply(room, DEvent.PEER_DEAD, f"prefill worker {peer.address} died")
-        for address in self.peers.evict_idle(now, self._busy_peers()):
-            self.forget(address)
+        for address in self.pairing.liveness(now, waiting):
+            for room in waiting[address]:
+                self._apply(room, DEvent.PEER_DEAD, f"prefill worker {address} died")
+        self.pairing.evict_idle(now, self._busy_peers())
 
     def _busy_peers(self) -> set[str]:
         return {r.peer for r in self.by_room.values()}

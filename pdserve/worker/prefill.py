@@ -7,7 +7,8 @@ in flight (nixl completes in the background) the scheduler never preempts the re
 it leaves the batch (its prompt computed, or STOP_COMPUTE) its lease passes to the room, which
 releases it in one place, FREE_PAGES, once no write reads the pages (LESSONS #7). Anything a
 peer sends is answered or counted and dropped: ABORT for an unknown or finished room gets an
-AbortAck with known=False, never an assert (LESSONS #1, #3).
+AbortAck with known=False, never an assert (LESSONS #1, #3). The writes themselves are posted
+and polled by `PrefillWrites` (worker/prefill_writes.py).
 """
 
 from __future__ import annotations
@@ -24,20 +25,18 @@ from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Room
 from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
-from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, PState, step_p
-from pdserve.runtime.faults import FAULTS
+from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
-from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
 from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
 from pdserve.worker.prefill_rooms import PRoom, check_prefill_request
+from pdserve.worker.prefill_writes import WAITING_FOR_WRITES, PrefillWrites
 from pdserve.worker.roles import RoleStats, SendFailed, enter
 from pdserve.worker.snapshots import prefill_snapshot
 
 log = logging.getLogger(__name__)
 
-WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
 REFUSALS_KEPT = 16
 
 
@@ -70,6 +69,13 @@ class PrefillRole:
         # The last registrations refused, (when, peer, why), for /debug/state.
         self.refusals: deque[tuple[float, str, str]] = deque(maxlen=REFUSALS_KEPT)
         self.outbox: list[m.Send] = []
+        self.writes = PrefillWrites(
+            self.pool,
+            self.peers,
+            self.stats,
+            self._apply,
+            lambda peer, why: self._drop_peer(peer, why, lost=True),
+        )
         engine.scheduler.pinned = self._pinned
 
     @property
@@ -269,48 +275,8 @@ class PrefillRole:
 
     # -- the loop's verbs -------------------------------------------------------------------------
     def after_forward(self, plan: StepPlan) -> None:
-        """Post writes of the pages this step completed; on a GPU each waits for the step's
-        end (one event per step), so no transfer reads KV still being computed."""
-        ready = step_done(self.pool) if plan.chunks else None
-        for c in plan.chunks:
-            room = self.by_request.get(c.request.request_id)
-            if room is None or room.state is not PState.PREFILLING:
-                continue
-            req = c.request
-            done = req.num_computed >= len(req.prompt_ids)
-            target = (
-                self.pool.pages_needed(len(req.prompt_ids))
-                if done
-                else (req.num_computed // self.pool.page_size)
-            )
-            if target <= room.pages_written:
-                continue
-            peer = self.peers.current(room.peer, room.peer_generation)
-            try:
-                if peer is None:
-                    raise WriteError(f"decode worker {room.peer} is no longer registered")
-                if time.time() > room.write_deadline:
-                    raise WriteError("the room's write deadline passed (its pages may be reused)")
-                FAULTS.hit("p.write")
-                sl = slice(room.pages_written, target)
-                xfer = peer.writer.write(
-                    room.room,
-                    room.epoch,
-                    self.pool,
-                    req.pages[sl],
-                    room.dst_pages[sl],
-                    room.write_deadline_mono,
-                    ready,
-                )
-                room.inflight.append(xfer)
-                room.bytes_written += xfer.nbytes
-                room.pages_written = target
-            except PeerGone as e:
-                assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
-                self._drop_peer(peer, f"its transfer layer disconnected ({e})", lost=True)
-            except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
-                log.warning("KV write for room %d failed: %s", room.room, e)
-                self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
+        """Post writes of the pages this step completed (worker/prefill_writes.py)."""
+        self.writes.post(plan, self.by_request)
 
     def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
         """The first token of a room's prompt: the room is computed (P streams nothing)."""
@@ -347,29 +313,7 @@ class PrefillRole:
     def poll_transfers(self, now: float) -> None:
         """Collect completed writes; a failed or overdue one fails its room."""
         self.peers.tick()
-        gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
-        for room in [r for r in self.by_room.values() if r.inflight]:
-            error = None
-            for xfer in list(room.inflight):
-                try:
-                    if not xfer.poll():
-                        continue
-                    self.stats.bytes_written += xfer.nbytes
-                except PeerGone as e:
-                    gone.setdefault((room.peer, room.peer_generation), str(e))
-                    room.writes_cancelled, error = True, str(e)
-                except WriteError as e:
-                    room.writes_cancelled, error = True, str(e)
-                room.inflight.remove(xfer)
-            if error is not None:
-                log.warning("KV write for room %d failed: %s", room.room, error)
-                self._apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
-            if not room.inflight and room.state in WAITING_FOR_WRITES:
-                self._apply(room, PEvent.WRITES_DONE)
-        for (peer_id, generation), why in gone.items():
-            peer = self.peers.current(peer_id, generation)  # not a former pairing's
-            if peer is not None:
-                self._drop_peer(peer, f"its transfer layer disconnected ({why})", lost=True)
+        self.writes.poll(self.by_room.values())
 
     def expire(self, now: float) -> None:
         """Rooms past their deadline fail; decode workers silent too long are dropped."""

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from pdserve.kvcache import prefix_cache as pc
 from pdserve.kvcache.allocator import PageAllocator, PageAllocError
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.prefix_cache import OWNER, PrefixCache
+from pdserve.protocol import page_keys
 
 PS = 4  # tokens per page
 
@@ -70,7 +70,7 @@ def test_a_page_is_keyed_by_its_whole_prefix():
 
 
 def test_a_hash_collision_is_a_miss_not_someone_elses_kv(monkeypatch):
-    monkeypatch.setattr(pc, "page_key", lambda parent, tokens: 42)
+    monkeypatch.setattr(page_keys, "page_key", lambda parent, tokens: 42)
     leases, cache = setup(8)
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
     la, lb = computed(leases, "a", a), computed(leases, "b", b)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.kvcache.prefix_cache import page_key
+from pdserve.protocol.page_keys import page_key, page_keys
 from pdserve.router.policy import PrefixAware, PrefixSettings, make_policy
-from pdserve.router.prefix_index import PrefixIndex, fleet_page_size, page_keys
+from pdserve.router.prefix_index import PrefixIndex, fleet_page_size
 from pdserve.router.registry import Registry
 
 PS = 4  # tokens a page in these tests

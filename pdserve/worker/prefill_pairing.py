@@ -1,0 +1,121 @@
+"""The decode role's pairing with its prefill workers: Register, RegisterAck, Ping.
+
+A prefill worker computes a decode worker's rooms only once it accepted that worker's Register
+(its KV layout and the data plane to write into). So a room's PrefillRequest waits, queued on
+its peer, for the RegisterAck, with at most one Register in flight per peer; a refusal fails
+every room queued on it. A P that restarted and forgot us rejects a room as unregistered: we
+register again, once per room. Peers are pinged every PING_EVERY_S; any word from one proves
+it alive, except a Pong saying its engine has been stuck in one tick past PEER_ENGINE_STALL_S.
+
+The peer set itself (its cap, idle eviction, who is due a ping or dead) is `PrefillPeers`
+(worker/prefill_peers.py); what becomes of the rooms stays with the decode role, which owns
+them (worker/decode.py). Sans-I/O: messages go out through `send`, transports close through
+`forget`. Owned by the engine thread, like the rest of the decode role.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+from pdserve.protocol import messages as m
+from pdserve.protocol.rooms import DState
+from pdserve.runtime.timing import PEER_ENGINE_STALL_S
+from pdserve.worker.decode_rooms import DRoom, PrefillPeer
+from pdserve.worker.prefill_peers import PrefillPeers
+from pdserve.worker.roles import RoleStats
+
+log = logging.getLogger(__name__)
+
+
+class PrefillPairing:
+    def __init__(
+        self,
+        peers: PrefillPeers,
+        send: Callable[[str, m.Msg], None],
+        register: Callable[[], m.Msg],
+        forget: Callable[[str], None],
+        stats: RoleStats,
+    ) -> None:
+        """`send(address, msg)`: queue a message to a prefill worker; `register()`: this decode
+        worker's Register; `forget(address)`: close the transport to a peer no longer paired."""
+        self.peers = peers
+        self.send = send
+        self.register = register
+        self.forget = forget
+        self.stats = stats
+
+    def heard(self, address: str, msg: m.Msg) -> None:
+        """Any message from `address` proves it alive; a Pong also times its clock."""
+        peer = self.peers.get(address)
+        stalled = isinstance(msg, m.Pong) and msg.engine_busy_s > PEER_ENGINE_STALL_S
+        if peer is not None and not stalled:
+            peer.last_pong = time.monotonic()  # any word from P proves it alive...
+        if stalled:  # ...but a Pong from a P whose engine is stuck in one tick does not
+            self.stats.stale["pong_engine_stalled"] += 1
+        if peer is not None and isinstance(msg, m.Pong):
+            peer.clock.observe(msg.ping_sent_at, msg.sent_at)
+
+    def open(self, address: str, busy: Collection[str]) -> PrefillPeer:
+        """The peer at `address`, before a room leases pages for it. Raises PeerLimit when all
+        MAX_PREFILL_PEERS are busy (that request fails, leasing nothing); closes the transports
+        of peers forgotten to make room. `busy`: the addresses with open rooms."""
+        peer, gone = self.peers.open(address, time.monotonic(), busy)
+        for forgotten in gone:
+            self.forget(forgotten)
+        return peer
+
+    def join(self, peer: PrefillPeer, room: int) -> bool:
+        """True: `room`'s PrefillRequest may go to `peer` now. False: it waits for the
+        RegisterAck (a Register is sent unless one is in flight). A peer that refused us or was
+        declared dead is paired anew."""
+        if peer.refused is not None:
+            peer = self.peers.replace(peer.address)
+        if peer.registered:
+            return True
+        self._queue(peer, room)
+        return False
+
+    def register_again(self, room: DRoom) -> bool:
+        """P restarted and forgot us: pair again and resend `room` (once); False: give up."""
+        peer = self.peers.get(room.peer)
+        if peer is None or room.state is not DState.PENDING or room.reregistered:
+            return False
+        room.reregistered, peer.registered = True, False
+        if not peer.queued:
+            log.warning("prefill worker %s forgot us (restarted?): registering again", peer.address)
+        self._queue(peer, room.room)
+        return True
+
+    def _queue(self, peer: PrefillPeer, room: int) -> None:
+        if not peer.queued:  # no Register in flight yet
+            self.send(peer.address, self.register())
+        peer.queued.append(room)
+
+    def acked(self, address: str, msg: m.RegisterAck) -> tuple[list[int], str | None]:
+        """A RegisterAck from `address`: (the rooms that waited for it, None) when P paired us,
+        (those rooms, why) when it refused; ([], None) from an address we never asked."""
+        if self.peers.get(address) is None:
+            self.stats.unexpected["RegisterAck"] += 1
+            return [], None
+        queued, refused = self.peers.acked(address, msg.ok, msg.error)
+        if refused is not None:
+            log.error("prefill worker %s refused us: %s", address, refused)
+        return queued, refused
+
+    def liveness(self, now: float, waiting: Mapping[str, Sequence[DRoom]]) -> list[str]:
+        """Ping the peers due a ping; return the addresses declared dead: silent for
+        PEER_TIMEOUT_S while rooms wait on them. `waiting`: those rooms, by address."""
+        since = {address: min(r.since for r in rooms) for address, rooms in waiting.items()}
+        pings, dead = self.peers.liveness(now, since)
+        for peer in pings:
+            self.send(peer.address, m.Ping(sent_at=time.time()))
+        for peer, waited in dead:
+            log.warning("prefill worker %s silent for %.1fs: declared dead", peer.address, waited)
+        return [peer.address for peer, _ in dead]
+
+    def evict_idle(self, now: float, busy: Collection[str]) -> None:
+        """Forget the peers idle for PEER_IDLE_S and close their transports."""
+        for address in self.peers.evict_idle(now, busy):
+            self.forget(address)

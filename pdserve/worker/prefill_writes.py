@@ -1,0 +1,119 @@
+"""The prefill role's KV writes: each room's computed pages posted to its decode worker, polled.
+
+After a step, the pages its chunks filled are written to each room's destination pages, one
+write a room, through the writer of the decode worker that sent the room (its current pairing
+only: worker/decode_peers.py). On a GPU every write waits for the step's end (one event a
+step), so no transfer reads KV still being computed. A write stays in `room.inflight` until it
+completes; meanwhile the scheduler never preempts the request, and a room in
+WAITING_FOR_WRITES waits for it before PrefillDone (or its failure) goes out. A write that
+fails fails its room, never the step; one whose peer's transfer layer disconnected (PeerGone)
+drops that peer, failing every room it had at once. Room events go back to the prefill role
+(worker/prefill.py), which owns the rooms, through `apply` and `drop_peer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from pdserve.engine.scheduler import StepPlan
+from pdserve.kvcache.pool import KVPool
+from pdserve.protocol.rooms import PEvent, PState
+from pdserve.runtime.faults import FAULTS
+from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
+from pdserve.worker.decode_peers import DecodePeer, DecodePeers
+from pdserve.worker.prefill_rooms import PRoom
+from pdserve.worker.roles import RoleStats
+
+log = logging.getLogger(__name__)
+
+WAITING_FOR_WRITES = (PState.WRITING, PState.ABORTING, PState.FAILING)
+
+
+class PrefillWrites:
+    def __init__(
+        self,
+        pool: KVPool,
+        peers: DecodePeers,
+        stats: RoleStats,
+        apply: Callable[[PRoom, PEvent, str], None],
+        drop_peer: Callable[[DecodePeer, str], None],
+    ) -> None:
+        """`apply(room, event, reason)`: a room event (WRITE_FAILED, WRITES_DONE) for the
+        role's room machine; `drop_peer(peer, why)`: its transfer layer disconnected."""
+        self.pool = pool
+        self.peers = peers
+        self.stats = stats
+        self.apply = apply
+        self.drop_peer = drop_peer
+
+    def post(self, plan: StepPlan, rooms: Mapping[str, PRoom]) -> None:
+        """Post writes of the pages this step completed, for each of `rooms` (by request id)
+        still prefilling; on a GPU each waits for the step's end (one event per step)."""
+        ready = step_done(self.pool) if plan.chunks else None
+        for c in plan.chunks:
+            room = rooms.get(c.request.request_id)
+            if room is None or room.state is not PState.PREFILLING:
+                continue
+            req = c.request
+            done = req.num_computed >= len(req.prompt_ids)
+            target = (
+                self.pool.pages_needed(len(req.prompt_ids))
+                if done
+                else (req.num_computed // self.pool.page_size)
+            )
+            if target <= room.pages_written:
+                continue
+            peer = self.peers.current(room.peer, room.peer_generation)
+            try:
+                if peer is None:
+                    raise WriteError(f"decode worker {room.peer} is no longer registered")
+                if time.time() > room.write_deadline:
+                    raise WriteError("the room's write deadline passed (its pages may be reused)")
+                FAULTS.hit("p.write")
+                sl = slice(room.pages_written, target)
+                xfer = peer.writer.write(
+                    room.room,
+                    room.epoch,
+                    self.pool,
+                    req.pages[sl],
+                    room.dst_pages[sl],
+                    room.write_deadline_mono,
+                    ready,
+                )
+                room.inflight.append(xfer)
+                room.bytes_written += xfer.nbytes
+                room.pages_written = target
+            except PeerGone as e:
+                assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
+                self.drop_peer(peer, f"its transfer layer disconnected ({e})")
+            except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
+                log.warning("KV write for room %d failed: %s", room.room, e)
+                self.apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
+
+    def poll(self, rooms: Iterable[PRoom]) -> None:
+        """Collect completed writes of `rooms`; a failed or overdue one fails its room."""
+        gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
+        for room in [r for r in rooms if r.inflight]:
+            error = None
+            for xfer in list(room.inflight):
+                try:
+                    if not xfer.poll():
+                        continue
+                    self.stats.bytes_written += xfer.nbytes
+                except PeerGone as e:
+                    gone.setdefault((room.peer, room.peer_generation), str(e))
+                    room.writes_cancelled, error = True, str(e)
+                except WriteError as e:
+                    room.writes_cancelled, error = True, str(e)
+                room.inflight.remove(xfer)
+            if error is not None:
+                log.warning("KV write for room %d failed: %s", room.room, error)
+                self.apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
+            if not room.inflight and room.state in WAITING_FOR_WRITES:
+                self.apply(room, PEvent.WRITES_DONE, "")
+        for (peer_id, generation), why in gone.items():
+            peer = self.peers.current(peer_id, generation)  # not a former pairing's
+            if peer is not None:
+                self.drop_peer(peer, f"its transfer layer disconnected ({why})")
