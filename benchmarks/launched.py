@@ -13,7 +13,6 @@ starting. `wait_healthy` polls a URL's /health for a process started otherwise.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,8 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdserve.chaos.cluster import is_pdserve, wait_gone
 from pdserve.runtime.child import Child, ChildFailed
+from pdserve.runtime.pids import is_pdserve, signal_pdserve, wait_gone
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -84,28 +83,10 @@ class Pdserve:
 def stop_leftovers(pids: list[int], exit_timeout_s: float) -> list[int]:
     """Wait (bounded) for those of `pids` that are pdserve processes to exit (a pid that is
     someone else's by now is not waited for), SIGKILL the ones still running and wait for
-    them to be gone. Returns the pdserve processes that survived it all."""
+    them to be gone (`runtime/pids.py`: through a pidfd, never a pid that changed hands).
+    Returns the pdserve processes that survived it all."""
     left = wait_gone([p for p in pids if is_pdserve(p)], exit_timeout_s)
-    return wait_gone([p for p in left if kill_if_pdserve(p)], GONE_TIMEOUT_S)
-
-
-def kill_if_pdserve(pid: int) -> bool:
-    """SIGKILL `pid` if it is a pdserve process. Through a pidfd taken before the check, so a
-    pid that changes hands between the check and the kill is never hit: the pidfd still
-    names the process that had it, which is then gone. True if the signal was sent."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return False
-    try:
-        if not is_pdserve(pid):
-            return False
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-    finally:
-        os.close(fd)
+    return wait_gone([p for p in left if signal_pdserve(p, signal.SIGKILL)], GONE_TIMEOUT_S)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:

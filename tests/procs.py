@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.runtime.pids import signal_pdserve, wait_gone
+
 
 class ServerProcess:
     """`python -m pdserve ARGS --port 0`; waits for its READY line (bounded)."""
@@ -165,28 +167,10 @@ class LaunchedCluster(ServerProcess):
         self._kill_leftovers()
 
     def _kill_leftovers(self) -> None:
-        for pid in wait_gone(self.child_pids, 10.0):
-            os.kill(pid, signal.SIGKILL)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait (bounded) until none of `pids` runs; returns the ones still running."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = [p for p in pids if pid_alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+        """SIGKILL, by pid, the children still running (only pdserve ones: a pid reused by
+        then is someone else's), and wait (bounded) for them to be gone."""
+        left = [p for p in wait_gone(self.child_pids, 10.0) if signal_pdserve(p, signal.SIGKILL)]
+        wait_gone(left, 10.0)
 
 
 def auth_headers() -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 from pdserve.runtime import httpcall
 from pdserve.runtime.child import _die_with_parent
 from pdserve.runtime.cluster_key import generate as generate_key
+from pdserve.runtime.pids import signal_pdserve, wait_gone
 
 DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
 STOP_S = 45.0  # the launcher stops its router, then its workers, 30 s each at worst
@@ -67,34 +68,6 @@ class WorkerRef:
     healthy: bool = True  # the router's last liveness check passed
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def is_pdserve(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"pdserve" in f.read()
-    except OSError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait (bounded) until none of `pids` runs; the ones still running."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = [p for p in pids if pid_alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
 class Cluster:
     url: str = ""
     launched = False  # we started it, and stop it
@@ -125,10 +98,13 @@ class Cluster:
 
     def send_signal(self, w: WorkerRef, sig: signal.Signals) -> float:
         """Send `sig` to a worker by its pid (checked to be ours); the monotonic time sent."""
-        if w.pid is None or not pid_alive(w.pid) or not is_pdserve(w.pid):
-            raise ClusterError(f"worker {w.url}: pid {w.pid} is not a pdserve process here")
         t = time.monotonic()
-        os.kill(w.pid, sig)
+        try:
+            sent = w.pid is not None and signal_pdserve(w.pid, sig)
+        except ValueError:  # the router reported something that is not a pid
+            sent = False
+        if not sent:
+            raise ClusterError(f"worker {w.url}: pid {w.pid} is not a pdserve process here")
         return t
 
     def kill(self, w: WorkerRef) -> float:
@@ -235,6 +211,5 @@ class LaunchedCluster(Cluster):
                 self.proc.wait(10)
         # The launcher's children die with it (PDEATHSIG); make sure, by pid.
         for pid in wait_gone(self.pids, 10.0):
-            if is_pdserve(pid):
-                os.kill(pid, signal.SIGKILL)
+            signal_pdserve(pid, signal.SIGKILL)
         wait_gone(self.pids, 10.0)

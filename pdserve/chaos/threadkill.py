@@ -19,9 +19,10 @@ import time
 from typing import Any
 
 from pdserve.chaos import probes
-from pdserve.chaos.cluster import ClusterSpec, WorkerRef, pid_alive
+from pdserve.chaos.cluster import ClusterSpec, WorkerRef
 from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
 from pdserve.runtime import httpcall
+from pdserve.runtime.pids import pid_alive
 
 FIRE_BOUND_S = 10.0  # a set fault fires on the thread's next tick (at most ~0.1 s away)
 HEALTH_BOUND_S = 6.0  # a restarted thread's heartbeat is fresh again (bound 5 s) by then

@@ -20,7 +20,7 @@ import pytest
 from pdserve.chaos.cli import kill_range, render_summary
 from pdserve.chaos.scenarios import ChaosOptions, Outcome, percentile
 from pdserve.chaos.storm import summarize
-from tests.procs import pid_alive, wait_gone
+from pdserve.runtime.pids import pid_alive, wait_gone
 
 
 def started_pids(work: Path) -> list[int]:

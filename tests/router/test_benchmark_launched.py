@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.launched import Pdserve
-from pdserve.chaos.cluster import is_pdserve, pid_alive
+from pdserve.runtime.pids import is_pdserve, pid_alive
 
 FAKE_LAUNCH = """
 import json, subprocess, sys, time

@@ -16,7 +16,8 @@ from pdserve.cli import build_parser
 from pdserve.launch import engine_flags
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.launcher import LaunchConfig, router_argv, worker_argvs
-from tests.procs import LaunchedCluster, http, wait_gone
+from pdserve.runtime.pids import wait_gone
+from tests.procs import LaunchedCluster, http
 
 
 def config(**kw: object) -> LaunchConfig:

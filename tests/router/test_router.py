@@ -22,7 +22,8 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from tests.procs import LaunchedCluster, ServerProcess, http, wait_gone
+from pdserve.runtime.pids import wait_gone
+from tests.procs import LaunchedCluster, ServerProcess, http
 from tests.server.test_api import BAD
 
 
