@@ -1,16 +1,18 @@
 """CPU seconds each process of a serving cluster spends per streamed token.
 
     python benchmarks/serving_overhead.py [--num-prompts 64] [--concurrency 16]
-        [--output-len 256] [--repeats 2] [--profile worker|router --py-spy PATH]
+        [--output-len 256] [--repeats 2] [--topology colocated|1p1d]
+        [--profile worker|router --py-spy PATH]
 
-Starts `pdserve launch --prefill 0 --decode 1 --model builtin:tiny --device cpu` on free
-ports, streams N completions (ignore_eos, so every answer is --output-len tokens) at
-concurrency C with `pdserve bench`'s own client in this process, and reads every process's
-CPU time (utime + stime in /proc/PID/stat, and per thread in /proc/PID/task/TID/stat) before
-and after. It prints, per process, CPU milliseconds per 1,000 streamed tokens, split into the
-main thread (the asyncio loop: HTTP, SSE, NDJSON, detokenising) and the other threads (in a
-worker, the engine thread and torch's; in the router, the tokenizer pool). The client's row is
-this process (the bench client: reading and parsing SSE).
+Starts `pdserve launch --prefill 0 --decode 1 --model builtin:tiny --device cpu` (with
+`--topology 1p1d`: `--prefill 1 --decode 1`, the data plane shm) on free ports, streams N
+completions (ignore_eos, so every answer is --output-len tokens) at concurrency C with `pdserve
+bench`'s own client in this process, and reads every process's CPU time (utime + stime in
+/proc/PID/stat, and per thread in /proc/PID/task/TID/stat) before and after. It prints, per
+process, CPU milliseconds per 1,000 streamed tokens, split into the main thread (the asyncio
+loop: HTTP, SSE, NDJSON, detokenising) and the other threads (in a worker, the engine thread
+and torch's; in the router, the tokenizer pool). The client's row is this process (the bench
+client: reading and parsing SSE).
 
 The tiny model's step is cheap, so a CPU figure here is the serving path's cost per token,
 which on a GPU host caps throughput where the engine would go faster (docs/architecture.md
@@ -134,8 +136,9 @@ def start_profile(py_spy: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def summarize_profile(path: Path, pid: int) -> None:
-    """py-spy's collapsed stacks -> the main thread's top functions, self and inclusive."""
+def summarize_profile(path: Path, pid: int, thread: str = "main") -> None:
+    """py-spy's collapsed stacks -> one thread's top functions, self and inclusive: the main
+    thread, or the threads whose name contains `thread` (e.g. "engine")."""
     self_n: collections.Counter[str] = collections.Counter()
     incl_n: collections.Counter[str] = collections.Counter()
     total = 0
@@ -143,7 +146,8 @@ def summarize_profile(path: Path, pid: int) -> None:
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if not frames[0].startswith(main):
+        ours = frames[0].startswith(main) if thread == "main" else thread in frames[0]
+        if not ours:
             continue
         n = int(count)
         total += n
@@ -153,9 +157,9 @@ def summarize_profile(path: Path, pid: int) -> None:
         for f in set(fns):
             incl_n[f] += n
     if not total:
-        print(f"no samples of the main thread of {pid} in {path}")
+        print(f"no samples of the {thread} thread of {pid} in {path}")
         return
-    print(f"\nmain thread of {pid}: {total} samples while holding the GIL")
+    print(f"\n{thread} thread of {pid}: {total} samples while holding the GIL")
     print("  self%   function")
     for f, n in self_n.most_common(PROFILE_TOP):
         print(f"  {100 * n / total:5.1f}   {f}")
@@ -168,7 +172,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
     argv = [
         "launch",
         "--prefill",
-        "0",
+        "1" if args.topology == "1p1d" else "0",
         "--decode",
         "1",
         "--model",
@@ -220,15 +224,20 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
                     profiler.kill()
                     _, err = profiler.communicate(timeout=10)
                 if prof_out.exists():
-                    summarize_profile(prof_out, pid_of(procs, args.profile))
+                    summarize_profile(prof_out, pid_of(procs, args.profile), args.profile_thread)
                 else:
                     print(f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}")
     return runs
 
 
 def pid_of(procs: dict[str, int], which: str) -> int:
-    """The router's pid, or the (first) worker's: co-located or decode."""
-    return next(pid for name, pid in procs.items() if (name == "router") == (which == "router"))
+    """The router's pid, or the worker's: the decode worker in 1P+1D, else the co-located one."""
+    if which == "router":
+        return procs["router"]
+    workers = {name: pid for name, pid in procs.items() if name != "router"}
+    return next((pid for name, pid in workers.items() if name.startswith("decode")), None) or next(
+        iter(workers.values())
+    )
 
 
 def report(rep: int, tokens: int, seconds: float, rows: dict[str, Cpu]) -> None:
@@ -252,6 +261,12 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--topology",
+        choices=["colocated", "1p1d"],
+        default="colocated",
+        help="one co-located worker, or a prefill and a decode worker (shm between them)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument(
@@ -259,6 +274,11 @@ def main() -> int:
         choices=("worker", "router"),
         default=None,
         help="sample this process's main thread with py-spy in the last run",
+    )
+    p.add_argument(
+        "--profile-thread",
+        default="main",
+        help="the thread --profile summarises: main, or a name it contains (e.g. engine)",
     )
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
