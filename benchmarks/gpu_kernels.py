@@ -41,7 +41,7 @@ from pdserve.model.builtin import resolve_model  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel's name), first match wins
     ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|sm100_|ampere_|matmul|splitK"),
-    ("attention", r"paged|attend|decode_kernel|flash|sdpa|_attn"),
+    ("attention", r"paged|attend|decode_kernel|_reduce_kernel|flash|sdpa|_attn"),
     ("fused elementwise", r"rms|norm|rotary|silu|store|add_"),
     ("sampler", r"gumbel|argmax|topk|sort|softmax|max_"),
     ("copy", r"[Mm]emcpy|[Mm]emset|copy|cat|index"),
