@@ -89,8 +89,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        inv_freq: torch.Tensor,  # [head_dim / 2] float32
+        rope: Rope,  # the step's positions and inv_freq, shared by every layer
         ctx: AttentionContext[Any],
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
@@ -101,7 +100,6 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # per head (Qwen3)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        rope = Rope(positions, inv_freq)
         q, k = ctx.backend.rope_store_kv(self.layer_idx, q, k, v, rope, ctx.metadata)
         o = ctx.backend.attend(self.layer_idx, q, k, v, ctx.metadata)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -131,8 +129,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]: the last sublayer's output (the embedding at first)
         residual: torch.Tensor | None,  # the residual stream before it (None at first)
-        positions: torch.Tensor,
-        inv_freq: torch.Tensor,
+        rope: Rope,
         ctx: AttentionContext[Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's `x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each add fused into the
@@ -141,7 +138,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        h = self.self_attn(h, positions, inv_freq, ctx)
+        h = self.self_attn(h, rope, ctx)
         h, residual = self.post_attention_layernorm.add(h, residual)
         return self.mlp(h), residual
 
@@ -178,8 +175,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        rope = Rope(positions, self.inv_freq)
         for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.inv_freq, ctx)
+            x, residual = layer(x, residual, rope, ctx)
         if residual is None:  # a model with no layers
             return self.model.norm(x)
         return self.model.norm.add(x, residual)[0]
