@@ -12,6 +12,11 @@ do (GEMMs, attention, the fused elementwise kernels, the sampler's, copies), wit
 kernels by time. `gap` = period - kernel time: where the GPU idles between kernels
 (launch latency, host waits). The weight GEMMs' bandwidth = the weights' bytes / GEMM time,
 against the copy bandwidth measured in the same run.
+
+`--step tick` profiles whole engine steps instead (`Engine.tick()` with overlapped scheduling,
+as served: the forward plus the sampler, the step's uploads and the device->host copy of the
+ids), and splits the GPU's idle time by the length of each idle stretch: many short gaps are
+launch latency, a few long ones a host wait.
 """
 
 from __future__ import annotations
@@ -78,28 +83,57 @@ def kernel_table(prof: Any, steps: int, cuda: bool) -> list[dict[str, Any]]:
     )
 
 
+BINS = (("<5us", 5.0), ("5-20us", 20.0), ("20-100us", 100.0), (">100us", float("inf")))
+
+
+def idle_stretches(prof: Any, steps: int) -> dict[str, float]:
+    """The GPU's idle time per step between the first and the last kernel the profiler saw,
+    split by stretch length (µs): {"<5us": ms, "5-20us": ms, "20-100us": ms, ">100us": ms}."""
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    )
+    bins = {k: 0.0 for k, _ in BINS}
+    if not spans:
+        return bins
+    end = spans[0][1]
+    for start, stop in spans[1:]:
+        idle = start - end
+        if idle > 0:
+            key = next(k for k, top in BINS if idle < top)
+            bins[key] += idle
+        end = max(end, stop)
+    return {k: round(v / 1e3 / steps, 4) for k, v in bins.items()}
+
+
 def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     path = resolve_model(f"builtin:{name}")
-    engine = decode_engine(path, args, max_len=args.ctx + 64)
+    ticks = args.step == "tick"
+    out_len = 64 + (3 * args.steps + 16 if ticks else 0)  # ticks decode: never end in the run
+    engine = decode_engine(path, args, max_len=args.ctx + out_len)
     weight_bytes = sum(
         p.numel() * p.element_size() for p in engine.model.parameters() if p.dim() == 2
     )
     out = []
     for batch in args.batches:
         ended: dict[str, str] = {}
-        ids = prefill(engine, batch, args.ctx, 64, ended)
+        ids = prefill(engine, batch, args.ctx, out_len, ended)
         engine.sync()
         check_none_ended(ended)
         chunks = decode_chunks(engine, ids)
-        period = statistics.median(
-            time_steps(lambda c=chunks: engine.runner.forward(c), device, 5, args.steps)
-        )
+        step: Any = lambda c=chunks: engine.runner.forward(c)  # noqa: E731
+        if ticks:
+            engine.overlap, step = True, engine.tick
+        period = statistics.median(time_steps(step, device, 5, args.steps))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                engine.runner.forward(chunks)
+                step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+        engine.sync()
+        check_none_ended(ended)
         kernels = kernel_table(prof, args.steps, device.type == "cuda")
         by_group: dict[str, float] = defaultdict(float)
         for k in kernels:
@@ -109,10 +143,12 @@ def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> li
         row = {
             "model": name,
             "batch": batch,
+            "step": args.step,
             "period_ms": round(period * 1e3, 4),
             "kernel_ms": round(busy, 4),
             "gap_ms": round(period * 1e3 - busy, 4),
             "kernels_per_step": round(sum(k["count"] for k in kernels), 1),
+            "idle_ms": idle_stretches(prof, args.steps) if device.type == "cuda" else None,
             "groups_ms": {g: round(v, 4) for g, v in sorted(by_group.items(), key=lambda x: -x[1])},
             "gemm_GBps": round(weight_bytes / gemm_s / 1e9, 1) if gemm_s else None,
             "copy_GBps": ceilings["copy_GBps"],
@@ -138,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--step",
+        choices=("forward", "tick"),
+        default="forward",
+        help="profile ModelRunner.forward, or whole overlapped Engine.tick() steps",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]

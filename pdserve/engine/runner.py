@@ -133,8 +133,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> torch.Tensor:
-        """Logits [N, vocab] (float32) for the chunks that sample, in chunk order; `feed`: the
-        step in flight's sampled ids, for inputs still on the device."""
+        """Logits [N, vocab] (the model's dtype; the sampler widens what it must) for the
+        chunks that sample, in chunk order; `feed`: the step in flight's sampled ids, for
+        inputs still on the device."""
         batch = self.build(chunks, feed)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.model.compute_logits(self.graphs.run(batch))  # every decode samples
@@ -183,7 +184,7 @@ class ModelRunner:
         """One slice of rows, in one device->host copy (float64: ids below 2**53 are exact)."""
         idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
-        lp = self.model.compute_logits(hidden.index_select(0, idx)).log_softmax(dim=-1)  # [R, V]
+        lp = self.model.compute_logits(hidden.index_select(0, idx)).float().log_softmax(dim=-1)
         parts = [lp.gather(1, tgt[:, None]).double().flatten()]
         if k:
             top = lp.topk(k, dim=-1)  # [R, k] descending

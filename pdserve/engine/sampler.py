@@ -36,6 +36,7 @@ from pdserve.engine.sampling.processors import (
     apply_penalties,
     apply_slot_penalties,
     draw,
+    greedy,
 )
 from pdserve.runtime.gpu_wait import wait_event
 
@@ -43,7 +44,8 @@ from pdserve.runtime.gpu_wait import wait_event
 def sample(
     logits: torch.Tensor, reqs: Sequence[Request]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [N, vocab] float32, one row per request -> (token ids, logprobs or None)."""
+    """logits [N, vocab] (float32 or the model's dtype), one row per request -> (token ids,
+    logprobs or None)."""
     return launch(logits, reqs).result()
 
 
@@ -117,10 +119,11 @@ def _sample_batch(
 ) -> Sampled:
     raw = None
     if batch.logprobs is not None:
-        raw = logits.index_select(0, batch.logprobs.rows).log_softmax(dim=-1)  # [M, V]
+        raw = logits.index_select(0, batch.logprobs.rows).float().log_softmax(dim=-1)  # [M, V]
     pen = batch.penalties
     if batch.sparse is not None or pen is not None:
-        logits = logits.clone()  # the caller's logits stay as the model produced them
+        # a float32 copy: the caller's logits stay as the model produced them
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
         if batch.sparse is not None:
             add_sparse(logits, batch.sparse)
         if isinstance(pen, Penalties):
@@ -129,9 +132,9 @@ def _sample_batch(
             if state is None:
                 raise RuntimeError("slot penalties without their state")
             apply_slot_penalties(logits, pen, state)
-    ids = logits.argmax(dim=-1)  # [N]
+    ids = greedy(logits)  # [N]
     if batch.draw is not None:
-        picks = draw(logits.index_select(0, batch.draw.rows), batch.draw)
+        picks = draw(logits.index_select(0, batch.draw.rows).float(), batch.draw)
         ids.index_copy_(0, batch.draw.rows, picks)
     if raw is None or batch.logprobs is None:
         return Sampled(ids, ids, None, len(reqs))

@@ -134,10 +134,22 @@ def rope_halves(x1, x2, freq):
     cos = tl.cos(freq).to(x1.dtype).to(tl.float32)[None, :]  # the reference's .to(q.dtype)
     sin = tl.sin(freq).to(x1.dtype).to(tl.float32)[None, :]
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1); each product is
-    # rounded to the dtype before the sum, as the reference's separate ops are.
-    y1 = (a1 * cos).to(x1.dtype).to(tl.float32) + (-a2 * sin).to(x1.dtype).to(tl.float32)
-    y2 = (a2 * cos).to(x1.dtype).to(tl.float32) + (a1 * sin).to(x1.dtype).to(tl.float32)
+    # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
+    if x1.dtype == tl.float32:
+        # No rounding step separates the products from the sum here, so the compiler may
+        # contract either product into a fused multiply-add, and differently in different
+        # kernels (a three-program variant of rope_store_kv differed from rotary in the last
+        # bit on an H200). One explicit FMA fixes the order: y1 = round(a1 * cos +
+        # round(-a2 * sin)), the same bits in every kernel that calls this.
+        y1 = tl.fma(a1, cos, -a2 * sin)
+        y2 = tl.fma(a2, cos, a1 * sin)
+    else:
+        # each product is rounded to the dtype before the sum, as the reference's separate
+        # ops are. (Compiled, this form's bits are still the compiler's to keep: in the
+        # three-program variant y2 came out one bf16 step off rotary's, so rope_store_kv
+        # stays one program a token; tests/attention/test_triton_rope_store.py checks it.)
+        y1 = (a1 * cos).to(x1.dtype).to(tl.float32) + (-a2 * sin).to(x1.dtype).to(tl.float32)
+        y2 = (a2 * cos).to(x1.dtype).to(tl.float32) + (a1 * sin).to(x1.dtype).to(tl.float32)
     return y1.to(x1.dtype), y2.to(x1.dtype)
 
 

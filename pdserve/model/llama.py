@@ -182,5 +182,6 @@ class CausalLM(nn.Module):
             return self.model.norm(x)
         return self.model.norm.add(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
+        """The sampler widens to float32 only the rows that need more than an argmax."""
+        return self.lm_head(hidden)
