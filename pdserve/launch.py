@@ -24,9 +24,7 @@ def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
     probe = argparse.ArgumentParser(add_help=False)
     add_engine_args(probe)
     argv: list[str] = []
-    negatable = {
-        a.dest for a in probe._actions if isinstance(a, argparse.BooleanOptionalAction)
-    }
+    negatable = {a.dest for a in probe._actions if isinstance(a, argparse.BooleanOptionalAction)}
     for dest in vars(probe.parse_args([])):
         value = getattr(args, dest)
         flag = "--" + dest.replace("_", "-")
@@ -108,6 +106,13 @@ def add_launch_command(sub: Any) -> None:
         default=0,
         help="torch threads per decode (or co-located) worker (0: --threads)",
     )
+    p.add_argument(
+        "--gpus",
+        default="auto",
+        metavar="auto|none|LIST",
+        help="GPUs to spread the workers over, round-robin, prefill first: each sees only its "
+        "own (CUDA_VISIBLE_DEVICES); auto: every visible GPU when there are several",
+    )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     add_front_end_args(p)
     p.add_argument(
@@ -150,13 +155,30 @@ def launch_backend(args: argparse.Namespace) -> str | None:
     return backend
 
 
+def launch_gpus(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The GPUs the workers are spread over (runtime/gpus.py); None after printing why not."""
+    from pdserve.runtime.gpus import resolve_gpus
+
+    count = 0
+    if args.device.startswith("cuda") or args.device == "auto":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        return resolve_gpus(args.gpus, args.device, os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+    except ValueError as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.model.builtin import resolve_model
     from pdserve.runtime.launcher import LaunchConfig, Launcher
     from pdserve.server.auth import load_api_key
 
     backend = launch_backend(args)
-    if backend is None:
+    gpus = launch_gpus(args)
+    if backend is None or gpus is None:
         return 2
     workers = args.prefill + args.decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -204,5 +226,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,
         on_worker_exit=args.on_worker_exit,
+        gpus=gpus,
     )
     return Launcher(cfg).run()

@@ -49,10 +49,14 @@ class ChildFailed(RuntimeError):
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        """`env`: variables set for this child on top of ours (e.g. its CUDA_VISIBLE_DEVICES)."""
         self.name = name
         self.argv = argv
         self.log_path = log_path
+        self.env = dict(env or {})
         self.url: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._scanned = 0  # bytes of the log already searched for READY
@@ -64,7 +68,8 @@ class Child:
         return self._proc.pid
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # log lines land in order, as they happen
+        # log lines land in order, as they happen
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 self.argv,

@@ -4,6 +4,10 @@ Startup: start every worker on port 0, wait for all their READY lines (the barri
 by the startup timeout), then start the router over their URLs and wait for its READY.
 Print the process table and `READY <router url>` last, so whoever reads our stdout has the
 table once it sees READY; the same table goes to LOG_DIR/cluster.json.
+GPUs: with `gpus` the workers are spread over those GPUs round-robin in start order (prefill
+workers first), each seeing only its own through CUDA_VISIBLE_DEVICES, so 1P+1D on a two-GPU
+host puts each on its own GPU (as SGLang's --base-gpu-id and vLLM/Dynamo's per-worker
+CUDA_VISIBLE_DEVICES do); without, every worker sees what the launcher sees.
 Run: sleep until a stop signal or a child's exit wakes us (SIGCHLD), with a bounded wait.
 Stop: the router first (no new request reaches a worker that is going away), then the
 workers: SIGTERM, a bounded wait, SIGKILL. Any failure stops what was started and exits
@@ -62,6 +66,7 @@ class LaunchConfig:
     on_worker_exit: str = "stop"  # stop | continue (the router routes around a dead worker)
     prefill_threads: int = 0  # per-role overrides of `threads` (0: use `threads`)
     decode_threads: int = 0
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES entries to spread the workers over
 
     def threads_for(self, role: str) -> int:
         per_role = self.prefill_threads if role == "prefill" else self.decode_threads
@@ -107,6 +112,15 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
         argv = [*base, "--role", role, *threads, *common, *cfg.engine_flags, *extra]
         out.append((f"{role}-{i}", argv))
     return out
+
+
+def worker_gpus(cfg: LaunchConfig) -> dict[str, str]:
+    """Each worker's GPU (a CUDA_VISIBLE_DEVICES entry): round-robin over `cfg.gpus` in start
+    order, prefill workers first; none without `cfg.gpus`."""
+    if not cfg.gpus:
+        return {}
+    names = [name for name, _ in worker_argvs(cfg)]
+    return {name: cfg.gpus[i % len(cfg.gpus)] for i, name in enumerate(names)}
 
 
 def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[str]) -> list[str]:
@@ -186,8 +200,10 @@ class Launcher:
 
     def _start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
+        gpus = worker_gpus(self.cfg)
         for name, argv in worker_argvs(self.cfg):
-            self.workers.append(self._spawn(name, argv))
+            env = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else None
+            self.workers.append(self._spawn(name, argv, env))
         self._barrier(self.workers, deadline)
         urls = {c.name: str(c.url) for c in self.workers}
         self.router = self._spawn(
@@ -201,10 +217,11 @@ class Launcher:
         self._barrier([self.router], deadline)
         self._announce(self.router)
 
-    def _spawn(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.cfg.log_dir / f"{name}.log")
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        child = Child(name, argv, self.cfg.log_dir / f"{name}.log", env)
         child.start()  # from the main thread: PDEATHSIG is tied to the forking thread
-        log.info("started %s (pid %d)", name, child.pid)
+        on = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if env else ""
+        log.info("started %s (pid %d)%s", name, child.pid, on)
         return child
 
     def _barrier(self, children: list[Child], deadline: float) -> None:
@@ -221,7 +238,10 @@ class Launcher:
             time.sleep(LAUNCH_POLL_S)
 
     def _announce(self, router: Child) -> None:
-        rows = [(c.name, c.pid, c.url, str(c.log_path)) for c in [*self.workers, router]]
+        rows = [
+            (c.name, c.pid, c.url, str(c.log_path), c.env.get("CUDA_VISIBLE_DEVICES"))
+            for c in [*self.workers, router]
+        ]
         table = self.cfg.log_dir / "cluster.json"
         table.write_text(
             json.dumps(
@@ -230,16 +250,17 @@ class Launcher:
                     "launcher_pid": os.getpid(),
                     "cluster_key_file": self.cfg.cluster_key_file,
                     "processes": [
-                        dict(zip(("name", "pid", "url", "log"), r, strict=True)) for r in rows
+                        dict(zip(("name", "pid", "url", "log", "gpu"), r, strict=True))
+                        for r in rows
                     ],
                 },
                 indent=1,
             )
         )
         print(f"pdserve launch: cluster up ({table})", file=self.out)
-        print(f"  {'NAME':<12} {'PID':>8}  {'URL':<26} LOG", file=self.out)
-        for name, pid, url, path in rows:
-            print(f"  {name:<12} {pid:>8}  {url:<26} {path}", file=self.out)
+        print(f"  {'NAME':<12} {'PID':>8}  {'URL':<26} {'GPU':<4} LOG", file=self.out)
+        for name, pid, url, path, gpu in rows:
+            print(f"  {name:<12} {pid:>8}  {url:<26} {gpu or '-':<4} {path}", file=self.out)
         announce_ready(str(router.url), self.out)
 
     def _supervise(self) -> int:

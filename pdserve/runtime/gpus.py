@@ -1,0 +1,48 @@
+"""Which GPUs `pdserve launch` spreads its workers over (`--gpus`).
+
+`auto` (the default): when the workers run on CUDA (`--device cuda` or `auto` on a machine with
+a GPU) and this process sees more than one GPU, every GPU it sees: the entries of
+CUDA_VISIBLE_DEVICES when that is set, else 0..N-1. One GPU, the CPU, or an explicit
+`--device cuda:N`: no placement, every worker sees what the launcher sees (as before). `none`:
+no placement. A list (`0,1` or GPU UUIDs / MIG ids): exactly those, in that order; it needs
+the workers on CUDA. The launcher (runtime/launcher.py) hands worker i the entry i mod N as
+its CUDA_VISIBLE_DEVICES, so a worker's `cuda` is its own GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A CUDA_VISIBLE_DEVICES entry: an index, a GPU UUID (GPU-…) or a MIG id (MIG-…).
+_ENTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_-]*")
+
+
+def _entries(spec: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in spec.split(",") if x.strip())
+
+
+def resolve_gpus(spec: str, device: str, visible: str | None, device_count: int) -> tuple[str, ...]:
+    """The CUDA_VISIBLE_DEVICES entries to spread the workers over (empty: no placement).
+    `device`: the workers' --device; `visible`: this process's CUDA_VISIBLE_DEVICES (None if
+    unset); `device_count`: the GPUs torch sees here (0 without CUDA). Raises ValueError for
+    a list that cannot be honoured."""
+    spec = spec.strip()
+    if spec in ("auto", "none"):
+        if spec == "none" or device not in ("cuda", "auto") or device_count < 2:
+            return ()
+        seen = _entries(visible) if visible is not None else ()
+        gpus = seen if seen else tuple(str(i) for i in range(device_count))
+        return gpus if len(gpus) > 1 else ()
+    gpus = _entries(spec)
+    bad = [g for g in gpus if not _ENTRY.fullmatch(g)]
+    if not gpus or bad:
+        raise ValueError(f"--gpus {spec!r}: want auto, none or a comma list of GPU ids")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus {spec!r} names a GPU twice")
+    if device not in ("cuda", "auto") or device_count == 0:
+        raise ValueError(
+            f"--gpus {spec!r} places workers on GPUs: it needs --device cuda (or auto on a "
+            f"machine with a GPU), got --device {device}"
+            + ("" if device_count else " and no GPU visible")
+        )
+    return gpus
