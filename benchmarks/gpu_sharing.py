@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import statistics
 import subprocess
@@ -44,6 +45,7 @@ from pdserve.model.builtin import resolve_model  # noqa: E402
 
 READY_TIMEOUT_S = 300.0  # the load process builds (or loads) the model, then says "ready"
 STOP_TIMEOUT_S = 60.0
+BURST_TIMEOUT_S = 60.0  # the load's prefills of one burst
 
 
 def load(args: argparse.Namespace) -> int:
@@ -68,8 +70,10 @@ def load(args: argparse.Namespace) -> int:
                     done.append(out.finish_reason)
 
             engine.submit(f"{tag}-{i}", prompt, params, sink)
-        deadline = time.monotonic() + 60
-        while len(done) - before < args.burst and time.monotonic() < deadline:
+        deadline = time.monotonic() + BURST_TIMEOUT_S
+        while len(done) - before < args.burst:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a burst of {args.burst} prefills unfinished after 60 s")
             engine.tick()
         engine.sync()
         return time.perf_counter() - t0
@@ -94,31 +98,49 @@ def load(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_load(args: argparse.Namespace, rate: float) -> subprocess.Popen[str]:
+def start_load(args: argparse.Namespace, rate: float) -> subprocess.Popen[bytes]:
+    """The load process, once it said "ready" (bounded); killed if it did not."""
     cmd = [
         sys.executable, __file__, "--load", "--rate", str(rate), "--model", args.model,
         "--device", args.device, "--dtype", args.dtype, "--burst", str(args.burst),
         "--prompt-len", str(args.prompt_len),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if line.strip() != "ready":
-        proc.kill()
-        proc.wait(STOP_TIMEOUT_S)
-        raise RuntimeError(f"the load process did not start (said {line!r})")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        said = b""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while b"\n" not in said:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                raise RuntimeError(f"the load process said no ready line in {READY_TIMEOUT_S}s")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the load process exited (code {proc.wait(STOP_TIMEOUT_S)})")
+            said += chunk
+        if said.split(b"\n")[0].strip() != b"ready":
+            raise RuntimeError(f"the load process did not start (said {said[:200]!r})")
+    except BaseException:
+        kill(proc)
+        raise
     return proc
 
 
-def stop_load(proc: subprocess.Popen[str]) -> dict[str, Any]:
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait(STOP_TIMEOUT_S)
+
+
+def stop_load(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """Tell the load process to stop (it reads stdin); its report. Killed past the bound."""
     try:
-        out, _ = proc.communicate("stop\n", timeout=STOP_TIMEOUT_S)
+        out, _ = proc.communicate(b"stop\n", timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(STOP_TIMEOUT_S)
+        kill(proc)
         raise
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load process failed (exit {proc.returncode})")
+    return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_load(args, rate) if rate > 0 else None
         try:
             steps = sorted(time_steps(engine.tick, device, 5, args.steps))
-        finally:
             loaded = stop_load(proc) if proc is not None else None
+            proc = None
+        finally:
+            if proc is not None:  # the measurement failed: the load is killed, not asked
+                kill(proc)
         check_none_ended(ended)
         row: dict[str, Any] = {
             "rate": rate,

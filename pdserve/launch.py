@@ -180,6 +180,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     gpus = launch_gpus(args)
     if backend is None or gpus is None:
         return 2
+    if gpus and args.device == "auto":  # a placed worker must not fall back to the CPU
+        args.device = "cuda"
     workers = args.prefill + args.decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))

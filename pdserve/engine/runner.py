@@ -143,7 +143,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
         self._score_prompts(chunks, batch, hidden)
         if batch.num_samples == 0:
-            return hidden.new_empty(0, self.model.arch.vocab_size, dtype=torch.float32)
+            return hidden.new_empty(0, self.model.arch.vocab_size)  # the logits dtype
         return self.model.compute_logits(hidden[batch.sample_indices])
 
     def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:

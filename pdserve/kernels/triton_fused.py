@@ -12,7 +12,9 @@ gate-up matmuls, bring it to about ten.
   cos/sin from the position and inv_freq in float32 (no table to keep).
 
 Numerics follow kernels/reference.py: float32 inside, rounded to the tensor's dtype where the
-reference rounds. Under TRITON_INTERPRET=1 they run on CPU tensors (the CPU tests).
+reference rounds, except the float32 rotation, which is one explicit fused multiply-add
+(`rope_halves`: the same bits in every kernel that rotates, within one float32 rounding of the
+reference's). Under TRITON_INTERPRET=1 they run on CPU tensors (the CPU tests).
 """
 
 from __future__ import annotations

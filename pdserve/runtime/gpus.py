@@ -1,12 +1,15 @@
 """Which GPUs `pdserve launch` spreads its workers over (`--gpus`).
 
 `auto` (the default): when the workers run on CUDA (`--device cuda` or `auto` on a machine with
-a GPU) and this process sees more than one GPU, every GPU it sees: the entries of
-CUDA_VISIBLE_DEVICES when that is set, else 0..N-1. One GPU, the CPU, or an explicit
-`--device cuda:N`: no placement, every worker sees what the launcher sees (as before). `none`:
-no placement. A list (`0,1` or GPU UUIDs / MIG ids): exactly those, in that order; it needs
-the workers on CUDA. The launcher (runtime/launcher.py) hands worker i the entry i mod N as
-its CUDA_VISIBLE_DEVICES, so a worker's `cuda` is its own GPU.
+a GPU) and this process sees more than one GPU, every GPU it sees: the entries of its
+CUDA_VISIBLE_DEVICES when that is set (as many as torch counts), else 0..N-1. One GPU, the
+CPU, or an explicit `--device cuda:N`: no placement, every worker sees what the launcher sees
+(as before). `none`: no placement. A list (`0,1` or GPU UUIDs / MIG ids): exactly those, in
+that order; it needs the workers on CUDA and GPUs the launcher itself sees (entries of its
+CUDA_VISIBLE_DEVICES when set, else indices below the device count). The launcher
+(runtime/launcher.py) hands worker i the entry i mod N as its CUDA_VISIBLE_DEVICES, so a
+worker's `cuda` is its own GPU; `launch` then passes `--device cuda` (not `auto`) to placed
+workers, so a GPU a worker cannot open fails its start instead of leaving it on the CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def resolve_gpus(spec: str, device: str, visible: str | None, device_count: int)
     if spec in ("auto", "none"):
         if spec == "none" or device not in ("cuda", "auto") or device_count < 2:
             return ()
-        seen = _entries(visible) if visible is not None else ()
+        seen = _entries(visible)[:device_count] if visible is not None else ()
         gpus = seen if seen else tuple(str(i) for i in range(device_count))
         return gpus if len(gpus) > 1 else ()
     gpus = _entries(spec)
@@ -45,4 +48,13 @@ def resolve_gpus(spec: str, device: str, visible: str | None, device_count: int)
             f"machine with a GPU), got --device {device}"
             + ("" if device_count else " and no GPU visible")
         )
+    if visible is not None:
+        seen = _entries(visible)[:device_count]
+        unseen = [g for g in gpus if g not in seen]
+        where = f"CUDA_VISIBLE_DEVICES={visible}"
+    else:
+        unseen = [g for g in gpus if g.isdigit() and int(g) >= device_count]
+        where = f"{device_count} GPUs"
+    if unseen:
+        raise ValueError(f"--gpus {spec!r}: {', '.join(unseen)} not among this host's ({where})")
     return gpus

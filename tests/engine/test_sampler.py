@@ -255,3 +255,26 @@ def test_an_unseeded_request_gets_its_own_seed():
 
 def test_an_empty_batch():
     assert sample(torch.zeros(0, 4), []) == ([], [])
+
+
+def test_16_bit_logits_sample_what_their_float32_copy_samples():
+    """The model hands the sampler its own dtype; every path (greedy, bias and bans, penalties,
+    draws through the filters, logprobs) widens to float32 where it needs to, so a bf16 batch
+    picks and scores exactly as its float32 copy does."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 50
+    reqs = [random_greedy_case(g, vocab) for _ in range(24)]
+    for i, kw in enumerate(
+        [
+            dict(temperature=0.8, seed=5),
+            dict(temperature=1.2, top_k=7, seed=6, logprobs=2),
+            dict(temperature=0.7, top_p=0.6, min_p=0.05, seed=7, presence_penalty=0.5),
+        ]
+    ):
+        req = r([1, 2, 3], [4, 4], max_tokens=20, **kw)
+        req.request_id = f"draw{i}"
+        reqs.append(req)
+    logits = (torch.randn(len(reqs), vocab, generator=g) * 4).to(torch.bfloat16)
+    want = sample(logits.float(), reqs)
+    got = sample(logits, reqs)
+    assert got == want

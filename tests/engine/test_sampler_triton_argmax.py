@@ -19,7 +19,7 @@ from pdserve.attention.triton_common import interpreted  # noqa: E402
 from pdserve.engine.sampling import processors, triton_argmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not interpreted(triton_argmax._chunk_kernel):
+if DEVICE == "cpu" and not interpreted(triton_argmax._argmax_chunk_kernel):
     pytest.skip("Triton kernels imported compiled without a GPU", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

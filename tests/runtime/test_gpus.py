@@ -20,6 +20,7 @@ def test_auto_spreads_over_every_visible_gpu_when_there_are_several():
     assert resolve_gpus("auto", "auto", None, 4) == ("0", "1", "2", "3")
     assert resolve_gpus("auto", "cuda", "3,5", 2) == ("3", "5")  # the launcher's own view
     assert resolve_gpus("auto", "cuda", "GPU-aa, GPU-bb", 2) == ("GPU-aa", "GPU-bb")
+    assert resolve_gpus("auto", "cuda", "0,1,7", 2) == ("0", "1")  # 7: not a GPU torch counts
 
 
 def test_auto_places_nothing_on_one_gpu_the_cpu_or_a_chosen_device():
@@ -33,7 +34,7 @@ def test_auto_places_nothing_on_one_gpu_the_cpu_or_a_chosen_device():
 
 def test_an_explicit_list_is_honoured_in_its_order():
     assert resolve_gpus("1,0", "cuda", None, 2) == ("1", "0")
-    assert resolve_gpus(" 2 , 3 ", "auto", "2,3", 2) == ("2", "3")
+    assert resolve_gpus(" 5 , 4 ", "auto", "4,5", 2) == ("5", "4")
     assert resolve_gpus("MIG-4f/1/0", "cuda", None, 1) == ("MIG-4f/1/0",)
 
 
@@ -47,11 +48,19 @@ def test_an_explicit_list_is_honoured_in_its_order():
         ("0,1", "cpu", 2, "needs --device cuda"),
         ("0,1", "cuda:0", 2, "needs --device cuda"),
         ("0,1", "cuda", 0, "no GPU visible"),
+        ("5", "cuda", 2, r"5 not among this host's \(2 GPUs\)"),
     ],
 )
 def test_a_list_that_cannot_be_honoured_is_refused(spec, device, count, why):
     with pytest.raises(ValueError, match=why):
         resolve_gpus(spec, device, None, count)
+
+
+def test_a_list_names_gpus_as_the_launcher_sees_them():
+    with pytest.raises(ValueError, match="0 not among this host's"):
+        resolve_gpus("0,4", "cuda", "4,5", 2)  # physical 0 is outside the launcher's GPUs
+    with pytest.raises(ValueError, match="GPU-cc not among"):
+        resolve_gpus("GPU-cc", "cuda", "GPU-aa,GPU-bb", 2)
 
 
 def test_workers_take_the_gpus_round_robin_prefill_first():

@@ -98,7 +98,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64: each row's argmax, as torch's (the first greatest; NaN counts
     greatest). On CUDA two small Triton kernels (sampling/triton_argmax.py: torch's took 27 µs
     a step on an H200); a 16-bit row gives the pick its float32 copy would."""
-    if logits.is_cuda and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+    if (
+        logits.is_cuda
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and logits.stride(-1) == 1
+        and logits.shape[-1] > 0
+    ):
         from pdserve.engine.sampling.triton_argmax import argmax
 
         return argmax(logits)

@@ -36,7 +36,7 @@ def _pick(vals, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(
+def _argmax_chunk_kernel(
     logits_ptr,  # [R, V]
     val_ptr,  # [R, C] float32: each chunk's winning value
     idx_ptr,  # [R, C] int64: its index in the row
@@ -56,7 +56,7 @@ def _chunk_kernel(
 
 
 @triton.jit
-def _row_kernel(
+def _argmax_row_kernel(
     val_ptr,  # [R, C]
     idx_ptr,  # [R, C]
     out_ptr,  # [R] int64
@@ -90,10 +90,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(vocab, CHUNK)
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
-    _chunk_kernel[(rows, chunks)](
+    _argmax_chunk_kernel[(rows, chunks)](
         logits, vals, idx, logits.stride(0), vocab, chunks, CHUNK_V=CHUNK, num_warps=8
     )
-    _row_kernel[(rows,)](
+    _argmax_row_kernel[(rows,)](
         vals, idx, out, chunks, vocab, BLOCK_C=max(16, triton.next_power_of_2(chunks))
     )
     return out
