@@ -1,8 +1,12 @@
 """Serving on a GPU: `pdserve bench` against a co-located GPU cluster and a 1P+1D GPU cluster.
 
-Both are started with `pdserve launch` on this machine's GPU (the 1P+1D pair shares it; KV moves
-over --backend, nixl by default: VRAM to VRAM through UCX's cuda_ipc), then measured with the
-same workload: random prompts of --input-len tokens, --output-len tokens out, at each
+Both are started with `pdserve launch` on this machine's GPUs (KV moves over --backend, nixl by
+default: VRAM to VRAM through UCX's cuda_ipc). On one GPU the 1P+1D pair shares it; on a host
+with several, `launch` puts each worker on its own (`--gpus auto`), and a cluster named with
+`-shared` (e.g. `1p1d-shared`) is launched with `--gpus none` so that its pair shares one GPU
+for the comparison (benchmarks/gpu_sharing.py measures what sharing costs). Each row names its
+workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
+workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
 the 1P+1D / co-located ratio of ITL p50, side by side. Writes every `pdserve bench` JSON and a
 summary (--out DIR).
@@ -18,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +37,10 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
     topology = ["--prefill", "0", "--decode", "1"]
     if not name.startswith("colocated"):
         topology = ["--prefill", "1", "--decode", "1", "--backend", args.backend]
-    if name.endswith("-plain"):  # without overlapped scheduling, for the comparison
+    if "-plain" in name:  # without overlapped scheduling, for the comparison
         topology.append("--no-overlap-schedule")
+    if "-shared" in name:  # every worker on the GPU the launcher sees first
+        topology += ["--gpus", "none"]
     cmd = [
         sys.executable, "-m", "pdserve", "launch", *topology,
         "--port", str(port),
@@ -74,6 +81,18 @@ def bench(url: str, name: str, conc: int, args: argparse.Namespace, out: Path) -
     }
 
 
+def placement(name: str, out: Path) -> str:
+    """The workers' GPUs as the launcher wrote them ("prefill-0:0 decode-0:1"; "shared" when
+    it placed none)."""
+    path = out / f"{name}-logs" / "cluster.json"
+    deadline = time.monotonic() + 30  # written as the launcher announces the cluster
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    table = json.loads(path.read_text())
+    gpus = [f"{p['name']}:{p['gpu']}" for p in table["processes"] if p.get("gpu") is not None]
+    return " ".join(gpus) or "shared"
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGINT)
     try:
@@ -91,7 +110,8 @@ def main() -> int:
     ap.add_argument(
         "--clusters",
         default="colocated,1p1d",
-        help="of colocated, 1p1d, and either with -plain (no overlapped scheduling)",
+        help="of colocated, 1p1d, either with -plain (no overlapped scheduling) and 1p1d with "
+        "-shared (--gpus none: both workers on one GPU)",
     )
     ap.add_argument("--concurrency", default="1,32,128")
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -114,8 +134,9 @@ def main() -> int:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, args.startup_timeout)
+            where = placement(name, out)
             for conc in args.concurrency:
-                rows.append(bench(url, name, conc, args, out))
+                rows.append({**bench(url, name, conc, args, out), "placement": where})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop(proc)
