@@ -9,6 +9,7 @@ subcommand; the later one wins.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import textwrap
@@ -121,10 +122,16 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.frontend.fields import reject_unknown_fields
+    from pdserve.runtime.gpus import pin_to_device
     from pdserve.server.auth import load_api_key
     from pdserve.transfer.receiver import resolve_backend
     from pdserve.worker.process import run_server
 
+    try:  # before CUDA starts here: the process sees only the GPU it was given
+        args.device = pin_to_device(args.device, os.environ)
+    except ValueError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     engine = engine_config(args)
     # The decode side picks the data plane (P follows its Register): only D is refused here.
     backend, why = resolve_backend(args.backend, engine.model.device, args.role != "colocated")

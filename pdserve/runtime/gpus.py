@@ -10,10 +10,12 @@ CUDA_VISIBLE_DEVICES when set, else indices below the device count). The launche
 (runtime/launcher.py) hands worker i the entry i mod N as its CUDA_VISIBLE_DEVICES, so a
 worker's `cuda` is its own GPU; `launch` then passes `--device cuda` (not `auto`) to placed
 workers, so a GPU a worker cannot open fails its start instead of leaving it on the CPU.
+`pdserve serve --device cuda:N` pins its own process the same way (`pin_to_device`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 # A CUDA_VISIBLE_DEVICES entry: an index, a GPU UUID (GPU-…) or a MIG id (MIG-…).
@@ -58,3 +60,26 @@ def resolve_gpus(spec: str, device: str, visible: str | None, device_count: int)
     if unseen:
         raise ValueError(f"--gpus {spec!r}: {', '.join(unseen)} not among this host's ({where})")
     return gpus
+
+
+def pin_to_device(device: str, environ: dict[str, str] | os._Environ[str]) -> str:
+    """`--device cuda:N` for one process (`pdserve serve`): the process is given only that GPU
+    through CUDA_VISIBLE_DEVICES (the N-th entry of the one it has, if any) and uses it as
+    `cuda`. Every CUDA call then lands on it, Triton's launches and graph captures included,
+    which follow the thread's current device (device 0) rather than a tensor's. Must run
+    before CUDA starts in this process; other devices are returned unchanged."""
+    m = re.fullmatch(r"cuda:(\d+)", device)
+    if m is None:
+        return device
+    n = int(m.group(1))
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        seen = _entries(environ["CUDA_VISIBLE_DEVICES"])
+        if n >= len(seen):
+            raise ValueError(
+                f"--device {device}: CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} "
+                f"gives this process {len(seen)} GPU(s)"
+            )
+        environ["CUDA_VISIBLE_DEVICES"] = seen[n]
+    else:
+        environ["CUDA_VISIBLE_DEVICES"] = str(n)
+    return "cuda"

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdserve.runtime.child import Child
-from pdserve.runtime.gpus import resolve_gpus
+from pdserve.runtime.gpus import pin_to_device, resolve_gpus
 from pdserve.runtime.launcher import worker_gpus
 from tests.router.test_launch import config
 
@@ -108,3 +108,19 @@ def test_launch_says_why_it_refuses_a_list(capsys):
     assert launch_gpus(Namespace(device="cpu", gpus="auto")) == ()
     assert launch_gpus(Namespace(device="cpu", gpus="0,1")) is None
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+def test_serve_pins_an_indexed_device_to_its_process():
+    env: dict[str, str] = {}
+    assert pin_to_device("cuda:1", env) == "cuda" and env == {"CUDA_VISIBLE_DEVICES": "1"}
+    env = {"CUDA_VISIBLE_DEVICES": "4,6"}  # the N-th of the GPUs this process was given
+    assert pin_to_device("cuda:1", env) == "cuda" and env["CUDA_VISIBLE_DEVICES"] == "6"
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
+    assert pin_to_device("cuda:0", env) == "cuda" and env["CUDA_VISIBLE_DEVICES"] == "GPU-aa"
+    for device in ("cuda", "cpu", "auto"):  # nothing to pin
+        env = {"CUDA_VISIBLE_DEVICES": "3"}
+        assert pin_to_device(device, env) == device and env == {"CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(ValueError, match="gives this process 2 GPU"):
+        pin_to_device("cuda:2", {"CUDA_VISIBLE_DEVICES": "4,6"})
+    with pytest.raises(ValueError, match="gives this process 0 GPU"):
+        pin_to_device("cuda:0", {"CUDA_VISIBLE_DEVICES": ""})
