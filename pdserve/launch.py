@@ -159,8 +159,8 @@ def launch_gpus(args: argparse.Namespace) -> tuple[str, ...] | None:
     """The GPUs the workers are spread over (runtime/gpus.py); None after printing why not."""
     from pdserve.runtime.gpus import resolve_gpus
 
-    count = 0
-    if args.device.startswith("cuda") or args.device == "auto":
+    count = 0  # torch is imported (seconds) only when placement may apply
+    if args.gpus.strip() != "none" and (args.device.startswith("cuda") or args.device == "auto"):
         import torch
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

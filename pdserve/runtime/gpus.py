@@ -15,8 +15,8 @@ workers, so a GPU a worker cannot open fails its start instead of leaving it on 
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import MutableMapping
 
 # A CUDA_VISIBLE_DEVICES entry: an index, a GPU UUID (GPU-…) or a MIG id (MIG-…).
 _ENTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_-]*")
@@ -62,7 +62,7 @@ def resolve_gpus(spec: str, device: str, visible: str | None, device_count: int)
     return gpus
 
 
-def pin_to_device(device: str, environ: dict[str, str] | os._Environ[str]) -> str:
+def pin_to_device(device: str, environ: MutableMapping[str, str]) -> str:
     """`--device cuda:N` for one process (`pdserve serve`): the process is given only that GPU
     through CUDA_VISIBLE_DEVICES (the N-th entry of the one it has, if any) and uses it as
     `cuda`. Every CUDA call then lands on it, Triton's launches and graph captures included,

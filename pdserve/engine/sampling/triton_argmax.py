@@ -24,14 +24,15 @@ CHUNK = 4096  # tokens per program of the first kernel: 32 programs a row for a 
 
 
 @triton.jit
-def _pick(vals, idx, BIG: tl.constexpr):
-    """(value, index) of the first NaN in `vals` if any, else of the first greatest value."""
+def _pick(vals, idx, big):
+    """(value, index) of the first NaN in `vals` if any, else of the first greatest value;
+    `big` is above every index (the vocabulary size)."""
     nan = vals != vals
-    first_nan = tl.min(tl.where(nan, idx, BIG), axis=0)
+    first_nan = tl.min(tl.where(nan, idx, big), axis=0)
     key = tl.where(nan, float("-inf"), vals)
     top = tl.max(key, axis=0)
-    first_top = tl.min(tl.where(key == top, idx, BIG), axis=0)
-    has_nan = first_nan < BIG
+    first_top = tl.min(tl.where(key == top, idx, big), axis=0)
+    has_nan = first_nan < big
     return tl.where(has_nan, float("nan"), top), tl.where(has_nan, first_nan, first_top)
 
 
