@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.attention.triton_common import LOG2E, block, check_cache, dot_dtype, dot_precision
+from pdserve.kernels.pdl import enter, launch
 
 BLOCK_N = 64  # keys per iteration
 MAX_SPLITS = 32
@@ -69,7 +70,9 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,7 +148,9 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -257,6 +262,7 @@ def paged_decode(
         PRECISION=dot_precision(dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch(q.device, _decode_kernel),
     )
     if split:
         _reduce_kernel[(rows, num_heads)](
@@ -268,4 +274,5 @@ def paged_decode(
             HEAD_DIM=dim,
             BLOCK_S=block(num_splits, 1),
             BLOCK_D=block(dim, 1),
+            **launch(out.device, _reduce_kernel),
         )

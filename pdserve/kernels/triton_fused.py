@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import enter, launch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -37,7 +39,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -76,12 +80,16 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(d),
+        **launch(x.device, _rms_norm_kernel),
     )
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -102,7 +110,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        **launch(gate_up.device, _silu_mul_kernel),
     )
     return out
 
@@ -170,7 +184,9 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.float32)
     i = tl.arange(0, BLOCK_HALF)
@@ -209,5 +225,6 @@ def rotary(
         HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(max(hq, hkv)),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
+        **launch(q.device, _rotary_kernel),
     )
     return q, k

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import enter, launch
+
 
 @dataclass(frozen=True)
 class Config:
@@ -64,7 +66,9 @@ def _gemv_kernel(
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -141,5 +145,6 @@ def gemv(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch(x.device, _gemv_kernel),
     )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import enter, launch
+
 CHUNK = 4096  # tokens per program of the first kernel: 32 programs a row for a 128K vocab
 
 
@@ -45,7 +47,9 @@ def _argmax_chunk_kernel(
     V,
     num_chunks,
     CHUNK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     idx = chunk * CHUNK_V + tl.arange(0, CHUNK_V).to(tl.int64)
@@ -64,7 +68,9 @@ def _argmax_row_kernel(
     num_chunks,
     V,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     ok = c < num_chunks
@@ -92,9 +98,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
     _argmax_chunk_kernel[(rows, chunks)](
-        logits, vals, idx, logits.stride(0), vocab, chunks, CHUNK_V=CHUNK, num_warps=8
+        logits,
+        vals,
+        idx,
+        logits.stride(0),
+        vocab,
+        chunks,
+        CHUNK_V=CHUNK,
+        num_warps=8,
+        **launch(logits.device, _argmax_chunk_kernel),
     )
     _argmax_row_kernel[(rows,)](
-        vals, idx, out, chunks, vocab, BLOCK_C=max(16, triton.next_power_of_2(chunks))
+        vals,
+        idx,
+        out,
+        chunks,
+        vocab,
+        BLOCK_C=max(16, triton.next_power_of_2(chunks)),
+        **launch(logits.device, _argmax_row_kernel),
     )
     return out
