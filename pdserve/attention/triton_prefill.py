@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pdserve.attention.triton_common import LOG2E, block, check_cache, dot_dtype, dot_precision
+from pdserve.kernels.pdl import enter, launch
 
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # keys per iteration
@@ -60,7 +61,9 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     seq = first_seq + tl.program_id(0)
     q_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -173,4 +176,5 @@ def paged_prefill(
         BLOCK_D=block(dim),
         DOT_DTYPE=dtype,
         PRECISION=dot_precision(dtype),
+        **launch(q.device, _prefill_kernel),
     )

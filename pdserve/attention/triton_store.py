@@ -22,9 +22,10 @@ from pdserve.attention.triton_common import block, check_cache
 from pdserve.kernels.pdl import enter, launch
 from pdserve.kernels.triton_fused import rope_halves, rotate_heads
 
-# PDL (kernels/pdl.py): the two store kernels do not let the next kernel launch early. The next
-# is decode attention, whose blocks (four a SM at batch 32) placed beside this kernel's would
-# no longer all fit in one wave: +15 µs a batch-32 step of llama3.2-1b-shape on an H200.
+# PDL (kernels/pdl.py): the two store kernels do not let the next kernel launch early. In a
+# decode step the next is decode attention, whose blocks (four a SM at batch 32) placed beside
+# this kernel's would no longer all fit in one wave: +15 µs a batch-32 step of
+# llama3.2-1b-shape on an H200. (In a prefill step the next is prefill attention: no matter.)
 
 
 @triton.jit

@@ -17,8 +17,9 @@ without PDL, cuBLAS's, starts only after this one completes, as always). So stre
 graph capture and replay keep their meaning; what overlaps is launch latency, never work.
 LAUNCH_NEXT is off where the early blocks would crowd this kernel's (attention/triton_store.py).
 
-Off below sm_90, under Triton's CPU interpreter (it has no such instructions), and with
-PDSERVE_PDL=0 in the environment.
+Off below sm_90, with a Triton older than 3.4, under Triton's CPU interpreter (it has no such
+instructions), and with PDSERVE_PDL=0 in the environment when the process first launches a
+kernel (read once).
 """
 
 from __future__ import annotations
@@ -30,17 +31,29 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-_enabled: dict[int, bool] = {}
+_enabled: dict[int, bool] = {}  # by CUDA device index; read once per process
+
+
+def _triton_has_pdl() -> bool:
+    """Triton >= 3.4 (the `launch_pdl` launch option, the griddepcontrol intrinsics); the
+    Triton an older torch brings has neither, and its kernels then launch plainly."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 def enabled(device: torch.device, kernel: object) -> bool:
-    """Whether `kernel` (a triton.jit function) launches with PDL on `device`."""
+    """Whether `kernel` (a triton.jit function) launches with PDL for tensors on `device`.
+    The capability is the current CUDA device's: Triton compiles for it, whatever the tensors
+    say (a process serving one GPU is pinned to it, runtime/gpus.pin_to_device)."""
     if device.type != "cuda" or isinstance(kernel, InterpretedFunction):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = torch.cuda.current_device()
     if index not in _enabled:
         major, _ = torch.cuda.get_device_capability(index)
-        _enabled[index] = major >= 9 and os.environ.get("PDSERVE_PDL", "1") != "0"
+        _enabled[index] = (
+            major >= 9 and os.environ.get("PDSERVE_PDL", "1") != "0" and _triton_has_pdl()
+        )
     return _enabled[index]
 
 

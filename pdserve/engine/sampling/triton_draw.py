@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.sampling.random_stream import MASK32, MUL_1, MUL_2, TOKEN_MUL
+from pdserve.kernels.pdl import enter, launch
 
 BLOCK = 2048
 
@@ -40,7 +41,9 @@ def _gumbel_argmax_kernel(
     MUL_2_C: tl.constexpr,
     MASK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL, True)
     row = tl.program_id(0).to(tl.int64)
     lo = tl.load(keys_ptr + row * 2)
     hi = tl.load(keys_ptr + row * 2 + 1)
@@ -90,5 +93,6 @@ def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         MUL_2_C=MUL_2,
         MASK=MASK32,
         BLOCK_V=BLOCK,
+        **launch(z.device, _gumbel_argmax_kernel),
     )
     return out
