@@ -8,10 +8,17 @@ for the comparison (benchmarks/gpu_sharing.py measures what sharing costs). Each
 workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
 workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
-the 1P+1D / co-located ratio of ITL p50, side by side. Writes every `pdserve bench` JSON and a
-summary (--out DIR).
+the 1P+1D / co-located ratio of ITL p50, side by side. Beside them, the host's side: how many
+cores each process used at that rate (CPU per token, from /proc, times the tokens/s), its
+main thread (the asyncio loop: HTTP and streaming) apart from its other threads (the engine's
+and torch's), and the bench client's: a main thread near 1.0 is a process whose loop sets the
+pace; a worker whose two sides together pass ~1.0 shares one GIL between them. The client's
+figure includes its own start (interpreter, imports): high on short runs. Writes every
+`pdserve bench` JSON and a summary (--out DIR).
 
     python benchmarks/gpu_serving.py --model builtin:llama3.2-1b-shape --out /tmp/serving
+    python benchmarks/gpu_serving.py --device cpu --model builtin:tiny --clusters colocated \
+        --concurrency 4 --num-prompts 8 --input-len 16 --output-len 8     # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -28,9 +36,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.launched import wait_healthy  # noqa: E402
+from benchmarks.proc_cpu import Cpu, read_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
+WARMUP = 2  # requests `pdserve bench` sends before it measures
 
 
 def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
@@ -45,7 +55,7 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         sys.executable, "-m", "pdserve", "launch", *topology,
         "--port", str(port),
         "--log-dir", str(out / f"{name}-logs"),
-        "--model", args.model, "--device", "cuda", "--dtype", args.dtype,
+        "--model", args.model, "--device", args.device, "--dtype", args.dtype,
         "--kv-budget-mb", str(args.kv_budget_mb),
         "--max-running", str(max(args.concurrency)),
         "--max-batched-tokens", str(args.max_batched_tokens),
@@ -56,39 +66,67 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def bench(url: str, name: str, conc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench(
+    url: str, name: str, conc: int, args: argparse.Namespace, out: Path, procs: dict[str, int]
+) -> dict[str, Any]:
     n = args.prompts_at_1 if conc == 1 else args.num_prompts
     path = out / f"{name}-c{conc}.json"
     cmd = [
         sys.executable, "-m", "pdserve", "bench", "--url", url,
         "--num-prompts", str(n), "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--max-concurrency", str(conc),
-        "--warmup", "2", "--out", str(path), "--no-progress",
+        "--warmup", str(WARMUP), "--out", str(path), "--no-progress",
     ]  # fmt: skip
+    before = {p: read_cpu(pid) for p, pid in procs.items()}
+    client_before = _children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    after = {p: read_cpu(pid) for p, pid in procs.items()}
+    client_s = _children_cpu_s() - client_before
     if done.returncode != 0:
         raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
     s = json.loads(path.read_text())["summary"]
+    tokens = s["output_tokens"] + WARMUP * args.output_len  # what the CPU deltas served
+    rate = s["output_throughput"]
+    used = {p: after[p] - before[p] for p in procs}
     return {
         "cluster": name,
         "concurrency": conc,
         "requests": s["completed"],
-        "output_tok_s": round(s["output_throughput"], 1),
+        "output_tok_s": round(rate, 1),
         "ttft_p50_ms": round(s["ttft_ms"]["median"], 2),
         "ttft_p99_ms": round(s["ttft_ms"]["p99"], 2),
         "itl_p50_ms": round(s["itl_ms"]["median"], 3),
         "itl_p99_ms": round(s["itl_ms"]["p99"], 3),
+        "cores_main_other": cores(used, client_s, tokens, rate),
     }
 
 
-def placement(name: str, out: Path) -> str:
-    """The workers' GPUs as the launcher wrote them ("prefill-0:0 decode-0:1"; "shared" when
-    it placed none)."""
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended children (the bench client, once it has exited)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def cores(used: dict[str, Cpu], client_s: float, tokens: int, rate: float) -> str:
+    """Cores each process used at `rate` tokens/s: its CPU per token served times the rate
+    ("router 0.91/0.00": main thread / other threads)."""
+    per = rate / max(tokens, 1)
+    parts = [f"{p} {c.main_s * per:.2f}/{c.other_s * per:.2f}" for p, c in used.items()]
+    return ", ".join([*parts, f"client {client_s * per:.2f}"])
+
+
+def cluster_table(name: str, out: Path) -> dict[str, Any]:
+    """The launcher's cluster.json (written as it announces the cluster)."""
     path = out / f"{name}-logs" / "cluster.json"
-    deadline = time.monotonic() + 30  # written as the launcher announces the cluster
+    deadline = time.monotonic() + 30
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    table = json.loads(path.read_text())
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def placement(table: dict[str, Any]) -> str:
+    """The workers' GPUs as the launcher wrote them ("prefill-0:0 decode-0:1"; "shared" when
+    it placed none)."""
     gpus = [f"{p['name']}:{p['gpu']}" for p in table["processes"] if p.get("gpu") is not None]
     return " ".join(gpus) or "shared"
 
@@ -106,6 +144,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:llama3.2-1b-shape")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
     ap.add_argument(
         "--clusters",
@@ -134,9 +173,11 @@ def main() -> int:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, args.startup_timeout)
-            where = placement(name, out)
+            table = cluster_table(name, out)
+            where = placement(table)
+            procs = {p["name"]: int(p["pid"]) for p in table["processes"]}
             for conc in args.concurrency:
-                rows.append({**bench(url, name, conc, args, out), "placement": where})
+                rows.append({**bench(url, name, conc, args, out, procs), "placement": where})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop(proc)

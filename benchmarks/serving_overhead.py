@@ -33,63 +33,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.launched import Pdserve  # noqa: E402
+from benchmarks.proc_cpu import Cpu, read_cpu  # noqa: E402
 from pdserve.bench.config import ArrivalConfig, ClientConfig  # noqa: E402
 from pdserve.bench.dataset import BenchRequest  # noqa: E402
 from pdserve.bench.runner import Workload, run_workloads  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 PROFILE_TOP = 25
-
-
-@dataclass(frozen=True)
-class Cpu:
-    main_s: float  # the process's main thread
-    other_s: float  # every other thread
-    kernel_s: float  # of the total, in the kernel (stime: socket calls, wake-ups)
-
-    def __sub__(self, before: Cpu) -> Cpu:
-        return Cpu(
-            self.main_s - before.main_s,
-            self.other_s - before.other_s,
-            self.kernel_s - before.kernel_s,
-        )
-
-    @property
-    def total_s(self) -> float:
-        return self.main_s + self.other_s
-
-
-def _stat_cpu_s(path: str) -> tuple[float, float]:
-    """(utime + stime, stime) of a /proc stat file, in seconds (the command name may hold
-    spaces)."""
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    user, system = int(fields[11]), int(fields[12])
-    return (user + system) / TICKS, system / TICKS
-
-
-def read_cpu(pid: int) -> Cpu:
-    """A process's CPU time so far, its main thread apart (threads that ended are lost; the
-    processes measured here keep theirs for their whole life)."""
-    main = other = kernel = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            s, k = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread ended between the listing and the read
-        kernel += k
-        if int(tid) == pid:
-            main += s
-        else:
-            other += s
-    return Cpu(main, other, kernel)
 
 
 def requests(n: int, input_len: int, output_len: int) -> list[BenchRequest]:

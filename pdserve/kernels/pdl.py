@@ -17,9 +17,9 @@ without PDL, cuBLAS's, starts only after this one completes, as always). So stre
 graph capture and replay keep their meaning; what overlaps is launch latency, never work.
 LAUNCH_NEXT is off where the early blocks would crowd this kernel's (attention/triton_store.py).
 
-Off below sm_90, with a Triton older than 3.4, under Triton's CPU interpreter (it has no such
-instructions), and with PDSERVE_PDL=0 in the environment when the process first launches a
-kernel (read once).
+Off below sm_90, on ROCm, with a Triton older than 3.4, under Triton's CPU interpreter (it
+has no such instructions), and with PDSERVE_PDL=0 in the environment when the process first
+launches a kernel (read once).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ _enabled: dict[int, bool] = {}  # by CUDA device index; read once per process
 def _triton_has_pdl() -> bool:
     """Triton >= 3.4 (the `launch_pdl` launch option, the griddepcontrol intrinsics); the
     Triton an older torch brings has neither, and its kernels then launch plainly."""
-    from triton.backends.nvidia.compiler import CUDAOptions
-
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a Triton without the NVIDIA backend
+        return False
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
 
 
@@ -46,8 +48,8 @@ def enabled(device: torch.device, kernel: object) -> bool:
     """Whether `kernel` (a triton.jit function) launches with PDL for tensors on `device`.
     The capability is the current CUDA device's: Triton compiles for it, whatever the tensors
     say (a process serving one GPU is pinned to it, runtime/gpus.pin_to_device)."""
-    if device.type != "cuda" or isinstance(kernel, InterpretedFunction):
-        return False
+    if device.type != "cuda" or isinstance(kernel, InterpretedFunction) or torch.version.hip:
+        return False  # ROCm reports CUDA devices too, with capabilities like (9, 4)
     index = torch.cuda.current_device()
     if index not in _enabled:
         major, _ = torch.cuda.get_device_capability(index)
