@@ -115,13 +115,21 @@ def cores(used: dict[str, Cpu], client_s: float, tokens: int, rate: float) -> st
     return ", ".join([*parts, f"client {client_s * per:.2f}"])
 
 
-def cluster_table(name: str, out: Path) -> dict[str, Any]:
-    """The launcher's cluster.json (written as it announces the cluster)."""
+def cluster_table(name: str, out: Path, launcher_pid: int) -> dict[str, Any]:
+    """The launcher's cluster.json, written as it announces the cluster (the router may answer
+    /health a moment before): the table of `launcher_pid`, never an earlier run's left in
+    the same --out (its pids are gone; reading them failed a run)."""
     path = out / f"{name}-logs" / "cluster.json"
     deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):  # not written yet, or half written
+            table = None
+        if table is not None and table.get("launcher_pid") == launcher_pid:
+            return table  # type: ignore[no-any-return]
         time.sleep(0.1)
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    raise RuntimeError(f"{path}: no table of launcher {launcher_pid} within 30 s")
 
 
 def placement(table: dict[str, Any]) -> str:
@@ -173,7 +181,7 @@ def main() -> int:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, args.startup_timeout)
-            table = cluster_table(name, out)
+            table = cluster_table(name, out, proc.pid)
             where = placement(table)
             procs = {p["name"]: int(p["pid"]) for p in table["processes"]}
             for conc in args.concurrency:

@@ -1,0 +1,213 @@
+"""The engine alone under a serving load: what a served ITL owes to the engine, not to HTTP.
+
+`benchmarks/gpu_serving.py` measures the whole path (router, worker HTTP, SSE); this runs the
+same workload against one `Engine` in this process, driven on this thread as the server's
+engine thread drives it, with no HTTP: a closed loop at --concurrency, random prompts of
+--input-len tokens, --output-len out (ignore_eos), each finished request replaced by the next
+after a random delay of up to --jitter-ms (a served request's successor arrives after the
+HTTP path's turnaround, which spreads the prompts over ticks). Every token's time is taken in
+its sink, where the server hands it to HTTP: the ITL here is the engine's, and a served ITL
+above it is the streaming path's.
+
+Reported per run: output tokens/s, TTFT and ITL p50/p90/p99 from the sinks; the share of
+ticks whose step carried a prefill chunk; tick time (host wall, one `Engine.tick`) for ticks
+with a prefill chunk and without (a tick that launches none may still wait for one:
+overlapped scheduling completes the step before); the engine thread's CPU time per tick. The
+first --warmup-prompts requests (Triton compiles, first graph replays) are left out of every
+figure.
+
+    python3 benchmarks/engine_load.py --concurrency 32 --num-prompts 512     # on a GPU
+    python benchmarks/engine_load.py --device cpu --model builtin:tiny --concurrency 4 \
+        --num-prompts 16 --input-len 16 --output-len 8 --warmup-prompts 4     # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.offline import build_engine  # noqa: E402
+from pdserve.engine.params import SamplingParams  # noqa: E402
+from pdserve.engine.request import RequestOutput  # noqa: E402
+from pdserve.engine.scheduler import StepPlan  # noqa: E402
+from pdserve.model.builtin import resolve_model  # noqa: E402
+
+PAGE_SIZE = 16
+
+
+class Load:
+    """The closed loop: keeps `concurrency` requests in the engine, times every token."""
+
+    def __init__(self, engine: Engine, args: argparse.Namespace) -> None:
+        self.engine, self.args = engine, args
+        vocab = min(engine.model.arch.vocab_size, 4000)
+        g = torch.Generator().manual_seed(0)
+        self.prompts = torch.randint(3, vocab, (args.num_prompts, args.input_len), generator=g)
+        self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        self.next = 0  # the next prompt to submit
+        self.done = 0
+        self.failed: list[str] = []
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.tokens = 0  # output tokens of the measured requests
+        self.window_tokens = 0  # output tokens since the measurement began, any request's
+        self.t_measure: float | None = None  # when the warm-up requests had all ended
+        self.due: list[float] = []  # when each replacement will be submitted (a heap)
+        self.rng = random.Random(0)
+
+    def submit_due(self) -> None:
+        now = time.perf_counter()
+        while self.due and self.due[0] <= now:
+            heapq.heappop(self.due)
+            self.submit()
+
+    def submit(self) -> None:
+        i, self.next = self.next, self.next + 1
+        start = time.perf_counter()
+        last = [start]
+        measured = i >= self.args.warmup_prompts
+
+        def sink(out: RequestOutput) -> None:
+            now = time.perf_counter()
+            if out.token_ids and measured:
+                (self.itl if last[0] != start else self.ttft).append(now - last[0])
+                self.tokens += len(out.token_ids)
+            if self.t_measure is not None:
+                self.window_tokens += len(out.token_ids)
+            if out.token_ids:
+                last[0] = now
+            if out.finish_reason is not None:
+                self.finished(out)
+
+        self.engine.submit(f"load-{i}", self.prompts[i].tolist(), self.params, sink)
+
+    def finished(self, out: RequestOutput) -> None:
+        self.done += 1
+        if out.finish_reason not in ("length", "stop"):
+            self.failed.append(f"{out.finish_reason}: {out.error}")
+        if self.done == self.args.warmup_prompts:
+            self.t_measure = time.perf_counter()
+        if self.next + len(self.due) < self.args.num_prompts:
+            delay = self.rng.uniform(0, self.args.jitter_ms) / 1e3
+            heapq.heappush(self.due, time.perf_counter() + delay)
+
+
+def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    load = Load(engine, args)
+    ticks: list[tuple[bool, float]] = []  # (launched a prefill chunk, seconds)
+    plans: list[StepPlan] = []
+    step = engine.stepper.step
+
+    def observed_step() -> StepPlan:  # the plan each tick launched, to label the tick
+        plan = step()
+        plans.append(plan)
+        return plan
+
+    engine.stepper.step = observed_step  # type: ignore[method-assign]
+    graphs = engine.runner.graphs
+    replays0 = 0
+    cpu0 = 0.0  # this thread's CPU time when the measurement began
+    for _ in range(min(args.concurrency, args.num_prompts)):
+        load.submit()
+    deadline = time.monotonic() + args.timeout
+    t_end = None
+    while load.done < args.num_prompts and not load.failed:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{load.done}/{args.num_prompts} requests ended in {args.timeout}s")
+        t0 = time.perf_counter()
+        n = len(plans)
+        if not engine.has_work() and load.due:  # a tick would wait for the inbox: wait here
+            time.sleep(max(0.0, load.due[0] - t0))
+        load.submit_due()
+        engine.tick()
+        dt = time.perf_counter() - t0
+        if load.t_measure is not None and t0 >= load.t_measure:
+            if not ticks:
+                cpu0 = time.thread_time()
+                replays0 = graphs.replays if graphs is not None else 0
+            prefill = len(plans) > n and any(c.length > 1 for c in plans[-1].chunks)
+            ticks.append((prefill, dt))
+            t_end = time.perf_counter()
+    engine.stepper.step = step  # type: ignore[method-assign]
+    if load.failed:
+        raise RuntimeError(f"{len(load.failed)} requests failed, e.g. {load.failed[0]}")
+    if load.t_measure is None or t_end is None:
+        raise RuntimeError("nothing measured: raise --num-prompts above --warmup-prompts")
+    wall = t_end - load.t_measure
+    cpu = time.thread_time() - cpu0
+    with_pf = [dt for pf, dt in ticks if pf]
+    without = [dt for pf, dt in ticks if not pf]
+    return {
+        "concurrency": args.concurrency,
+        "requests": args.num_prompts - args.warmup_prompts,
+        "output_tokens": load.tokens,
+        "itls": len(load.itl),
+        "output_tok_s": round(load.window_tokens / wall, 1),
+        "ttft_p50_ms": ms(pct(load.ttft, 50)),
+        "itl_p50_ms": ms(pct(load.itl, 50)),
+        "itl_p90_ms": ms(pct(load.itl, 90)),
+        "itl_p99_ms": ms(pct(load.itl, 99)),
+        "ticks": len(ticks),
+        "prefill_tick_share": round(len(with_pf) / max(len(ticks), 1), 3),
+        "tick_prefill_ms": ms(statistics.median(with_pf)) if with_pf else None,
+        "tick_decode_ms": ms(statistics.median(without)) if without else None,
+        "tick_cpu_ms": ms(cpu / max(len(ticks), 1)),  # this (the engine's) thread's CPU
+        "graph_replays": None if graphs is None else graphs.replays - replays0,
+    }
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else float("nan")
+
+
+def ms(s: float) -> float:
+    return round(s * 1e3, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="builtin:llama3.2-1b-shape")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--warmup-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--jitter-ms", type=float, default=0.0, help="a replacement's delay, at most")
+    ap.add_argument("--max-batched-tokens", type=int, default=4096, help="as gpu_serving's")
+    ap.add_argument("--kv-budget-mb", type=float, default=4096)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default=None, help="a JSON file for the row")
+    args = ap.parse_args(argv)
+    engine = build_engine(
+        resolve_model(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        page_size=PAGE_SIZE,
+        max_batched_tokens=args.max_batched_tokens,
+        max_running=args.concurrency,
+        kv_budget_mb=args.kv_budget_mb,
+        max_model_len=args.input_len + args.output_len + 64,
+    )
+    row = {"model": args.model, **run(engine, args)}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "row": row}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
