@@ -8,7 +8,8 @@ for the comparison (benchmarks/gpu_sharing.py measures what sharing costs). Each
 workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
 workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
-the 1P+1D / co-located ratio of ITL p50, side by side. Beside them, the host's side: how many
+the 1P+1D / co-located ratio of ITL p50, side by side, and the output tokens per SSE chunk
+(above 1.0 a stage fell behind and merged). Beside them, the host's side: how many
 cores each process used at that rate (CPU per token, from /proc, times the tokens/s), its
 main thread (the asyncio loop: HTTP and streaming) apart from its other threads (the engine's
 and torch's), and the bench client's: a main thread near 1.0 is a process whose loop sets the
@@ -97,6 +98,8 @@ def bench(
         "ttft_p99_ms": round(s["ttft_ms"]["p99"], 2),
         "itl_p50_ms": round(s["itl_ms"]["median"], 3),
         "itl_p99_ms": round(s["itl_ms"]["p99"], 3),
+        # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
+        "tokens_per_chunk": round(s["tokens_per_chunk"] or 0.0, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
     }
 

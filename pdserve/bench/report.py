@@ -29,6 +29,8 @@ def format_summary(summary: dict[str, Any], title: str = "pdserve bench") -> str
     row("request throughput (req/s)", f"{summary['request_throughput']:.2f}")
     row("output token throughput (tok/s)", f"{summary['output_throughput']:.1f}")
     row("total token throughput (tok/s)", f"{summary['total_token_throughput']:.1f}")
+    if summary.get("tokens_per_chunk") is not None:
+        row("output tokens per chunk", f"{summary['tokens_per_chunk']:.3f}")
     goodput = summary.get("goodput")
     if goodput:
         slo = " ".join(f"{k}<={v:g}ms" for k, v in goodput["slo_ms"].items())

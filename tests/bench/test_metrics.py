@@ -98,6 +98,18 @@ def test_summary_counts_errors_by_kind_and_throughput_of_successes() -> None:
     assert s["request_throughput"] == pytest.approx(0.5)
     assert s["itl_ms"]["count"] == 6
     assert s["tpot_ms"]["count"] == 2
+    assert s["tokens_per_chunk"] == pytest.approx(8 / 8)  # 3 chunks + 5 chunks, a token each
+
+
+def test_tokens_per_chunk_counts_merged_chunks() -> None:
+    merged = rec(ttft=0.1, itl=(0.02,), tokens=4)  # 4 tokens in 2 chunks
+    plain = rec(ttft=0.1, itl=(0.01, 0.01), tokens=3)
+    no_token = rec(ttft=None, itl=(), tokens=0)  # finished before any output
+    failed = rec(error=ErrorKind.TIMEOUT, tokens=9)
+    assert summarize([merged, plain, no_token, failed], 1.0, Slo())["tokens_per_chunk"] == (
+        pytest.approx(7 / 5)
+    )
+    assert summarize([no_token], 1.0, Slo())["tokens_per_chunk"] is None
 
 
 def test_per_workload_summaries_only_when_mixed() -> None:
