@@ -24,7 +24,6 @@ installed) during the measured run and prints the functions where it spends its 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import os
@@ -43,6 +42,7 @@ from benchmarks.proc_cpu import Cpu, read_cpu  # noqa: E402
 from pdserve.bench.config import ArrivalConfig, ClientConfig  # noqa: E402
 from pdserve.bench.dataset import BenchRequest  # noqa: E402
 from pdserve.bench.runner import Workload, run_workloads  # noqa: E402
+from pdserve.runtime import evloop  # noqa: E402
 
 PROFILE_TOP = 25
 
@@ -65,7 +65,7 @@ def stream(url: str, args: argparse.Namespace, n: int) -> tuple[int, float]:
         requests(n, args.input_len, args.output_len),
         ArrivalConfig(request_rate=float("inf"), max_concurrency=args.concurrency),
     )
-    result = asyncio.run(run_workloads(client, [work], warmup=0, progress=False))
+    result = evloop.run(run_workloads(client, [work], warmup=0, progress=False))
     bad = [r for r in result.records if not r.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed: {bad[0].error_key}: {bad[0].error_detail}")

@@ -9,7 +9,6 @@ that runs bench against a server that failed every request must not read a succe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import math
 import os
@@ -27,6 +26,7 @@ from pdserve.bench.config import (
     DatasetConfig,
     Slo,
 )
+from pdserve.runtime import evloop
 
 
 def add_bench_command(sub: Any) -> None:
@@ -212,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     requests = make_requests(cfg.dataset, tokenizer)
     _raise_fd_limit(len(requests) + cfg.warmup + 256)
     workload = Workload("main", requests, cfg.arrival, seed=cfg.dataset.seed)
-    result = asyncio.run(run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress))
+    result = evloop.run(run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress))
     # Files first: a reader that closes our stdout early (| head) must not cost the records.
     if args.out:
         config = {"argv": sys.argv[1:], **dataclasses.asdict(cfg)}

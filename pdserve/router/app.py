@@ -35,6 +35,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import PrefixSettings, make_policy
 from pdserve.router.prefix_index import fleet_page_size
 from pdserve.router.registry import Registry
+from pdserve.runtime import evloop
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.ready import announce_ready
@@ -293,7 +294,7 @@ def run_router(cfg: RouterConfig) -> int:
     except BaseException:
         _close(sockets)
         raise
-    code = asyncio.run(router.serve(listener))
+    code = evloop.run(router.serve(listener))
     sys.stdout.flush()
     if router.forced:  # stop now: leave sockets and tasks to the end of the process
         logging.shutdown()

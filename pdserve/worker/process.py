@@ -27,6 +27,7 @@ from pdserve.frontend.api import OpenAIApi, error_response, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg, Send
+from pdserve.runtime import evloop
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.gc_freeze import freeze_startup_heap
@@ -354,7 +355,7 @@ def run_server(cfg: ServerConfig) -> int:
         raise
     code = 1
     try:
-        code = asyncio.run(server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s))
+        code = evloop.run(server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s))
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")
     sys.stdout.flush()
