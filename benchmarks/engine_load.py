@@ -12,9 +12,10 @@ above it is the streaming path's.
 Reported per run: output tokens/s, TTFT and ITL p50/p90/p99 from the sinks; the share of
 ticks whose step carried a prefill chunk; tick time (host wall, one `Engine.tick`) for ticks
 with a prefill chunk and without (a tick that launches none may still wait for one:
-overlapped scheduling completes the step before); the engine thread's CPU time per tick. The
-first --warmup-prompts requests (Triton compiles, first graph replays) are left out of every
-figure.
+overlapped scheduling completes the step before); the engine thread's CPU time per tick. Every
+figure comes from one window: from the end of the first --warmup-prompts requests (Triton
+compiles, first graph replays) to the submission of the last prompt (after it the batch only
+drains).
 
     python3 benchmarks/engine_load.py --concurrency 32 --num-prompts 512     # on a GPU
     python benchmarks/engine_load.py --device cpu --model builtin:tiny --concurrency 4 \
@@ -57,14 +58,22 @@ class Load:
         self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
         self.next = 0  # the next prompt to submit
         self.done = 0
+        self.warm_left = min(args.warmup_prompts, args.num_prompts)  # warm-up ones still on
         self.failed: list[str] = []
+        # The measured window: from the end of the last warm-up request to the submission of
+        # the last prompt (after it the batch only drains, shrinking: not the load asked for).
+        self.t_open: float | None = None
+        self.t_close: float | None = None
         self.ttft: list[float] = []
         self.itl: list[float] = []
-        self.tokens = 0  # output tokens of the measured requests
-        self.window_tokens = 0  # output tokens since the measurement began, any request's
-        self.t_measure: float | None = None  # when the warm-up requests had all ended
+        self.window_tokens = 0
+        self.total_tokens = 0  # every request's, the warm-up's too: all must be served
         self.due: list[float] = []  # when each replacement will be submitted (a heap)
         self.rng = random.Random(0)
+
+    @property
+    def measuring(self) -> bool:
+        return self.t_open is not None and self.t_close is None
 
     def submit_due(self) -> None:
         now = time.perf_counter()
@@ -76,28 +85,31 @@ class Load:
         i, self.next = self.next, self.next + 1
         start = time.perf_counter()
         last = [start]
-        measured = i >= self.args.warmup_prompts
+        warmup = i < self.args.warmup_prompts
 
         def sink(out: RequestOutput) -> None:
             now = time.perf_counter()
-            if out.token_ids and measured:
-                (self.itl if last[0] != start else self.ttft).append(now - last[0])
-                self.tokens += len(out.token_ids)
-            if self.t_measure is not None:
-                self.window_tokens += len(out.token_ids)
             if out.token_ids:
+                self.total_tokens += len(out.token_ids)
+                if self.measuring:
+                    (self.itl if last[0] != start else self.ttft).append(now - last[0])
+                    self.window_tokens += len(out.token_ids)
                 last[0] = now
             if out.finish_reason is not None:
-                self.finished(out)
+                self.finished(out, warmup)
 
         self.engine.submit(f"load-{i}", self.prompts[i].tolist(), self.params, sink)
+        if self.next == self.args.num_prompts and self.measuring:
+            self.t_close = time.perf_counter()
 
-    def finished(self, out: RequestOutput) -> None:
+    def finished(self, out: RequestOutput, warmup: bool) -> None:
         self.done += 1
         if out.finish_reason not in ("length", "stop"):
             self.failed.append(f"{out.finish_reason}: {out.error}")
-        if self.done == self.args.warmup_prompts:
-            self.t_measure = time.perf_counter()
+        if warmup:
+            self.warm_left -= 1
+            if self.warm_left == 0 and self.next < self.args.num_prompts:
+                self.t_open = time.perf_counter()
         if self.next + len(self.due) < self.args.num_prompts:
             delay = self.rng.uniform(0, self.args.jitter_ms) / 1e3
             heapq.heappush(self.due, time.perf_counter() + delay)
@@ -105,7 +117,7 @@ class Load:
 
 def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     load = Load(engine, args)
-    ticks: list[tuple[bool, float]] = []  # (launched a prefill chunk, seconds)
+    ticks: list[tuple[bool, float]] = []  # (launched a prefill chunk, seconds), in the window
     plans: list[StepPlan] = []
     step = engine.stepper.step
 
@@ -114,44 +126,44 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         plans.append(plan)
         return plan
 
-    engine.stepper.step = observed_step  # type: ignore[method-assign]
     graphs = engine.runner.graphs
-    replays0 = 0
-    cpu0 = 0.0  # this thread's CPU time when the measurement began
-    for _ in range(min(args.concurrency, args.num_prompts)):
-        load.submit()
-    deadline = time.monotonic() + args.timeout
-    t_end = None
-    while load.done < args.num_prompts and not load.failed:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{load.done}/{args.num_prompts} requests ended in {args.timeout}s")
-        t0 = time.perf_counter()
-        n = len(plans)
-        if not engine.has_work() and load.due:  # a tick would wait for the inbox: wait here
-            time.sleep(max(0.0, load.due[0] - t0))
-        load.submit_due()
-        engine.tick()
-        dt = time.perf_counter() - t0
-        if load.t_measure is not None and t0 >= load.t_measure:
-            if not ticks:
-                cpu0 = time.thread_time()
-                replays0 = graphs.replays if graphs is not None else 0
-            prefill = len(plans) > n and any(c.length > 1 for c in plans[-1].chunks)
-            ticks.append((prefill, dt))
-            t_end = time.perf_counter()
-    engine.stepper.step = step  # type: ignore[method-assign]
+    replays = (lambda: graphs.replays) if graphs is not None else (lambda: 0)
+    cpu = [0.0, 0.0]  # this (the engine's) thread's CPU time at the window's two ends
+    reps = [0, 0]
+    engine.stepper.step = observed_step  # type: ignore[method-assign]
+    try:
+        for _ in range(min(args.concurrency, args.num_prompts)):
+            load.submit()
+        deadline = time.monotonic() + args.timeout
+        while load.done < args.num_prompts and not load.failed:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{load.done}/{args.num_prompts} ended in {args.timeout}s")
+            if not engine.has_work() and load.due:  # a tick would wait for the inbox: here
+                time.sleep(max(0.0, load.due[0] - time.perf_counter()))
+            load.submit_due()
+            measuring = load.measuring
+            if measuring and not ticks:
+                cpu[0], reps[0] = time.thread_time(), replays()
+            t0, n = time.perf_counter(), len(plans)
+            engine.tick()
+            dt = time.perf_counter() - t0
+            if measuring:
+                ticks.append((len(plans) > n and any(c.length > 1 for c in plans[-1].chunks), dt))
+                cpu[1], reps[1] = time.thread_time(), replays()
+    finally:
+        engine.stepper.step = step  # type: ignore[method-assign]
     if load.failed:
         raise RuntimeError(f"{len(load.failed)} requests failed, e.g. {load.failed[0]}")
-    if load.t_measure is None or t_end is None:
-        raise RuntimeError("nothing measured: raise --num-prompts above --warmup-prompts")
-    wall = t_end - load.t_measure
-    cpu = time.thread_time() - cpu0
+    if load.t_open is None or load.t_close is None or not ticks:
+        raise RuntimeError("nothing measured: raise --num-prompts well above --warmup-prompts")
+    wall = load.t_close - load.t_open
     with_pf = [dt for pf, dt in ticks if pf]
     without = [dt for pf, dt in ticks if not pf]
     return {
         "concurrency": args.concurrency,
-        "requests": args.num_prompts - args.warmup_prompts,
-        "output_tokens": load.tokens,
+        "requests": len(load.ttft),  # the requests whose first token came in the window
+        "total_tokens": load.total_tokens,
+        "window_s": round(wall, 3),
         "itls": len(load.itl),
         "output_tok_s": round(load.window_tokens / wall, 1),
         "ttft_p50_ms": ms(pct(load.ttft, 50)),
@@ -159,11 +171,11 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "itl_p90_ms": ms(pct(load.itl, 90)),
         "itl_p99_ms": ms(pct(load.itl, 99)),
         "ticks": len(ticks),
-        "prefill_tick_share": round(len(with_pf) / max(len(ticks), 1), 3),
+        "prefill_tick_share": round(len(with_pf) / len(ticks), 3),
         "tick_prefill_ms": ms(statistics.median(with_pf)) if with_pf else None,
         "tick_decode_ms": ms(statistics.median(without)) if without else None,
-        "tick_cpu_ms": ms(cpu / max(len(ticks), 1)),  # this (the engine's) thread's CPU
-        "graph_replays": None if graphs is None else graphs.replays - replays0,
+        "tick_cpu_ms": ms((cpu[1] - cpu[0]) / len(ticks)),  # CUDA waits spin: counted
+        "graph_replays": None if graphs is None else reps[1] - reps[0],
     }
 
 

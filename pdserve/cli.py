@@ -32,7 +32,7 @@ from pdserve.router.cli import (
     add_unknown_fields_arg,
     http_limits,
 )
-from pdserve.runtime import logs
+from pdserve.runtime import evloop, logs
 
 DESCRIPTION = """\
 pdserve: an OpenAI-compatible LLM server, co-located or with prefill and decode on
@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "router", "launch"):
         raise_fd_limit()
     try:
+        evloop.chosen()  # a bad PDSERVE_EVENT_LOOP stops here, not after a model loads
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)

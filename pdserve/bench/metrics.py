@@ -6,7 +6,8 @@ Definitions (times in the summary are milliseconds, rates per second of `duratio
   RequestRecord.tpot), so a long request counts once in TPOT and many times in ITL.
 * percentiles interpolate linearly between the two nearest ranks (numpy's default method).
 * output_throughput = output tokens of the successful requests / duration.
-* tokens_per_chunk = their output tokens / their token events (SSE chunks with output): 1.0 when
+* tokens_per_chunk = the output tokens / the token events (SSE chunks with output) of those that
+  had one: 1.0 when
   every token came in a chunk of its own; above it a stage of the server fell behind and merged
   what waited (vLLM and pdserve do), and the ITLs, one gap per chunk, grow with it.
 * goodput = successful requests meeting every SLO set / duration; a one-token request has no
@@ -71,7 +72,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
     ok = [r for r in records if r.ok]
     errors = Counter(r.error_key for r in records if not r.ok)
     out_tokens = sum(r.output_tokens for r in ok)
-    chunks = sum(1 + len(r.itl) for r in ok if r.ttft is not None)
+    streamed = [r for r in ok if r.ttft is not None]  # had a token event: chunks to count
+    chunks = sum(1 + len(r.itl) for r in streamed)
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok)
     summary: dict[str, Any] = {
         "requests": len(records),
@@ -83,7 +85,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         "output_tokens": out_tokens,
         "input_tokens": in_tokens,
         "output_throughput": out_tokens / duration_s,
-        "tokens_per_chunk": out_tokens / chunks if chunks else None,
+        "tokens_per_chunk": sum(r.output_tokens for r in streamed) / chunks if chunks else None,
         "total_token_throughput": (out_tokens + in_tokens) / duration_s,
         "ttft_ms": stats_ms([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": stats_ms([t for t in (r.tpot for r in ok) if t is not None]),

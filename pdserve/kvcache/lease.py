@@ -96,6 +96,7 @@ class Lease:
         place is taken by the last page: O(len(pages)), and the order is no longer the order
         of adding (a request's lease, whose order is its page table, never drops)."""
         self._check_live("drop")
+        pages = list(pages)  # a copy: `pages` may be this lease's own list, which changes below
         gone = set(pages)
         if len(gone) != len(pages) or not gone <= self._held:
             raise LeaseError(f"lease of {self.owner!r} cannot drop {list(pages)}: not its pages")

@@ -1,17 +1,23 @@
-"""Which asyncio event loop a process runs: uvloop where it is installed, else asyncio's own.
+"""Which asyncio event loop a process runs: uvloop or asyncio's own.
 
 Every token a server streams crosses event loops: the worker's (its NDJSON line to the router),
-the router's (an SSE event to the client), the bench client's. In a worker the loop also
-shares one interpreter lock with the engine thread, so what the loop spends per token is
-taken from the engine's step. uvloop (libuv, in C) runs the same coroutines with cheaper
-transports, callbacks and polling: the worker's loop spent 27% less CPU per streamed token with
-it (`python benchmarks/serving_overhead.py --concurrency 32 --num-prompts 96 --output-len
-128`, 2-core VM, four runs each, alternated: 38.9 -> 28.3 ms per 1,000 tokens), the router's
-6% less (88.3 -> 83.2: its time is aiohttp's and ours, not the loop's). vLLM's and SGLang's
-API servers run on it too.
+the router's (an SSE event to the client), the bench client's. uvloop (libuv, in C) runs the
+same coroutines with cheaper transports, callbacks and polling, as vLLM's and SGLang's API
+servers do. Measured on the 2-core VM (`python benchmarks/serving_overhead.py --concurrency
+32 ...`, alternated runs): the router's loop spends 6% less CPU per streamed token on it (88.3
+-> 83.2 ms per 1,000 tokens, four runs each: its time is aiohttp's and ours), the bench
+client's 4% less, the worker's 27% less (38.9 -> 28.3).
 
-`PDSERVE_EVENT_LOOP=asyncio` keeps asyncio's loop (uvloop's is the default when importable;
-`uvloop` demands it). A process started by `pdserve launch` inherits the setting.
+But a worker's loop shares one interpreter lock with the engine thread, and there what counts
+is how long the loop *holds* the lock: asyncio's socket writes release it for the syscall,
+uvloop's do not. py-spy --gil on the worker's main thread (`--num-prompts 256 --output-len
+256 --profile worker`, 250 Hz, two runs each) counted 136 and 143 samples holding the lock
+with uvloop, 91 and 59 with asyncio: 1.5-2.4x longer held, for less CPU. So by default
+(`auto`) the router and `pdserve bench` run uvloop where it is installed and a worker runs
+asyncio's loop, until a GPU host, where the engine's step waits on the lock, says otherwise.
+`PDSERVE_EVENT_LOOP=uvloop` or `=asyncio` puts the servers and `pdserve bench` on one loop (a
+process started by `pdserve launch` inherits it; a bad value stops any `pdserve` command at
+once); `uvloop` demands that it be installed.
 """
 
 from __future__ import annotations
@@ -29,42 +35,57 @@ ENV = "PDSERVE_EVENT_LOOP"
 CHOICES = ("auto", "uvloop", "asyncio")
 
 
-def chosen() -> str:
-    """The loop this process will run: "uvloop" or "asyncio". ValueError for a bad setting,
-    or for "uvloop" where it is not installed."""
+def chosen(default: str = "uvloop") -> str:
+    """The loop this process will run: "uvloop" or "asyncio". `default` is what `auto` means
+    for this process (uvloop falls back to asyncio where it is not installed). ValueError for
+    a bad setting, or for "uvloop" demanded where it is not installed."""
+    if default not in CHOICES[1:]:
+        raise ValueError(f"default must be uvloop or asyncio, not {default!r}")
     want = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if want not in CHOICES:
         raise ValueError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     have = importlib.util.find_spec("uvloop") is not None
     if want == "uvloop" and not have:
         raise ValueError(f"{ENV}=uvloop but uvloop is not installed (pip install uvloop)")
-    return "uvloop" if want != "asyncio" and have else "asyncio"
+    if want == "auto":
+        want = default
+    return "uvloop" if want == "uvloop" and have else "asyncio"
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """A new loop of the chosen kind; None for asyncio's default."""
-    if chosen() == "asyncio":
+def loop_factory(default: str = "uvloop") -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """A new loop of the chosen kind; None for asyncio's default. A uvloop that is found but
+    does not import (a broken install) is asyncio under `auto`, an ImportError when demanded."""
+    if chosen(default) == "asyncio":
         return None
-    import uvloop
-
+    try:
+        import uvloop
+    except ImportError:
+        if os.environ.get(ENV, "auto").strip().lower() == "uvloop":
+            raise
+        log.warning("uvloop is installed but does not import; running asyncio's loop")
+        return None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on the chosen loop (ValueError, `main` not started, for a bad
-    PDSERVE_EVENT_LOOP)."""
+def run(main: Coroutine[Any, Any, T], default: str = "uvloop") -> T:
+    """`asyncio.run(main)` on the chosen loop, `default` standing for `auto` (ValueError or
+    ImportError, `main` not started, for a setting that cannot be had)."""
     try:
-        factory = loop_factory()
-    except ValueError:
+        factory = loop_factory(default)
+    except (ValueError, ImportError):
         main.close()  # never awaited: no "coroutine was never awaited" warning on the way out
         raise
     log.info("event loop: %s", "asyncio" if factory is None else "uvloop")
     if factory is None:
         return asyncio.run(main)
-    if not hasattr(asyncio, "Runner"):  # Python 3.10
+    if not hasattr(asyncio, "Runner"):  # Python 3.10: a policy, put back afterwards
         import uvloop
 
+        before = asyncio.get_event_loop_policy()
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        return asyncio.run(main)
+        try:
+            return asyncio.run(main)
+        finally:
+            asyncio.set_event_loop_policy(before)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

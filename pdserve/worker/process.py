@@ -355,7 +355,10 @@ def run_server(cfg: ServerConfig) -> int:
         raise
     code = 1
     try:
-        code = evloop.run(server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s))
+        code = evloop.run(
+            server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s),
+            default="asyncio",  # its loop shares the GIL with the engine thread: evloop.py
+        )
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")
     sys.stdout.flush()

@@ -104,12 +104,12 @@ def test_summary_counts_errors_by_kind_and_throughput_of_successes() -> None:
 def test_tokens_per_chunk_counts_merged_chunks() -> None:
     merged = rec(ttft=0.1, itl=(0.02,), tokens=4)  # 4 tokens in 2 chunks
     plain = rec(ttft=0.1, itl=(0.01, 0.01), tokens=3)
-    no_token = rec(ttft=None, itl=(), tokens=0)  # finished before any output
+    no_event = rec(ttft=None, itl=(), tokens=2)  # usage counted tokens no chunk showed
     failed = rec(error=ErrorKind.TIMEOUT, tokens=9)
-    assert summarize([merged, plain, no_token, failed], 1.0, Slo())["tokens_per_chunk"] == (
+    assert summarize([merged, plain, no_event, failed], 1.0, Slo())["tokens_per_chunk"] == (
         pytest.approx(7 / 5)
     )
-    assert summarize([no_token], 1.0, Slo())["tokens_per_chunk"] is None
+    assert summarize([no_event], 1.0, Slo())["tokens_per_chunk"] is None
 
 
 def test_per_workload_summaries_only_when_mixed() -> None:

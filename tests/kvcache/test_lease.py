@@ -143,6 +143,15 @@ def test_violations_are_capped():
     assert out[-1] == "... and 10 more"
 
 
+def test_drop_of_its_own_page_list_drops_them_all():
+    """`drop(lease.pages)`: the argument is the list drop rearranges, so drop copies it."""
+    ls = pool(8)
+    lease = ls.open("prefix cache", 4)
+    lease.drop(lease.pages)
+    assert list(lease.pages) == [] and len(lease) == 0
+    assert ls.allocator.num_free == 8 and ls.violations() == []
+
+
 def test_random_sequences_keep_every_count_equal_to_its_holders_and_never_leak():
     """allocate / grow / share / drop / hand over / release / preempt in a seeded random order;
     the model is each live lease's pages (in order until a lease drops some), and after every
@@ -202,6 +211,9 @@ def test_random_sequences_keep_every_count_equal_to_its_holders_and_never_leak()
             for p in pages:
                 holders[p] += 1
         assert refs(ls) == holders, step
+        for lease in ls.live():  # a lease that dropped keeps its page -> place index exact
+            index = lease._index
+            assert index is None or index == {p: i for i, p in enumerate(lease.pages)}, step
         got = {lease: list(lease.pages) for lease in ls.live()}
         assert {k: sorted(v) if k in unordered else v for k, v in got.items()} == {
             k: sorted(v) if k in unordered else v for k, v in model.items()

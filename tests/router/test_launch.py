@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 import subprocess
@@ -208,6 +209,16 @@ def test_launch_makes_a_cluster_key_that_its_workers_require(clusters):
     router = c.url
     # The router came up: its startup read the workers' /info, which needs the key.
     assert http("GET", router + "/v1/models", auth=False)[0] == 200
+
+
+def test_the_router_runs_uvloop_and_the_worker_asyncios_loop(clusters):
+    """runtime/evloop.py: a worker's loop shares the GIL with its engine thread, so `auto`
+    keeps it on asyncio's loop; the router runs uvloop where it is installed."""
+    c = clusters[1]
+    router_loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    logs = {name: Path(p["log"]).read_text() for name, p in c.processes.items()}
+    assert "event loop: asyncio" in logs["colocated-0"], logs["colocated-0"][-2000:]
+    assert f"event loop: {router_loop}" in logs["router"], logs["router"][-2000:]
 
 
 def test_sigterm_stops_every_child(clusters):

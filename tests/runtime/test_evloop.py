@@ -1,9 +1,11 @@
-"""runtime/evloop.py: the setting picks the loop a process runs, and a bad one is refused
-before anything starts."""
+"""runtime/evloop.py: the setting picks the loop a process runs (`auto`: the process's own
+default; a worker's is asyncio's, as a served worker shows), and a bad one is refused before
+anything starts."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -17,18 +19,26 @@ async def loop_module() -> str:
 
 
 @pytest.mark.parametrize(
-    ("setting", "module"),
-    [(None, "uvloop"), ("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")],
+    ("setting", "default", "module"),
+    [
+        (None, "uvloop", "uvloop"),
+        ("auto", "uvloop", "uvloop"),
+        (None, "asyncio", "asyncio"),
+        ("auto", "asyncio", "asyncio"),
+        ("uvloop", "asyncio", "uvloop"),
+        ("uvloop", "uvloop", "uvloop"),
+        ("asyncio", "uvloop", "asyncio"),
+    ],
 )
 def test_the_setting_picks_the_loop(
-    monkeypatch: pytest.MonkeyPatch, setting: str | None, module: str
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, default: str, module: str
 ) -> None:
     if setting is None:
         monkeypatch.delenv(evloop.ENV, raising=False)
     else:
         monkeypatch.setenv(evloop.ENV, setting)
-    assert evloop.chosen() == module
-    assert evloop.run(loop_module()).split(".")[0] == module
+    assert evloop.chosen(default) == module
+    assert evloop.run(loop_module(), default=default).split(".")[0] == module
 
 
 def test_a_bad_setting_is_refused_and_the_coroutine_never_starts(
@@ -42,6 +52,9 @@ def test_a_bad_setting_is_refused_and_the_coroutine_never_starts(
 
     with pytest.raises(ValueError, match="expected one of auto, uvloop, asyncio"):
         evloop.run(main())
+    monkeypatch.delenv(evloop.ENV)
+    with pytest.raises(ValueError, match="default must be uvloop or asyncio"):
+        evloop.run(main(), default="auto")
     assert started == []
 
 
@@ -52,3 +65,26 @@ def test_uvloop_demanded_but_missing_is_refused(monkeypatch: pytest.MonkeyPatch)
         evloop.chosen()
     monkeypatch.setenv(evloop.ENV, "auto")  # where it is not installed, auto runs asyncio's
     assert evloop.chosen() == "asyncio"
+
+
+def test_python_3_10s_path_puts_the_policy_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without asyncio.Runner (3.10) uvloop comes by a policy, which must not outlive the run:
+    a later asyncio loop in the process stays asyncio's."""
+    monkeypatch.delattr(asyncio, "Runner")
+    monkeypatch.setenv(evloop.ENV, "auto")
+    before = asyncio.get_event_loop_policy()
+    assert evloop.run(loop_module(), default="uvloop").split(".")[0] == "uvloop"
+    assert asyncio.get_event_loop_policy() is before
+    assert evloop.run(loop_module(), default="asyncio").split(".")[0] == "asyncio"
+
+
+def test_a_uvloop_that_does_not_import_is_asyncio_unless_demanded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(evloop.importlib.util, "find_spec", lambda name: object())  # found
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # ... but `import uvloop` fails
+    monkeypatch.setenv(evloop.ENV, "auto")
+    assert evloop.loop_factory("uvloop") is None
+    monkeypatch.setenv(evloop.ENV, "uvloop")
+    with pytest.raises(ImportError):
+        evloop.loop_factory("uvloop")
