@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.bench.metrics import percentile  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
@@ -166,10 +167,10 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "window_s": round(wall, 3),
         "itls": len(load.itl),
         "output_tok_s": round(load.window_tokens / wall, 1),
-        "ttft_p50_ms": ms(pct(load.ttft, 50)),
-        "itl_p50_ms": ms(pct(load.itl, 50)),
-        "itl_p90_ms": ms(pct(load.itl, 90)),
-        "itl_p99_ms": ms(pct(load.itl, 99)),
+        "ttft_p50_ms": pct_ms(load.ttft, 50),
+        "itl_p50_ms": pct_ms(load.itl, 50),
+        "itl_p90_ms": pct_ms(load.itl, 90),
+        "itl_p99_ms": pct_ms(load.itl, 99),
         "ticks": len(ticks),
         "prefill_tick_share": round(len(with_pf) / len(ticks), 3),
         "tick_prefill_ms": ms(statistics.median(with_pf)) if with_pf else None,
@@ -179,9 +180,9 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else float("nan")
+def pct_ms(xs: list[float], q: float) -> float | None:
+    """The q-th percentile in ms, as `pdserve bench` computes it; None for no values."""
+    return ms(percentile(xs, q)) if xs else None
 
 
 def ms(s: float) -> float:

@@ -99,7 +99,7 @@ def bench(
         "itl_p50_ms": round(s["itl_ms"]["median"], 3),
         "itl_p99_ms": round(s["itl_ms"]["p99"], 3),
         # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
-        "tokens_per_chunk": round(s["tokens_per_chunk"] or 0.0, 3),
+        "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
     }
 

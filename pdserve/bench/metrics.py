@@ -6,10 +6,10 @@ Definitions (times in the summary are milliseconds, rates per second of `duratio
   RequestRecord.tpot), so a long request counts once in TPOT and many times in ITL.
 * percentiles interpolate linearly between the two nearest ranks (numpy's default method).
 * output_throughput = output tokens of the successful requests / duration.
-* tokens_per_chunk = the output tokens / the token events (SSE chunks with output) of those that
-  had one: 1.0 when
-  every token came in a chunk of its own; above it a stage of the server fell behind and merged
-  what waited (vLLM and pdserve do), and the ITLs, one gap per chunk, grow with it.
+* tokens_per_chunk = output tokens / token events (SSE chunks with output), over the
+  successful requests that had a token event: 1.0 when every token came in a chunk of its own;
+  above it a stage of the server fell behind and merged what waited (vLLM and pdserve do), and
+  the ITLs, one gap per chunk, grow with it.
 * goodput = successful requests meeting every SLO set / duration; a one-token request has no
   TPOT and meets any TPOT objective.
 * the run failed (`too_many_failures`) when failed / sent exceeds --max-failure-rate.

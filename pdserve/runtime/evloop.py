@@ -35,13 +35,17 @@ ENV = "PDSERVE_EVENT_LOOP"
 CHOICES = ("auto", "uvloop", "asyncio")
 
 
+def _setting() -> str:
+    return os.environ.get(ENV, "").strip().lower() or "auto"
+
+
 def chosen(default: str = "uvloop") -> str:
     """The loop this process will run: "uvloop" or "asyncio". `default` is what `auto` means
     for this process (uvloop falls back to asyncio where it is not installed). ValueError for
     a bad setting, or for "uvloop" demanded where it is not installed."""
     if default not in CHOICES[1:]:
         raise ValueError(f"default must be uvloop or asyncio, not {default!r}")
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    want = _setting()
     if want not in CHOICES:
         raise ValueError(f"{ENV}={want!r}: expected one of {', '.join(CHOICES)}")
     have = importlib.util.find_spec("uvloop") is not None
@@ -60,7 +64,7 @@ def loop_factory(default: str = "uvloop") -> Callable[[], asyncio.AbstractEventL
     try:
         import uvloop
     except ImportError:
-        if os.environ.get(ENV, "auto").strip().lower() == "uvloop":
+        if _setting() == "uvloop":
             raise
         log.warning("uvloop is installed but does not import; running asyncio's loop")
         return None
