@@ -4,7 +4,9 @@ Both are started with `pdserve launch` on this machine's GPUs (KV moves over --b
 default: VRAM to VRAM through UCX's cuda_ipc). On one GPU the 1P+1D pair shares it; on a host
 with several, `launch` puts each worker on its own (`--gpus auto`), and a cluster named with
 `-shared` (e.g. `1p1d-shared`) is launched with `--gpus none` so that its pair shares one GPU
-for the comparison (benchmarks/gpu_sharing.py measures what sharing costs). Each row names its
+for the comparison (benchmarks/gpu_sharing.py measures what sharing costs); one named with
+`-perreq` (e.g. `colocated-perreq`) has its router read one /generate stream per request
+instead of one shared output stream per worker (`--worker-streams`). Each row names its
 workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
 workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
@@ -32,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,8 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         topology.append("--no-overlap-schedule")
     if "-shared" in name:  # every worker on the GPU the launcher sees first
         topology += ["--gpus", "none"]
+    if "-perreq" in name:  # the router's old way: one /generate stream per request
+        topology += ["--worker-streams", "per-request"]
     cmd = [
         sys.executable, "-m", "pdserve", "launch", *topology,
         "--port", str(port),
@@ -67,8 +72,27 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
+def engine_itl(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of a worker's own inter-token gaps, from its /metrics: the
+    engine's side of the ITL, before any HTTP."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"pdserve_inter_token_latency_seconds_{part} "):
+                got[part] = float(line.split()[1])
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
 def bench(
-    url: str, name: str, conc: int, args: argparse.Namespace, out: Path, procs: dict[str, int]
+    url: str,
+    name: str,
+    conc: int,
+    args: argparse.Namespace,
+    out: Path,
+    procs: dict[str, int],
+    decode_url: str,
 ) -> dict[str, Any]:
     n = args.prompts_at_1 if conc == 1 else args.num_prompts
     path = out / f"{name}-c{conc}.json"
@@ -79,9 +103,12 @@ def bench(
         "--warmup", str(WARMUP), "--out", str(path), "--no-progress",
     ]  # fmt: skip
     before = {p: read_cpu(pid) for p, pid in procs.items()}
+    itl_before = engine_itl(decode_url)
     client_before = _children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
     after = {p: read_cpu(pid) for p, pid in procs.items()}
+    itl_after = engine_itl(decode_url)
+    gaps = itl_after[1] - itl_before[1]
     client_s = _children_cpu_s() - client_before
     if done.returncode != 0:
         raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -98,6 +125,12 @@ def bench(
         "ttft_p99_ms": round(s["ttft_ms"]["p99"], 2),
         "itl_p50_ms": round(s["itl_ms"]["median"], 3),
         "itl_p99_ms": round(s["itl_ms"]["p99"], 3),
+        # the client's mean gap beside the engine's own (its /metrics, warm-up included): equal
+        # when every gap is the engine's tick, larger when the serving path delays tokens
+        "itl_mean_ms": round(s["itl_ms"]["mean"], 3),
+        "engine_itl_mean_ms": round((itl_after[0] - itl_before[0]) / gaps * 1e3, 3)
+        if gaps
+        else None,
         # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
         "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
@@ -187,8 +220,12 @@ def main() -> int:
             table = cluster_table(name, out, proc.pid)
             where = placement(table)
             procs = {p["name"]: int(p["pid"]) for p in table["processes"]}
+            decode_url = next(
+                p["url"] for p in table["processes"] if p["name"].startswith(("colo", "decode"))
+            )
             for conc in args.concurrency:
-                rows.append({**bench(url, name, conc, args, out, procs), "placement": where})
+                row = bench(url, name, conc, args, out, procs, decode_url)
+                rows.append({**row, "placement": where})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop(proc)

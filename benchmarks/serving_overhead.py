@@ -2,6 +2,7 @@
 
     python benchmarks/serving_overhead.py [--num-prompts 64] [--concurrency 16]
         [--output-len 256] [--repeats 2] [--topology colocated|1p1d]
+        [--worker-streams shared|per-request]
         [--profile worker|router --py-spy PATH]
 
 Starts `pdserve launch --prefill 0 --decode 1 --model builtin:tiny --device cpu` (with
@@ -138,6 +139,8 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
         str(args.threads),
         "--max-running",
         str(max(args.concurrency, 1)),
+        "--worker-streams",
+        args.worker_streams,
     ]
     runs: list[dict[str, object]] = []
     with Pdserve(argv, log_dir) as cluster:
@@ -223,6 +226,12 @@ def main() -> int:
         help="one co-located worker, or a prefill and a decode worker (shm between them)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
+    p.add_argument(
+        "--worker-streams",
+        choices=["shared", "per-request"],
+        default="shared",
+        help="the router's --worker-streams: one output stream per worker, or per request",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument(
         "--profile",

@@ -54,6 +54,7 @@ def add_launch_command(sub: Any) -> None:
         add_front_end_args,
         add_prefix_policy_args,
         add_unknown_fields_arg,
+        add_worker_streams_arg,
     )
     from pdserve.router.policy import POLICIES
 
@@ -82,6 +83,7 @@ def add_launch_command(sub: Any) -> None:
         "prefix (where the prompt's prefix should be cached, balanced against load)",
     )
     add_prefix_policy_args(p)
+    add_worker_streams_arg(p)
     add_unknown_fields_arg(p)  # the router's: it parses the OpenAI requests
     p.add_argument(
         "--debug-faults",
@@ -224,6 +226,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         backend=backend,
         debug_faults=args.debug_faults,
         policy=args.policy,
+        worker_streams=args.worker_streams,
         log_level=args.log_level,
         request_timeout_s=args.request_timeout,
         startup_timeout_s=args.startup_timeout,

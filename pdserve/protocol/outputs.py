@@ -1,7 +1,9 @@
-"""What an engine emits for one request, and the NDJSON line codec of a worker's /generate.
+"""What an engine emits for one request, and the NDJSON line codec of a worker's output streams
+(one request's `/generate` stream, or a router's shared `/outputs` stream).
 
 The worker writes each RequestOutput as one line of msgspec JSON (`encode_line`); the router
-reads each line back with a decoder typed by RequestOutput (`decode_line`), which refuses
+reads each line back with a decoder typed by RequestOutput (`decode_line`, `decode_output` for
+a shared stream, which carries every request's outputs), which refuses
 anything else with a ValueError: bad JSON, a wrong type anywhere, an unknown finish_reason,
 or another request's id. A TokenLogprob travels as an array `[id, logprob, [[id, lp], ...]]`,
 in `logprobs` (generated tokens) and `prompt_logprobs` (the prompt's, on the first line).
@@ -63,14 +65,21 @@ def encode_line(out: RequestOutput) -> bytes:
     return _encoder.encode(out) + b"\n"
 
 
-def decode_line(line: bytes, request_id: str) -> RequestOutput:
-    """A line of request_id's /generate stream -> its RequestOutput; ValueError if malformed."""
+def decode_output(line: bytes) -> RequestOutput:
+    """A line of a shared output stream (any request's) -> its RequestOutput; ValueError if
+    malformed."""
     try:
         out = _decoder.decode(line)
     except msgspec.DecodeError as e:
         raise ValueError(f"malformed output line {line[:LINE_QUOTE_LIMIT]!r}: {e}") from None
     if out.finish_reason is not None and out.finish_reason not in FINISH_REASONS:
         raise ValueError(f"unknown finish_reason {out.finish_reason[:LINE_QUOTE_LIMIT]!r}")
+    return out
+
+
+def decode_line(line: bytes, request_id: str) -> RequestOutput:
+    """A line of request_id's /generate stream -> its RequestOutput; ValueError if malformed."""
+    out = decode_output(line)
     if out.request_id != request_id:
         raise ValueError(
             f"an output of request {out.request_id[:LINE_QUOTE_LIMIT]!r} "

@@ -1,16 +1,22 @@
 """RemoteBackend: the server's Backend protocol (validate/submit/abort) over workers' HTTP.
 
 `submit` starts one asyncio task per request. The task picks a route (D, and P when there
-is a prefill pool), POSTs D's /generate and feeds each NDJSON line to the sink.
+is a prefill pool) and POSTs D's /generate. With `--worker-streams shared` (the default) the
+request names D's output channel (router/channel.py: one stream per worker carries every
+request's outputs, so each engine burst is one write on D and one read here), /generate
+answers once D's engine has it, and the task waits for its finish while the channel feeds the
+sink. With `per-request`, /generate streams the request's own NDJSON lines to the sink.
 
 Invariants:
 * the sink hears exactly one finish: the worker's own, or one error output that names the
   worker and what happened; an aborted task says nothing more (nobody is listening);
 * a route's outstanding count is released exactly once, when its attempt ends;
-* a request is re-routed only when the connection to D was refused, i.e. D never saw it;
-* `abort` cancels the task (closing the connection, which D takes as an abort) and also
-  POSTs D's /abort, fire-and-forget with a short timeout, so D hears it even if the
-  connection close is lost in a proxy.
+* a request is re-routed only when D never saw it: the connection was refused, or D answered
+  503 (stopping, full; a channel D no longer knows is replaced once first);
+* `abort` cancels the task and POSTs D's /abort, fire-and-forget with a short timeout (on
+  its own stream, closing the connection aborts it on D too); a request that D may still run
+  after its attempt failed or ran past its deadline on a channel is aborted on D the same way,
+  since the channel stays open, and again if its outputs keep coming (router/channel.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
+from pdserve.router.channel import Receiver, WorkerChannel
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -82,6 +89,14 @@ class RemoteBackend:
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task[None]] = set()
+        self.channels: dict[str, WorkerChannel] = {}  # D's url -> its output channel
+        if cfg.worker_streams == "shared":
+            self.channels = {
+                d.url: WorkerChannel(
+                    clients[d.url], cfg.connect_timeout_s, self._orphan_aborter(d.url)
+                )
+                for d in registry.decode
+            }
 
     @property
     def live_count(self) -> int:
@@ -117,7 +132,8 @@ class RemoteBackend:
         if live.task is not None:
             live.task.cancel()
         if live.route is not None:
-            self.spawn(self._send_abort(live.route, request_id))
+            url = live.route.decode.url
+            self.spawn(self._send_abort(url, request_id, live.route.describe()))
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is live; False if some still are after timeout_s."""
@@ -128,19 +144,25 @@ class RemoteBackend:
         return True
 
     async def close(self, why: str) -> None:
-        """Abort every live request on its worker and fail it towards the client."""
+        """Abort every live request on its worker and fail it towards the client; close the
+        output channels."""
         for rid in list(self._live):
             live = self._live[rid]
             self.abort(rid)
             live.sink(error_output(rid, why))
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.abort_timeout_s + 1.0)
+        for ch in self.channels.values():
+            await ch.close()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """A fire-and-forget task, kept referenced until it ends (asyncio holds weak refs)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _orphan_aborter(self, url: str) -> Callable[[str], None]:
+        return lambda rid: self.spawn(self._send_abort(url, rid, url))
 
     # -- the request task ---------------------------------------------------------------
     def _forget(self, request_id: str) -> _Live | None:
@@ -206,24 +228,19 @@ class RemoteBackend:
         """
         self.registry.acquire(route)
         live.route = route
-        client = self.clients[route.decode.url]
+        url = route.decode.url
         body = generate_body(rid, prompt_ids, params, timeout_s, route)
-        first = True
         try:
-            async for out in client.generate(body, timeout_s + REMOTE_GRACE_S):
-                if first and (out.token_ids or out.finish_reason):
-                    self.metrics.ttft.observe(time.monotonic() - t0)
-                    first = False
-                live.sink(out)
-                if out.finish_reason is not None:
-                    return ("ok" if out.finish_reason in ("stop", "length") else "error"), None
-            raise WorkerError(route.decode.url, "the stream ended early")  # generate() prevents it
+            channel = self.channels.get(url)
+            if channel is not None:
+                return await self._on_channel(channel, body, timeout_s, live, route, t0), None
+            return await self._on_own_stream(body, timeout_s, live, route, t0), None
         except WorkerError as e:
             if e.connect:
-                # Take D out now rather than at the next health poll.
-                note = self.registry.mark_worker(route.decode.url, False, e.what, time.monotonic())
-                if note:
-                    log.warning("%s", note)
+                if e.mark_down:  # take D out now rather than at the next health poll
+                    note = self.registry.mark_worker(url, False, e.what, time.monotonic())
+                    if note:
+                        log.warning("%s", note)
                 return "error", e
             live.sink(error_output(rid, f"{route.describe()} failed: {e.what}"))
             return "error", None
@@ -231,9 +248,94 @@ class RemoteBackend:
             live.route = None
             self.registry.release(route)
 
-    async def _send_abort(self, route: Route, rid: str) -> None:
+    def _receiver(self, live: _Live, url: str, t0: float, done: asyncio.Future[str]) -> Receiver:
+        """Feeds the sink; `done` gets the outcome at the finish, or the WorkerError."""
+        first = True
+
+        def output(out: RequestOutput) -> None:
+            nonlocal first
+            if first and (out.token_ids or out.finish_reason):
+                self.metrics.ttft.observe(time.monotonic() - t0)
+                first = False
+            live.sink(out)
+            if out.finish_reason is not None and not done.done():
+                done.set_result("ok" if out.finish_reason in ("stop", "length") else "error")
+
+        def broken(what: str) -> None:
+            if not done.done():
+                done.set_exception(WorkerError(url, what))
+
+        return Receiver(output, broken)
+
+    async def _on_channel(
+        self,
+        channel: WorkerChannel,
+        body: dict[str, Any],
+        timeout_s: float,
+        live: _Live,
+        route: Route,
+        t0: float,
+    ) -> str:
+        """The request on D's output channel: its outcome once the finish came (the sink has
+        had every output); WorkerError otherwise, as `_attempt` reads it."""
+        rid, url = body["request_id"], route.decode.url
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s + REMOTE_GRACE_S
+        done: asyncio.Future[str] = loop.create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        receiver = self._receiver(live, url, t0, done)
         try:
-            await self.clients[route.decode.url].abort(rid, self.cfg.abort_timeout_s)
+            # Twice at most: the stream may end between its opening and the request's
+            # registration, or D may no longer know it (a stale, half-open stream).
+            for _ in range(2):
+                body["channel"] = cid = await channel.ready()
+                if not channel.register(cid, rid, receiver):
+                    continue
+                try:
+                    await self.clients[url].submit(body, max(deadline - loop.time(), 0.001))
+                    break
+                except WorkerError as e:
+                    if done.done() and not done.cancelled() and done.exception() is None:
+                        return done.result()  # its finish came before /generate's answer
+                    if e.code == "channel_closed":
+                        channel.discard(rid)
+                        channel.reset(cid)
+                        continue
+                    if e.connect or (e.status is not None and e.status < 500):
+                        channel.discard(rid)  # D never took it
+                    else:  # D may have it: a timeout, a broken answer, a 500
+                        self.spawn(self._send_abort(url, rid, route.describe()))
+                    raise
+            else:
+                raise WorkerError(
+                    url, "its output stream closed as the request was sent", True, mark_down=False
+                )
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), deadline - loop.time())
+            except TimeoutError:
+                self.spawn(self._send_abort(url, rid, route.describe()))
+                raise WorkerError(
+                    url, f"the request did not finish within {timeout_s + REMOTE_GRACE_S:.1f}s"
+                ) from None
+        finally:
+            channel.unregister(rid)  # if it has not finished, its later outputs are orphans
+
+    async def _on_own_stream(
+        self, body: dict[str, Any], timeout_s: float, live: _Live, route: Route, t0: float
+    ) -> str:
+        """The request on a /generate stream of its own; its outcome, as `_on_channel`."""
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        receiver = self._receiver(live, route.decode.url, t0, done)
+        async for out in self.clients[route.decode.url].generate(body, timeout_s + REMOTE_GRACE_S):
+            receiver.output(out)
+            if done.done():
+                return done.result()
+        raise WorkerError(route.decode.url, "the stream ended early")  # generate() prevents it
+
+    async def _send_abort(self, url: str, rid: str, who: str) -> None:
+        try:
+            await self.clients[url].abort(rid, self.cfg.abort_timeout_s)
         except WorkerError as e:
-            # The closed connection already aborts it on D; this is the belt to those braces.
-            log.warning("abort of %s not confirmed by %s: %s", rid, route.describe(), e.what)
+            # On its own stream, the closed connection already aborts it on D; on a channel,
+            # its outputs still coming will abort it again (router/channel.py).
+            log.warning("abort of %s not confirmed by %s: %s", rid, who, e.what)

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pdserve.config import HttpLimits
+from pdserve.router.config import WORKER_STREAMS
 from pdserve.router.policy import POLICIES
 from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
 
@@ -105,6 +106,18 @@ def add_prefix_policy_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_worker_streams_arg(p: argparse.ArgumentParser) -> None:
+    """How outputs come back from the workers (router/channel.py), for `router` and `launch`."""
+    p.add_argument(
+        "--worker-streams",
+        default="shared",
+        choices=WORKER_STREAMS,
+        help="shared: one output stream per worker carries every request's tokens (one write "
+        "per engine step on the worker); per-request: one /generate stream per request "
+        "(default: shared)",
+    )
+
+
 def add_router_command(sub: Any) -> None:
     """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
     r: argparse.ArgumentParser = sub.add_parser(
@@ -138,6 +151,7 @@ def add_router_command(sub: Any) -> None:
         "where the prompt's longest prefix should be cached, balanced against load",
     )
     add_prefix_policy_args(r)
+    add_worker_streams_arg(r)
     r.add_argument(
         "--model",
         required=True,
@@ -194,6 +208,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        worker_streams=args.worker_streams,
         prefix_index_pages=args.prefix_index_pages,
         prefix_max_imbalance=args.prefix_max_imbalance,
         request_timeout_s=args.request_timeout,

@@ -8,6 +8,8 @@ from pdserve.config import HttpLimits
 from pdserve.router.policy import POLICIES
 from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
 
+WORKER_STREAMS = ("shared", "per-request")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -35,6 +37,9 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)  # clients' key for /v1 (server/auth.py)
     protect_health: bool = False  # /health and /metrics need a key too
     max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
+    # "shared": one output stream per worker carries every request's outputs (router/channel.py);
+    # "per-request": each /generate streams its own (the A/B of benchmarks/gpu_serving.py).
+    worker_streams: str = "shared"
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -55,6 +60,10 @@ class RouterConfig:
             raise ValueError(
                 "--prefix-index-pages must be >= 1 and --prefix-max-imbalance >= 0, got "
                 f"{self.prefix_index_pages} and {self.prefix_max_imbalance}"
+            )
+        if self.worker_streams not in WORKER_STREAMS:
+            raise ValueError(
+                f"--worker-streams must be one of {WORKER_STREAMS}, got {self.worker_streams!r}"
             )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")

@@ -59,6 +59,7 @@ class LaunchConfig:
     backend: str = "shm"
     debug_faults: bool = False  # workers take POST /debug/faults
     policy: str = "least-outstanding"
+    worker_streams: str = "shared"  # the router's --worker-streams
     log_level: str = "INFO"
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 300.0
@@ -135,6 +136,7 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
                 "--host": cfg.host,
                 "--port": str(cfg.port),
                 "--policy": cfg.policy,
+                "--worker-streams": cfg.worker_streams,
                 **(
                     {"--prefix-index-pages": str(cfg.prefix_index_pages)}
                     if cfg.prefix_index_pages is not None

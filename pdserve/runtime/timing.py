@@ -59,6 +59,15 @@ RETRY_AFTER_S = 1  # the Retry-After a 429 or 503 answers with
 ACCEPT_BACKOFF_S = 1.0  # after EMFILE the accept loop rests this long (asyncio's own delay)
 STREAM_GRACE_S = 10.0  # past an engine's own deadline, how long a stream waits for its final word
 REMOTE_GRACE_S = 5.0  # the router's wait past a request's timeout for D's final word
+# A router's output channel (worker/channels.py, router/channel.py): the worker writes a blank
+# line this often, so that a router that has read nothing for CHANNEL_SILENCE_S knows the
+# stream is dead (a host gone without a reset sends nothing, and the router never writes).
+CHANNEL_HEARTBEAT_S = 2.0
+CHANNEL_SILENCE_S = 10.0
+# The router's abort of a request it stopped listening to is one POST; if that request's
+# outputs still arrive this long after, it aborts it again (the POST was lost, or overtook
+# the /generate it aborts).
+ORPHAN_ABORT_AFTER_S = 3.0
 DRAIN_S = 10.0  # a graceful stop waits this long at most for running requests (--drain-timeout)
 ABORT_GRACE_S = 1.0  # then ends them, and waits this long for their answers to go out
 HANDLERS_STOP_S = 1.0  # aiohttp then cancels the handlers still running after this

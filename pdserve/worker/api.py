@@ -5,11 +5,17 @@
                      (pdserve/protocol/outputs.py): {"request_id", "token_ids": [...],
                       "logprobs": [[id, lp, [[id, lp], ...]], ...], "finish_reason": null |
                       "stop" | "length" | "abort" | "error", "error", "num_prompt_tokens"}
+    POST /outputs    {"channel"}  ->  NDJSON stream of RequestOutput lines of every request sent
+                     with "channel" (worker/channels.py: the router holds one per worker)
+    POST /generate   {..., "channel"}  ->  {"ok": true} once the engine has the request; its
+                     outputs go to that channel's stream (503 `channel_closed`: it never
+                     reached the engine)
     POST /abort      {"request_id"}  ->  {"ok": true}
     GET  /info       role, model, max_model_len, vocab size, layout
 
-The stream's last line always carries a finish_reason. A client that disconnects aborts its
-request. Served by co-located workers and decode workers alike. Every field of a body is
+A request's last line always carries a finish_reason. A client that disconnects aborts its
+request (a channel's: every request it carries). Served by co-located workers and decode
+workers alike. Every field of a body is
 checked before the engine sees it (the engine thread would fail on a string seed or a list
 for an address): the same body and SamplingParams checks as the OpenAI API, plus the
 request id, the timeout and the prefill address. The params are SamplingParams' wire form
@@ -31,10 +37,11 @@ from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
+from pdserve.worker.channels import TIMED_OUT, Channel, ChannelError, Channels
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
-GENERATE_KEYS = frozenset({"request_id", "prompt_ids", "params", "timeout_s", "prefill"})
+GENERATE_KEYS = frozenset({"request_id", "prompt_ids", "params", "timeout_s", "prefill", "channel"})
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _ADDRESS = re.compile(
     rf"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*):(?P<port>[0-9]{{1,5}})"
@@ -55,14 +62,21 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
     return p.to_builtins()
 
 
-def check_request_id(v: Any) -> str:
+def check_request_id(v: Any, field: str = "request_id") -> str:
+    """A request's (or a channel's) id: a printable string of 1 to 256 characters."""
     if not (isinstance(v, str) and 0 < len(v) <= MAX_REQUEST_ID_CHARS and v.isprintable()):
         raise bad(
-            f"'request_id' must be a printable string of 1 to {MAX_REQUEST_ID_CHARS} "
+            f"'{field}' must be a printable string of 1 to {MAX_REQUEST_ID_CHARS} "
             f"characters, got {show(v)}",
-            "request_id",
+            field,
         )
     return v
+
+
+def _channel_error(e: ChannelError) -> web.Response:
+    kind = "server_error" if e.status >= 500 else "invalid_request_error"
+    err = ApiError(e.status, e.message, type_=kind, code=e.code)
+    return web.json_response(err.body(), status=e.status)
 
 
 def check_prefill_address(v: Any) -> str:
@@ -91,9 +105,11 @@ class WorkerApi:
         self.role = role
         self.model_name = model_name
         self.info_extra = info
+        self.channels = Channels()
 
     def routes(self) -> list[web.RouteDef]:
         return [
+            web.post("/outputs", self.outputs),
             web.post("/generate", self.generate),
             web.post("/abort", self.abort),
             web.get("/info", self.info),
@@ -136,6 +152,7 @@ class WorkerApi:
             params = params_from_json(body.get("params", {}))
             timeout = check_timeout(body.get("timeout_s"), "timeout_s")
             prefill = check_prefill_address(body["prefill"]) if "prefill" in body else None
+            cid = check_request_id(body["channel"], "channel") if "channel" in body else None
             try:
                 self.engine.validate(prompt, params)
             except InvalidParams as e:
@@ -144,10 +161,17 @@ class WorkerApi:
             return web.json_response(e.body(), status=e.status)
         loop = asyncio.get_running_loop()
         wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S
+        extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
+        if cid is not None:
+            try:
+                ch = self.channels.admit(cid, rid, wait_s)
+            except ChannelError as e:
+                return _channel_error(e)
+            self._submit(ch, rid, prompt, params, timeout, extra)
+            return web.json_response({"ok": True})
         stream: OutputStream[RequestOutput] = OutputStream(loop, loop.time() + wait_s)
         push = handoff(loop).push
         put = stream.put
-        extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
         self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
@@ -158,11 +182,7 @@ class WorkerApi:
                 try:
                     outs = merge_runs(await stream.take())
                 except StreamTimeout:
-                    outs = [
-                        RequestOutput(
-                            rid, (), (), "error", "worker timed out waiting for its engine"
-                        )
-                    ]
+                    outs = [RequestOutput(rid, (), (), "error", TIMED_OUT)]
                 finished = any(o.finish_reason is not None for o in outs)
                 await resp.write(b"".join(encode_line(o) for o in outs))
             await resp.write_eof()
@@ -171,3 +191,52 @@ class WorkerApi:
             if not finished:
                 self.engine.abort(rid)
         return resp
+
+    async def outputs(self, request: web.Request) -> web.StreamResponse:
+        """A router's shared output stream (worker/channels.py), open until it closes it or
+        the worker stops."""
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict) or set(body) != {"channel"}:
+                raise bad("the body must be {'channel': str}", "channel")
+            cid = check_request_id(body["channel"], "channel")
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        try:
+            ch = self.channels.open(asyncio.get_running_loop(), cid, self.engine.abort)
+        except ChannelError as e:
+            return _channel_error(e)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await resp.prepare(request)  # the router sends requests once it has these headers
+            await ch.serve(resp)
+        finally:
+            ch.close()
+            self.channels.remove(ch)
+        return resp
+
+    def _submit(
+        self,
+        ch: Channel,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        timeout: float | None,
+        extra: dict[str, str],
+    ) -> None:
+        push = handoff(asyncio.get_running_loop()).push
+        put = ch.put
+        try:
+            self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
+        except BaseException:
+            ch.discard(rid)
+            raise
+
+    def stop_channels(self) -> None:
+        """The worker is stopping: no new channel or channel request; each channel ends once
+        the requests it carries have finished."""
+        self.channels.stop()
+
+    def fail_channels(self, why: str) -> int:
+        """End every request still on a channel with an error (past the drain time)."""
+        return self.channels.fail_all(why)

@@ -1,4 +1,6 @@
-"""RemoteBackend and the worker client against fake workers in this process (no model).
+"""RemoteBackend and the worker client against fake workers in this process (no model), on
+per-request /generate streams (`--worker-streams per-request`; the shared output channel is
+tests/router/test_channels.py's).
 
 Each fake misbehaves in one way; the router must turn every failure into exactly one error
 output that names the worker, re-route only what a worker never saw, and abort promptly.
@@ -99,7 +101,13 @@ def make_backend(
     session: aiohttp.ClientSession, decode: list[str], prefill: list[str] | None = None
 ) -> RemoteBackend:
     prefill = prefill or []
-    cfg = RouterConfig(tuple(decode), tuple(prefill), model_path="unused", abort_timeout_s=1.0)
+    cfg = RouterConfig(
+        tuple(decode),
+        tuple(prefill),
+        model_path="unused",
+        abort_timeout_s=1.0,
+        worker_streams="per-request",
+    )
     reg = Registry.build(
         [(u, {}) for u in decode],
         [(u, {"control": f"tcp://control-of-{i}"}) for i, u in enumerate(prefill)],

@@ -39,6 +39,9 @@ BEARER_CLUSTER = f"Bearer {CLUSTER.http_token}"
         # The cluster key opens the cluster's endpoints, never the clients' API.
         (Gate(API_KEY, CLUSTER), "/generate", BEARER_CLUSTER, True),
         (Gate(API_KEY, CLUSTER), "/generate", None, False),
+        (Gate(API_KEY, CLUSTER), "/outputs", BEARER_CLUSTER, True),  # a router's channel
+        (Gate(API_KEY, CLUSTER), "/outputs", None, False),
+        (Gate(None, CLUSTER), "/outputs", "Bearer wrong-key-123", False),
         (Gate(API_KEY, CLUSTER), "/v1/completions", BEARER_CLUSTER, False),
         (Gate(None, CLUSTER), "/v1/completions", None, True),  # no API key: /v1 is open
         (Gate(None, CLUSTER), "/debug/state", None, False),
@@ -83,6 +86,7 @@ def test_a_server_with_an_api_key(keyed_server):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert http("GET", url + "/health", auth=False)[0] == 200
     assert http("GET", url + "/debug/state", auth=False)[0] == 401  # live request ids
+    assert http("POST", url + "/outputs", {"channel": "c"}, auth=False)[0] == 401  # tokens
     # The run's cluster key (tests/conftest.py) opens the operator's endpoints.
     assert http("GET", url + "/debug/state")[0] == 200
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
