@@ -53,8 +53,6 @@ def forward_each(
     return torch.cat(rows), kept
 
 
-
-
 def sample_each(
     sample: Sampler, logits: torch.Tensor, reqs: Sequence[Request], fail: Fail
 ) -> Picks:

@@ -97,7 +97,9 @@ class Router:
         )
         canary = self.tokenizer.encode(CANARY_TEXT)
         validate_prompt(canary, CANARY_PARAMS, fleet.vocab_size, fleet.max_model_len)
-        self.monitor = HealthMonitor(cfg, self.registry, self.clients, self.metrics, canary)
+        self.monitor = HealthMonitor(
+            cfg, self.registry, self.clients, self.metrics, canary, self.backend.run_once
+        )
         self.api = OpenAIApi(
             self.backend,
             self.tokenizer,
@@ -163,6 +165,9 @@ class Router:
                     "max_model_len": self.fleet.max_model_len,
                     "vocab_size": self.fleet.vocab_size,
                     "live_requests": self.backend.live_count,
+                    "output_channels": {
+                        url: ch.snapshot() for url, ch in self.backend.channels.items()
+                    },
                     "problems": self.problems(),
                     "health_loop_errors": self.monitor.loop_errors,
                     "http": self.listener.snapshot() if self.listener is not None else None,

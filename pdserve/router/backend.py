@@ -232,9 +232,10 @@ class RemoteBackend:
         body = generate_body(rid, prompt_ids, params, timeout_s, route)
         try:
             channel = self.channels.get(url)
+            wait_s = timeout_s + REMOTE_GRACE_S
             if channel is not None:
-                return await self._on_channel(channel, body, timeout_s, live, route, t0), None
-            return await self._on_own_stream(body, timeout_s, live, route, t0), None
+                return await self._on_channel(channel, body, wait_s, live, route, t0), None
+            return await self._on_own_stream(body, wait_s, live, route, t0), None
         except WorkerError as e:
             if e.connect:
                 if e.mark_down:  # take D out now rather than at the next health poll
@@ -248,13 +249,32 @@ class RemoteBackend:
             live.route = None
             self.registry.release(route)
 
-    def _receiver(self, live: _Live, url: str, t0: float, done: asyncio.Future[str]) -> Receiver:
-        """Feeds the sink; `done` gets the outcome at the finish, or the WorkerError."""
-        first = True
+    async def run_once(
+        self, route: Route, body: dict[str, Any], wait_s: float
+    ) -> list[RequestOutput]:
+        """One request on `route` the way the clients' go (on D's channel, or its own stream),
+        outside their bookkeeping (no outstanding count, no metrics): every output, the last
+        with its finish; WorkerError if it failed or took longer than `wait_s`. The health
+        canary's, so that it exercises the path real requests take."""
+        outs: list[RequestOutput] = []
+        live = _Live(outs.append)
+        channel = self.channels.get(route.decode.url)
+        if channel is not None:
+            await self._on_channel(channel, dict(body), wait_s, live, route, None)
+        else:
+            await self._on_own_stream(body, wait_s, live, route, None)
+        return outs
+
+    def _receiver(
+        self, live: _Live, url: str, t0: float | None, done: asyncio.Future[str]
+    ) -> Receiver:
+        """Feeds the sink (and, from `t0`, the TTFT histogram); `done` gets the outcome at the
+        finish, or the WorkerError."""
+        first = t0 is not None
 
         def output(out: RequestOutput) -> None:
             nonlocal first
-            if first and (out.token_ids or out.finish_reason):
+            if first and t0 is not None and (out.token_ids or out.finish_reason):
                 self.metrics.ttft.observe(time.monotonic() - t0)
                 first = False
             live.sink(out)
@@ -271,16 +291,16 @@ class RemoteBackend:
         self,
         channel: WorkerChannel,
         body: dict[str, Any],
-        timeout_s: float,
+        wait_s: float,
         live: _Live,
         route: Route,
-        t0: float,
+        t0: float | None,
     ) -> str:
         """The request on D's output channel: its outcome once the finish came (the sink has
-        had every output); WorkerError otherwise, as `_attempt` reads it."""
+        had every output) within `wait_s`; WorkerError otherwise, as `_attempt` reads it."""
         rid, url = body["request_id"], route.decode.url
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s + REMOTE_GRACE_S
+        deadline = loop.time() + wait_s
         done: asyncio.Future[str] = loop.create_future()
         done.add_done_callback(lambda f: f.cancelled() or f.exception())
         receiver = self._receiver(live, url, t0, done)
@@ -314,19 +334,17 @@ class RemoteBackend:
                 return await asyncio.wait_for(asyncio.shield(done), deadline - loop.time())
             except TimeoutError:
                 self.spawn(self._send_abort(url, rid, route.describe()))
-                raise WorkerError(
-                    url, f"the request did not finish within {timeout_s + REMOTE_GRACE_S:.1f}s"
-                ) from None
+                raise WorkerError(url, f"the request did not finish within {wait_s:.1f}s") from None
         finally:
             channel.unregister(rid)  # if it has not finished, its later outputs are orphans
 
     async def _on_own_stream(
-        self, body: dict[str, Any], timeout_s: float, live: _Live, route: Route, t0: float
+        self, body: dict[str, Any], wait_s: float, live: _Live, route: Route, t0: float | None
     ) -> str:
         """The request on a /generate stream of its own; its outcome, as `_on_channel`."""
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         receiver = self._receiver(live, route.decode.url, t0, done)
-        async for out in self.clients[route.decode.url].generate(body, timeout_s + REMOTE_GRACE_S):
+        async for out in self.clients[route.decode.url].generate(body, wait_s):
             receiver.output(out)
             if done.done():
                 return done.result()

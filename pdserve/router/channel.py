@@ -77,6 +77,16 @@ class WorkerChannel:
     def __len__(self) -> int:
         return len(self._stream.receivers) if self._stream is not None else 0
 
+    def snapshot(self) -> dict[str, object]:
+        """For /debug/cluster: the open channel's id, the requests on it, openings so far."""
+        stream = self._stream
+        return {
+            "id": stream.id if stream is not None else None,
+            "requests": len(self),
+            "orphans": len(stream.orphans) if stream is not None else 0,
+            "opened": self.opened,
+        }
+
     async def ready(self) -> str:
         """The open channel's id, opening one first if none is; WorkerError if it cannot
         (connect=True: the worker never saw anything, so the request may go elsewhere)."""

@@ -3,7 +3,8 @@
 * Liveness: every `health_interval_s`, each worker's GET /health, concurrently, each bounded
   by `health_timeout_s`. A failure takes the worker out of rotation; a pass brings it back.
 * Deep: a real one-token greedy request through every (P, D) pair — (None, D) for
-  co-located workers — concurrently, each bounded by `deep_timeout_s`. A failing pair
+  co-located workers — the way client requests go (on D's output channel, when the router
+  uses them), concurrently, each bounded by `deep_timeout_s`. A failing pair
   leaves rotation; the loop re-probes failed pairs every `pair_retry_s` so that a pair
   comes back once it passes, even if nobody calls /health/deep again.
 The loop survives its own bugs (logged, counted, next round) and beats a heartbeat, which
@@ -16,8 +17,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.backend import generate_body
 from pdserve.router.client import WorkerClient, WorkerError
@@ -28,6 +31,7 @@ from pdserve.router.registry import PairKey, Registry, Route
 log = logging.getLogger(__name__)
 
 CANARY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+RunOnce = Callable[[Route, dict[str, Any], float], Awaitable[list[RequestOutput]]]
 
 
 class HealthMonitor:
@@ -38,7 +42,10 @@ class HealthMonitor:
         clients: dict[str, WorkerClient],
         metrics: RouterMetrics,
         canary_prompt: list[int],
+        run_once: RunOnce,
     ) -> None:
+        """`run_once(route, body, timeout_s)`: one request's outputs, the way the clients'
+        requests go (RemoteBackend.run_once), WorkerError if it fails."""
         if not canary_prompt:
             raise ValueError("the deep-health canary needs a non-empty prompt")
         self.cfg = cfg
@@ -46,6 +53,7 @@ class HealthMonitor:
         self.clients = clients
         self.metrics = metrics
         self.canary_prompt = canary_prompt
+        self.run_once = run_once
         self.last_beat = time.monotonic()
         self.loop_errors = 0
         self._pending: set[asyncio.Task[None]] = set()  # fire-and-forget aborts, kept referenced
@@ -103,10 +111,9 @@ class HealthMonitor:
         t0 = time.monotonic()
         error: str | None = None
         tokens = 0
-        client = self.clients[d_url]
         try:
-            # generate() bounds the whole exchange, connect to last line, by `timeout`.
-            async for out in client.generate(body, timeout):
+            # Bounded, connect to last line, by `timeout`; the way client requests go.
+            for out in await self.run_once(route, body, timeout):
                 tokens += len(out.token_ids)
                 if out.finish_reason is not None and out.finish_reason != "length":
                     error = f"finished with {out.finish_reason!r}: {out.error}"

@@ -90,6 +90,11 @@ class Channel:
     def __len__(self) -> int:
         return len(self._live)
 
+    @property
+    def ending(self) -> bool:
+        """It takes no more requests and ends once those it carries have finished."""
+        return self._ending
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._live
 
@@ -237,6 +242,13 @@ class Channels:
             )
         ch.add(request_id, wait_s)
         return ch
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """For /debug/state: each open channel, the requests it carries and whether it ends."""
+        return [
+            {"id": ch.id, "requests": len(ch), "ending": ch.ending}
+            for ch in self._open.values()
+        ]
 
     def remove(self, ch: Channel) -> None:
         if self._open.get(ch.id) is ch:

@@ -163,6 +163,7 @@ class Server:
             "threads": self.supervisor.snapshot(),
             "problems": self.problems(),
             "http": self.listener.snapshot() if self.listener is not None else None,
+            "output_channels": self.worker_api.channels.snapshot(),
         }
         try:
             state["engine"] = await asyncio.to_thread(self.engine.snapshot, 2.0)

@@ -68,9 +68,7 @@ def prefill_snapshot(
     now = time.monotonic()
     rooms = list(rooms)
     return {
-        "peers": [
-            {"identity": p.identity, "silent_s": round(now - p.last_seen, 3)} for p in peers
-        ],
+        "peers": [{"identity": p.identity, "silent_s": round(now - p.last_seen, 3)} for p in peers],
         "rooms": [
             {
                 "peer": r.peer,

@@ -11,6 +11,7 @@ misbehaves on a channel: tests/router/test_channel_faults.py.)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ import aiohttp
 import pytest
 
 from pdserve.protocol.outputs import RequestOutput, decode_output, encode_line
+from pdserve.router.health import HealthMonitor
 from pdserve.worker import api as api_mod
 from pdserve.worker.channels import TIMED_OUT, encode_burst
 from tests.router.channel_fakes import (
@@ -135,6 +137,10 @@ def test_a_stopping_worker_finishes_what_its_channel_carries_then_ends_it():
             submit(b, c, "long", 40)
             await until(lambda: len(c.outs["long"]) > 3)
             wapi.stop_channels()
+            assert [{**x, "id": 0} for x in wapi.channels.snapshot()] == [
+                {"id": 0, "requests": 1, "ending": True}
+            ]
+            assert b.channels[url].snapshot()["requests"] == 1
             await c.wait("long")
             assert c.tokens("long") == list(range(40))
             assert c.finish("long").finish_reason == "length"
@@ -245,3 +251,23 @@ def test_encode_burst_merges_each_request_in_order_and_never_past_a_finish():
     ]
     single = [RequestOutput("a", (1,)), RequestOutput("b", (2,))]
     assert encode_burst(single) == encode_line(single[0]) + encode_line(single[1])
+
+
+def test_the_canary_goes_the_way_client_requests_go():
+    async def body() -> None:
+        engine = ScriptedEngine()
+        async with worker(engine) as (url, wapi), aiohttp.ClientSession() as s:
+            b = backend(s, [url])
+            monitor = HealthMonitor(b.cfg, b.registry, b.clients, b.metrics, [1, 2], b.run_once)
+            result = await monitor.probe((None, url))
+            assert result["ok"], result
+            assert engine.submitted[0].startswith("deep-health-")
+            assert b.channels[url].opened == 1 and len(wapi.channels) == 1  # on the channel
+            assert b.registry.decode[0].routed == 0  # not counted as a client request
+            engine.frozen = True  # the engine stops answering: the canary says so
+            monitor.cfg = dataclasses.replace(b.cfg, deep_timeout_s=0.3)
+            result = await monitor.probe((None, url))
+            assert not result["ok"] and "did not finish within 0.3s" in result["error"]
+            await b.close("test over")
+
+    run(body())
