@@ -257,9 +257,10 @@ class Router:
                 self.forced = True
                 log.warning("stopped at once: %d requests dropped", self.backend.live_count)
                 return stop.exit_code or 1
+            # The health loop first: a canary must not open a channel that close() closed.
+            code = await stop.unless_forced(self._stop_monitor(), ROUTER_STOP_S + 1.0)
             closing = self.backend.close("the router is shutting down")
             await stop.unless_forced(closing, self.cfg.abort_timeout_s + 2.0)
-            code = await stop.unless_forced(self._stop_monitor(), ROUTER_STOP_S + 1.0)
             await stop.unless_forced(runner.cleanup(), HANDLERS_STOP_S + ROUTER_STOP_S)
             self.api.close()
         if stop.forced.is_set():

@@ -13,10 +13,12 @@ Invariants:
 * a route's outstanding count is released exactly once, when its attempt ends;
 * a request is re-routed only when D never saw it: the connection was refused, or D answered
   503 (stopping, full; a channel D no longer knows is replaced once first);
-* `abort` cancels the task and POSTs D's /abort, fire-and-forget with a short timeout (on
-  its own stream, closing the connection aborts it on D too); a request that D may still run
-  after its attempt failed or ran past its deadline on a channel is aborted on D the same way,
-  since the channel stays open, and again if its outputs keep coming (router/channel.py).
+* `abort` cancels the task and POSTs D's /abort, fire-and-forget with a short timeout; the
+  aborts of one loop turn leave as one POST per worker (a client that dies with 60 streams
+  open costs each worker one call, not 60). On its own stream, closing the connection aborts
+  the request on D too; a request that D may still run after its attempt failed or ran past
+  its deadline on a channel is aborted on D the same way, since the channel stays open, and
+  again if its outputs keep coming (router/channel.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.router.channel import Receiver, WorkerChannel
 from pdserve.router.client import WorkerClient, WorkerError
@@ -89,6 +91,8 @@ class RemoteBackend:
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task[None]] = set()
+        self._aborts: dict[str, list[str]] = {}  # D's url -> ids for this loop turn's POST
+        self.closed = False  # close() has run
         self.channels: dict[str, WorkerChannel] = {}  # D's url -> its output channel
         if cfg.worker_streams == "shared":
             self.channels = {
@@ -132,8 +136,7 @@ class RemoteBackend:
         if live.task is not None:
             live.task.cancel()
         if live.route is not None:
-            url = live.route.decode.url
-            self.spawn(self._send_abort(url, request_id, live.route.describe()))
+            self._send_abort(live.route.decode.url, request_id)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is live; False if some still are after timeout_s."""
@@ -146,10 +149,13 @@ class RemoteBackend:
     async def close(self, why: str) -> None:
         """Abort every live request on its worker and fail it towards the client; close the
         output channels."""
+        self.closed = True
         for rid in list(self._live):
             live = self._live[rid]
             self.abort(rid)
             live.sink(error_output(rid, why))
+        for url in list(self._aborts):  # now, not at the end of this loop turn
+            self._flush_aborts(url)
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.abort_timeout_s + 1.0)
         for ch in self.channels.values():
@@ -162,7 +168,7 @@ class RemoteBackend:
         task.add_done_callback(self._background.discard)
 
     def _orphan_aborter(self, url: str) -> Callable[[str], None]:
-        return lambda rid: self.spawn(self._send_abort(url, rid, url))
+        return lambda rid: self._send_abort(url, rid)
 
     # -- the request task ---------------------------------------------------------------
     def _forget(self, request_id: str) -> _Live | None:
@@ -256,6 +262,8 @@ class RemoteBackend:
         outside their bookkeeping (no outstanding count, no metrics): every output, the last
         with its finish; WorkerError if it failed or took longer than `wait_s`. The health
         canary's, so that it exercises the path real requests take."""
+        if self.closed:
+            raise WorkerError(route.decode.url, "the router is shutting down")
         outs: list[RequestOutput] = []
         live = _Live(outs.append)
         channel = self.channels.get(route.decode.url)
@@ -308,7 +316,14 @@ class RemoteBackend:
             # Twice at most: the stream may end between its opening and the request's
             # registration, or D may no longer know it (a stale, half-open stream).
             for _ in range(2):
-                body["channel"] = cid = await channel.ready()
+                try:  # the opening is bounded by the client too; the request's own deadline
+                    ready = channel.ready()
+                    cid = await asyncio.wait_for(ready, max(deadline - loop.time(), 0.001))
+                except TimeoutError:
+                    raise WorkerError(
+                        url, f"no output stream within {wait_s:.1f}s", True, mark_down=False
+                    ) from None
+                body["channel"] = cid
                 if not channel.register(cid, rid, receiver):
                     continue
                 try:
@@ -324,7 +339,7 @@ class RemoteBackend:
                     if e.connect or (e.status is not None and e.status < 500):
                         channel.discard(rid)  # D never took it
                     else:  # D may have it: a timeout, a broken answer, a 500
-                        self.spawn(self._send_abort(url, rid, route.describe()))
+                        self._send_abort(url, rid)
                     raise
             else:
                 raise WorkerError(
@@ -333,7 +348,7 @@ class RemoteBackend:
             try:
                 return await asyncio.wait_for(asyncio.shield(done), deadline - loop.time())
             except TimeoutError:
-                self.spawn(self._send_abort(url, rid, route.describe()))
+                self._send_abort(url, rid)
                 raise WorkerError(url, f"the request did not finish within {wait_s:.1f}s") from None
         finally:
             channel.unregister(rid)  # if it has not finished, its later outputs are orphans
@@ -350,10 +365,24 @@ class RemoteBackend:
                 return done.result()
         raise WorkerError(route.decode.url, "the stream ended early")  # generate() prevents it
 
-    async def _send_abort(self, url: str, rid: str, who: str) -> None:
+    def _send_abort(self, url: str, rid: str) -> None:
+        """Abort `rid` on D: it joins the POST that leaves at the end of this loop turn."""
+        batch = self._aborts.get(url)
+        if batch is None:
+            batch = self._aborts[url] = []
+            asyncio.get_running_loop().call_soon(self._flush_aborts, url)
+        batch.append(rid)
+
+    def _flush_aborts(self, url: str) -> None:
+        ids = self._aborts.pop(url, [])
+        for i in range(0, len(ids), MAX_ABORT_IDS):
+            self.spawn(self._post_aborts(url, ids[i : i + MAX_ABORT_IDS]))
+
+    async def _post_aborts(self, url: str, ids: list[str]) -> None:
         try:
-            await self.clients[url].abort(rid, self.cfg.abort_timeout_s)
+            await self.clients[url].abort(ids, self.cfg.abort_timeout_s)
         except WorkerError as e:
             # On its own stream, the closed connection already aborts it on D; on a channel,
             # its outputs still coming will abort it again (router/channel.py).
-            log.warning("abort of %s not confirmed by %s: %s", rid, who, e.what)
+            shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            log.warning("abort of %s not confirmed by %s: %s", shown, url, e.what)

@@ -67,6 +67,7 @@ class WorkerChannel:
         self.silence_s = silence_s
         self.on_orphan = on_orphan
         self._stream: _Stream | None = None  # the current one
+        self.closed = False  # closed for good (the router stops): ready() refuses
         self.opened = 0  # channels opened so far (for tests and the log)
 
     @property
@@ -90,6 +91,8 @@ class WorkerChannel:
     async def ready(self) -> str:
         """The open channel's id, opening one first if none is; WorkerError if it cannot
         (connect=True: the worker never saw anything, so the request may go elsewhere)."""
+        if self.closed:
+            raise WorkerError(self.client.url, "the router is closing its output streams")
         stream = self._stream
         if stream is None:
             loop = asyncio.get_running_loop()
@@ -138,8 +141,9 @@ class WorkerChannel:
             stream.task.cancel()
 
     async def close(self) -> None:
-        """Close the stream (the worker aborts what it still carries); receivers hear
+        """Close the stream for good (the worker aborts what it still carries); receivers hear
         `broken`."""
+        self.closed = True
         stream, self._stream = self._stream, None
         if stream is not None and stream.task is not None and not stream.task.done():
             stream.task.cancel()

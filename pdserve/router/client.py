@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -80,8 +80,11 @@ class WorkerClient:
     async def health(self, timeout_s: float) -> None:
         await self.get_json("/health", timeout_s)
 
-    async def abort(self, request_id: str, timeout_s: float) -> None:
-        body = {"request_id": request_id}
+    async def abort(self, request_ids: Sequence[str], timeout_s: float) -> None:
+        """POST /abort for these requests (at most MAX_ABORT_IDS: worker/api.py)."""
+        if isinstance(request_ids, str):
+            raise TypeError("abort() takes a list of request ids, not one id")
+        body = {"request_ids": list(request_ids)}
         try:
             async with self.session.post(
                 self.url + "/abort", json=body, timeout=self._timeout(timeout_s)

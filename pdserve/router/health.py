@@ -146,6 +146,6 @@ class HealthMonitor:
 
     async def _abort(self, d_url: str, rid: str) -> None:
         try:
-            await self.clients[d_url].abort(rid, self.cfg.abort_timeout_s)
+            await self.clients[d_url].abort([rid], self.cfg.abort_timeout_s)
         except WorkerError as e:
             log.info("abort of failed canary %s not confirmed: %s", rid, e.what)

@@ -10,7 +10,8 @@
     POST /generate   {..., "channel"}  ->  {"ok": true} once the engine has the request; its
                      outputs go to that channel's stream (503 `channel_closed`: it never
                      reached the engine)
-    POST /abort      {"request_id"}  ->  {"ok": true}
+    POST /abort      {"request_id"} or {"request_ids": [...]} (at most MAX_ABORT_IDS)  ->
+                     {"ok": true}
     GET  /info       role, model, max_model_len, vocab size, layout
 
 A request's last line always carries a finish_reason. A client that disconnects aborts its
@@ -33,7 +34,7 @@ from aiohttp import web
 
 from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad, check_timeout
-from pdserve.protocol.outputs import RequestOutput, encode_line
+from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
@@ -129,12 +130,27 @@ class WorkerApi:
     async def abort(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request)
-            if not isinstance(body, dict):
-                raise bad("the body must be {'request_id': str}", "request_id")
-            rid = check_request_id(body.get("request_id"))
+            if not isinstance(body, dict) or len(body) != 1:
+                known = ("request_id", "request_ids")
+                extra = sorted(k for k in body if k not in known) if isinstance(body, dict) else []
+                raise bad(
+                    "the body must be {'request_id': str} or {'request_ids': [str, ...]}",
+                    extra[0] if extra else "request_id",
+                )
+            if "request_ids" in body:
+                ids = body["request_ids"]
+                if not isinstance(ids, list) or not 0 < len(ids) <= MAX_ABORT_IDS:
+                    raise bad(
+                        f"'request_ids' must be a list of 1 to {MAX_ABORT_IDS} request ids",
+                        "request_ids",
+                    )
+                rids = [check_request_id(v, "request_ids") for v in ids]
+            else:
+                rids = [check_request_id(body.get("request_id"))]
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
-        self.engine.abort(rid)
+        for rid in dict.fromkeys(rids):  # checked, all of them, before any reaches the engine
+            self.engine.abort(rid)
         return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

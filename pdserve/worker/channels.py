@@ -246,8 +246,7 @@ class Channels:
     def snapshot(self) -> list[dict[str, object]]:
         """For /debug/state: each open channel, the requests it carries and whether it ends."""
         return [
-            {"id": ch.id, "requests": len(ch), "ending": ch.ending}
-            for ch in self._open.values()
+            {"id": ch.id, "requests": len(ch), "ending": ch.ending} for ch in self._open.values()
         ]
 
     def remove(self, ch: Channel) -> None:

@@ -58,7 +58,8 @@ class FakeWorker:
             raise
 
     async def _abort(self, request: web.Request) -> web.Response:
-        self.aborts.append((time.monotonic(), (await request.json())["request_id"]))
+        for rid in (await request.json())["request_ids"]:
+            self.aborts.append((time.monotonic(), rid))
         return web.json_response({"ok": True})
 
     async def __aenter__(self) -> FakeWorker:

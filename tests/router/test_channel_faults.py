@@ -212,6 +212,7 @@ def test_outputs_of_a_request_aborted_in_vain_abort_it_again(monkeypatch):
         return web.json_response({"ok": True})
 
     async def abort(request: web.Request) -> web.Response:
+        assert (await request.json()) == {"request_ids": ["r1"]}
         aborts.append(time.monotonic())
         return web.json_response({"ok": True})
 
@@ -309,5 +310,49 @@ def test_a_full_worker_refuses_more_requests_with_503(monkeypatch):
                 async with s.post(url + "/generate", json=gen) as r:
                     statuses.append((r.status, (await r.json()).get("error", {}).get("code")))
             assert statuses == [(200, None), (200, None), (503, "worker_full")]
+
+    run(body())
+
+
+def test_a_canary_is_held_to_its_own_bound_while_the_channel_opens():
+    async def outputs(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(30)  # never answers
+        return web.StreamResponse()
+
+    async def body() -> None:
+        routes = [web.post("/outputs", outputs), web.post("/generate", ok)]
+        async with fake_worker(routes) as url, aiohttp.ClientSession() as s:
+            b = backend(s, [url], open_timeout_s=5.0)
+            route = b.registry.choose()
+            t0 = time.monotonic()
+            try:
+                await b.run_once(route, {"request_id": "deep-1", "prompt_ids": [1]}, 0.3)
+            except backend_mod.WorkerError as e:
+                assert "no output stream within 0.3s" in e.what
+            else:
+                raise AssertionError("run_once returned without an output stream")
+            assert time.monotonic() - t0 < 2.0
+            await b.close("test over")
+
+    run(body())
+
+
+def test_after_close_nothing_opens_a_channel_again():
+    async def body() -> None:
+        async with worker(ScriptedEngine()) as (url, wapi), aiohttp.ClientSession() as s:
+            b = backend(s, [url])
+            await b.close("the router is shutting down")
+            route = b.registry.choose()
+            for call in (
+                b.run_once(route, {"request_id": "deep-2", "prompt_ids": [1]}, 1.0),
+                b.channels[url].ready(),
+            ):
+                try:
+                    await call
+                except backend_mod.WorkerError:
+                    pass
+                else:
+                    raise AssertionError("a closed backend opened a channel")
+            assert b.channels[url].opened == 0 and len(wapi.channels) == 0
 
     run(body())

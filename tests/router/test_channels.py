@@ -268,6 +268,7 @@ def test_the_canary_goes_the_way_client_requests_go():
             monitor.cfg = dataclasses.replace(b.cfg, deep_timeout_s=0.3)
             result = await monitor.probe((None, url))
             assert not result["ok"] and "did not finish within 0.3s" in result["error"]
+            await until(lambda: any(r.startswith("deep-health-") for r in engine.aborted), 2.0)
             await b.close("test over")
 
     run(body())

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -32,8 +33,17 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def start(children: list[subprocess.Popen[bytes]], argv: list[str]) -> int:
+    """A child whose command line is readable: Popen can return (vfork) between the kernel
+    releasing the parent and its setting the new program's arguments, a window in which
+    /proc/PID/cmdline reads empty (seen once in `make test` under load)."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     children.append(proc)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            if f.read():
+                break
+        time.sleep(0.001)
     return proc.pid
 
 
