@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -97,7 +98,9 @@ class RemoteBackend:
         if cfg.worker_streams == "shared":
             self.channels = {
                 d.url: WorkerChannel(
-                    clients[d.url], cfg.connect_timeout_s, self._orphan_aborter(d.url)
+                    clients[d.url],
+                    cfg.connect_timeout_s,
+                    functools.partial(self._send_abort, d.url),
                 )
                 for d in registry.decode
             }
@@ -166,9 +169,6 @@ class RemoteBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _orphan_aborter(self, url: str) -> Callable[[str], None]:
-        return lambda rid: self._send_abort(url, rid)
 
     # -- the request task ---------------------------------------------------------------
     def _forget(self, request_id: str) -> _Live | None:
@@ -316,31 +316,12 @@ class RemoteBackend:
             # Twice at most: the stream may end between its opening and the request's
             # registration, or D may no longer know it (a stale, half-open stream).
             for _ in range(2):
-                try:  # the opening is bounded by the client too; the request's own deadline
-                    ready = channel.ready()
-                    cid = await asyncio.wait_for(ready, max(deadline - loop.time(), 0.001))
-                except TimeoutError:
-                    raise WorkerError(
-                        url, f"no output stream within {wait_s:.1f}s", True, mark_down=False
-                    ) from None
-                body["channel"] = cid
-                if not channel.register(cid, rid, receiver):
-                    continue
                 try:
-                    await self.clients[url].submit(body, max(deadline - loop.time(), 0.001))
-                    break
-                except WorkerError as e:
-                    if done.done() and not done.cancelled() and done.exception() is None:
-                        return done.result()  # its finish came before /generate's answer
-                    if e.code == "channel_closed":
-                        channel.discard(rid)
-                        channel.reset(cid)
-                        continue
-                    if e.connect or (e.status is not None and e.status < 500):
-                        channel.discard(rid)  # D never took it
-                    else:  # D may have it: a timeout, a broken answer, a 500
-                        self._send_abort(url, rid)
-                    raise
+                    if await self._send_on(channel, body, receiver, done, deadline):
+                        break
+                except TimeoutError:  # the opening (the client bounds it too)
+                    why = f"no output stream within {wait_s:.1f}s"
+                    raise WorkerError(url, why, True, mark_down=False) from None
             else:
                 raise WorkerError(
                     url, "its output stream closed as the request was sent", True, mark_down=False
@@ -352,6 +333,41 @@ class RemoteBackend:
                 raise WorkerError(url, f"the request did not finish within {wait_s:.1f}s") from None
         finally:
             channel.unregister(rid)  # if it has not finished, its later outputs are orphans
+
+    async def _send_on(
+        self,
+        channel: WorkerChannel,
+        body: dict[str, Any],
+        receiver: Receiver,
+        done: asyncio.Future[str],
+        deadline: float,
+    ) -> bool:
+        """Register the request on the channel and POST its /generate, by `deadline` (the
+        loop's clock): True once D has it (or its finish, in `done`, overtook an answer that
+        then failed), False to try again (the channel ended or D no longer knows it),
+        TimeoutError if the channel did not open by then, WorkerError for anything else
+        (`_attempt` reads it)."""
+        rid, url = body["request_id"], channel.client.url
+        loop = asyncio.get_running_loop()
+        cid = await asyncio.wait_for(channel.ready(), max(deadline - loop.time(), 0.001))
+        body["channel"] = cid
+        if not channel.register(cid, rid, receiver):
+            return False
+        try:
+            await self.clients[url].submit(body, max(deadline - loop.time(), 0.001))
+            return True
+        except WorkerError as e:
+            if done.done() and not done.cancelled() and done.exception() is None:
+                return True  # it finished before /generate's answer failed: that is the outcome
+            if e.code == "channel_closed":
+                channel.discard(rid)
+                channel.reset(cid)
+                return False
+            if e.connect or (e.status is not None and e.status < 500):
+                channel.discard(rid)  # D never took it
+            else:  # D may have it: a timeout, a broken answer, a 500
+                self._send_abort(url, rid)
+            raise
 
     async def _on_own_stream(
         self, body: dict[str, Any], wait_s: float, live: _Live, route: Route, t0: float | None

@@ -56,7 +56,6 @@ class HealthMonitor:
         self.run_once = run_once
         self.last_beat = time.monotonic()
         self.loop_errors = 0
-        self._pending: set[asyncio.Task[None]] = set()  # fire-and-forget aborts, kept referenced
 
     def stale_for(self) -> float:
         return time.monotonic() - self.last_beat
@@ -120,8 +119,7 @@ class HealthMonitor:
             if error is None and tokens != 1:
                 error = f"generated {tokens} tokens, expected exactly 1"
         except WorkerError as e:
-            error = e.what
-            self._abort_quietly(d_url, rid)
+            error = e.what  # run_once has aborted it on D if D may still run it
         latency = time.monotonic() - t0
         ok = error is None
         if error is not None:
@@ -137,15 +135,3 @@ class HealthMonitor:
             "latency_ms": round(latency * 1e3, 1),
             "error": error,
         }
-
-    def _abort_quietly(self, d_url: str, rid: str) -> None:
-        """A failed probe may still be running on D; ask D to drop it, without waiting."""
-        task = asyncio.get_running_loop().create_task(self._abort(d_url, rid))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _abort(self, d_url: str, rid: str) -> None:
-        try:
-            await self.clients[d_url].abort([rid], self.cfg.abort_timeout_s)
-        except WorkerError as e:
-            log.info("abort of failed canary %s not confirmed: %s", rid, e.what)

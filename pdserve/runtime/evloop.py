@@ -12,9 +12,10 @@ But a worker's loop shares one interpreter lock with the engine thread, and ther
 is how long the loop *holds* the lock: asyncio's socket writes release it for the syscall,
 uvloop's do not. py-spy --gil on the worker's main thread (`--num-prompts 256 --output-len
 256 --profile worker`, 250 Hz, two runs each) counted 136 and 143 samples holding the lock
-with uvloop, 91 and 59 with asyncio: 1.5-2.4x longer held, for less CPU. So by default
-(`auto`) the router and `pdserve bench` run uvloop where it is installed and a worker runs
-asyncio's loop, until a GPU host, where the engine's step waits on the lock, says otherwise.
+with uvloop, 91 and 59 with asyncio: 1.5-2.4x longer held, for less CPU; on the H200 a
+worker on uvloop served concurrency 32 at ITL p50 1.84/2.11 ms against 1.44/1.96 on asyncio
+(benchmarks/RESULTS.md, 2026-12-02 fifth session). So by default (`auto`) the router and
+`pdserve bench` run uvloop where it is installed and a worker runs asyncio's loop.
 `PDSERVE_EVENT_LOOP=uvloop` or `=asyncio` puts the servers and `pdserve bench` on one loop (a
 process started by `pdserve launch` inherits it; a bad value stops any `pdserve` command at
 once); `uvloop` demands that it be installed.

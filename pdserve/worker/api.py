@@ -16,11 +16,10 @@
 
 A request's last line always carries a finish_reason. A client that disconnects aborts its
 request (a channel's: every request it carries). Served by co-located workers and decode
-workers alike. Every field of a body is
-checked before the engine sees it (the engine thread would fail on a string seed or a list
-for an address): the same body and SamplingParams checks as the OpenAI API, plus the
-request id, the timeout and the prefill address. The params are SamplingParams' wire form
-(`SamplingParams.from_builtins`), as in a PrefillRequest.
+workers alike. Every field of a body is checked before the engine sees it (the engine thread
+would fail on a string seed or a list for an address): the same body and SamplingParams
+checks as the OpenAI API, plus the request id, the timeout and the prefill address. The params
+are SamplingParams' wire form (`SamplingParams.from_builtins`), as in a PrefillRequest.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_line
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
-from pdserve.worker.channels import TIMED_OUT, Channel, ChannelError, Channels
+from pdserve.worker.channels import TIMED_OUT, ChannelError, Channels
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
@@ -178,15 +177,20 @@ class WorkerApi:
         loop = asyncio.get_running_loop()
         wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S
         extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
+        push = handoff(loop).push
         if cid is not None:
             try:
                 ch = self.channels.admit(cid, rid, wait_s)
             except ChannelError as e:
                 return _channel_error(e)
-            self._submit(ch, rid, prompt, params, timeout, extra)
+            put = ch.put
+            try:
+                self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
+            except BaseException:
+                ch.discard(rid)  # the engine never took it
+                raise
             return web.json_response({"ok": True})
         stream: OutputStream[RequestOutput] = OutputStream(loop, loop.time() + wait_s)
-        push = handoff(loop).push
         put = stream.put
         self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -230,29 +234,3 @@ class WorkerApi:
             ch.close()
             self.channels.remove(ch)
         return resp
-
-    def _submit(
-        self,
-        ch: Channel,
-        rid: str,
-        prompt: list[int],
-        params: SamplingParams,
-        timeout: float | None,
-        extra: dict[str, str],
-    ) -> None:
-        push = handoff(asyncio.get_running_loop()).push
-        put = ch.put
-        try:
-            self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
-        except BaseException:
-            ch.discard(rid)
-            raise
-
-    def stop_channels(self) -> None:
-        """The worker is stopping: no new channel or channel request; each channel ends once
-        the requests it carries have finished."""
-        self.channels.stop()
-
-    def fail_channels(self, why: str) -> int:
-        """End every request still on a channel with an error (past the drain time)."""
-        return self.channels.fail_all(why)

@@ -95,9 +95,6 @@ class Channel:
         """It takes no more requests and ends once those it carries have finished."""
         return self._ending
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._live
-
     def add(self, request_id: str, wait_s: float) -> None:
         """Carry `request_id`'s outputs; fail it if its finish has not come within `wait_s`."""
         if self.closed or self._ending:

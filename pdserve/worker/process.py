@@ -308,11 +308,11 @@ class Server:
         the rest. A fatal error skips the wait: the process cannot be trusted to finish them."""
         listener.stop_accepting()
         self.admission.draining = True
-        self.worker_api.stop_channels()  # an idle router channel must not hold the drain up
+        self.worker_api.channels.stop()  # an idle router channel must not hold the drain up
         if self.fatal is not None:
             log.info("shutting down (fatal: %s)", self.fatal)
             # Each router hears which of its requests ended here, and why, before the cut.
-            self.worker_api.fail_channels(f"the worker failed: {self.fatal}")
+            self.worker_api.channels.fail_all(f"the worker failed: {self.fatal}")
             return
         log.info(
             "shutting down (%s): %d requests running, waiting at most %.0fs for them; "
@@ -329,7 +329,7 @@ class Server:
             return
         busy = listener.busy
         choices = self.api.abort_all()
-        carried = self.worker_api.fail_channels("the worker is shutting down")
+        carried = self.worker_api.channels.fail_all("the worker is shutting down")
         log.warning(
             "%d connections still busy after %.0fs: ending their requests (%d choices "
             "aborted, %d requests on router channels)",

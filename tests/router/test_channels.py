@@ -116,7 +116,7 @@ def test_a_stopping_worker_ends_its_idle_channel_and_new_requests_go_elsewhere()
             submit(b, c, "first-b", 3)
             await c.wait("first-a", "first-b")
             assert ea.submitted == ["first-a"]
-            wa.stop_channels()
+            wa.channels.stop()
             await until(lambda: b.channels[ua].id is None, 2.0)  # ended, quietly
             for i in range(4):
                 submit(b, c, f"later{i}", 3)
@@ -136,7 +136,7 @@ def test_a_stopping_worker_finishes_what_its_channel_carries_then_ends_it():
             b, c = backend(s, [url]), Collected()
             submit(b, c, "long", 40)
             await until(lambda: len(c.outs["long"]) > 3)
-            wapi.stop_channels()
+            wapi.channels.stop()
             assert [{**x, "id": 0} for x in wapi.channels.snapshot()] == [
                 {"id": 0, "requests": 1, "ending": True}
             ]
@@ -158,7 +158,7 @@ def test_failing_the_channels_ends_each_request_with_the_reason():
             submit(b, c, "p", 1000)
             submit(b, c, "q", 1000)
             await until(lambda: c.outs["p"] and c.outs["q"])
-            assert wapi.fail_channels("the worker is shutting down") == 2
+            assert wapi.channels.fail_all("the worker is shutting down") == 2
             await c.wait("p", "q")
             for rid in ("p", "q"):
                 f = c.finish(rid)
