@@ -127,8 +127,10 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         plans.append(plan)
         return plan
 
-    graphs = engine.runner.graphs
+    graphs, pgraphs = engine.runner.graphs, engine.runner.prefill_graphs
     replays = (lambda: graphs.replays) if graphs is not None else (lambda: 0)
+    p_replays = (lambda: pgraphs.replays) if pgraphs is not None else (lambda: 0)
+    p_reps = [0, 0]
     cpu = [0.0, 0.0]  # this (the engine's) thread's CPU time at the window's two ends
     reps = [0, 0]
     engine.stepper.step = observed_step  # type: ignore[method-assign]
@@ -144,13 +146,13 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             load.submit_due()
             measuring = load.measuring
             if measuring and not ticks:
-                cpu[0], reps[0] = time.thread_time(), replays()
+                cpu[0], reps[0], p_reps[0] = time.thread_time(), replays(), p_replays()
             t0, n = time.perf_counter(), len(plans)
             engine.tick()
             dt = time.perf_counter() - t0
             if measuring:
                 ticks.append((len(plans) > n and any(c.length > 1 for c in plans[-1].chunks), dt))
-                cpu[1], reps[1] = time.thread_time(), replays()
+                cpu[1], reps[1], p_reps[1] = time.thread_time(), replays(), p_replays()
     finally:
         engine.stepper.step = step  # type: ignore[method-assign]
     if load.failed:
@@ -177,6 +179,7 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "tick_decode_ms": ms(statistics.median(without)) if without else None,
         "tick_cpu_ms": ms((cpu[1] - cpu[0]) / len(ticks)),  # CUDA waits spin: counted
         "graph_replays": None if graphs is None else reps[1] - reps[0],
+        "prefill_graph_replays": None if pgraphs is None else p_reps[1] - p_reps[0],
     }
 
 
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="a replacement's delay, at most")
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="as gpu_serving's")
     ap.add_argument("--kv-budget-mb", type=float, default=4096)
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=2048, help="0: prefill eager")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=None, help="a JSON file for the row")
     args = ap.parse_args(argv)
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running=args.concurrency,
         kv_budget_mb=args.kv_budget_mb,
         max_model_len=args.input_len + args.output_len + 64,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
     )
     row = {"model": args.model, **run(engine, args)}
     print(json.dumps(row), flush=True)

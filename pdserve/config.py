@@ -77,6 +77,9 @@ class RunnerConfig:
     # Overlapped scheduling (engine/inflight.py): the CPU prepares step N+1 while the device
     # runs step N. None: on for CUDA, off elsewhere (a CPU runs the "device" work itself).
     overlap_schedule: bool | None = None
+    # The most new tokens of a step's prefill chunks replayed as a CUDA graph (CUDA only; 0:
+    # prefill chunks run eagerly; capped by the step budget, max_batched_tokens).
+    cuda_graph_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -84,6 +87,10 @@ class RunnerConfig:
         if not 1 <= self.cuda_graph_max_bs <= 1024:
             raise ValueError(
                 f"cuda_graph_max_bs must be in [1, 1024], got {self.cuda_graph_max_bs}"
+            )
+        if not 0 <= self.cuda_graph_max_tokens <= 65536:
+            raise ValueError(
+                f"cuda_graph_max_tokens must be in [0, 65536], got {self.cuda_graph_max_tokens}"
             )
 
 

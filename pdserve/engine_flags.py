@@ -75,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs: every decode step runs eagerly",
+        help="no CUDA graphs: every step runs eagerly",
     )
     g.add_argument(
         "--overlap-schedule",
@@ -89,6 +89,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="the largest decode batch replayed as a CUDA graph (capped by --max-running)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=RunnerConfig.cuda_graph_max_tokens,
+        help="the most new tokens of a step's prefill chunks replayed as a CUDA graph (capped "
+        "by --max-batched-tokens; 0: prefill runs eagerly)",
     )
     g.add_argument(
         "--request-timeout",
@@ -143,6 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enforce_eager=args.enforce_eager,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             overlap_schedule=args.overlap_schedule,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         ),
         request_timeout_s=args.request_timeout,
     )

@@ -10,11 +10,14 @@ Invariants:
   float32 buffer that only grows, reused by every layer and step (each layer's decode has
   consumed it before the next one writes it: one stream).
 - Decode rows are the first `num_decodes` sequences (one token each): q row r is sequence r.
-- CUDA graphs: `decode_buffers(rows, max_pages)` allocates a bucket's static metadata and
-  scratch once; per step `prepare_decode_into(batch, buffers)` copies a decode-only Batch into
-  it (padded rows: kv_len 0, slot -1) and returns metadata that names only those static
-  tensors, so a graph captured with it replays the same kernels on the new values. The
-  kernels' grids depend only on the bucket's row count and split count, never on lengths.
+- CUDA graphs: `decode_buffers(rows, max_pages)` allocates a decode bucket's static metadata
+  and scratch once; per step `prepare_decode_into(batch, buffers)` copies the Batch's decodes
+  into it (padded rows: kv_len 0, slot -1) and returns metadata that names only those static
+  tensors, so a graph captured with it replays the same kernels on the new values. Likewise
+  `prefill_buffers(tokens, seqs, max_pages)` and `prepare_prefill_into(batch, buffers)` for
+  the Batch's prefill chunks (padded tokens: slot -1; padded sequences: no tokens, kv_len 0).
+  The kernels' grids depend only on a bucket's rows, tokens, sequences and split count,
+  never on lengths.
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ class DecodeBuffers:
 
 
 @dataclass(frozen=True)
+class PrefillBuffers:
+    """A prefill bucket's static metadata: up to `tokens` new tokens in up to `seqs` chunks."""
+
+    slot_mapping: torch.Tensor  # [tokens] int32: -1 for a padded token (store_kv skips it)
+    query_start: torch.Tensor  # [seqs + 1] int32: from 0; padded sequences have no tokens
+    kv_lens: torch.Tensor  # [seqs] int32: 0 for a padded sequence
+    page_table: torch.Tensor  # [seqs, max_pages] int32
+
+    @property
+    def tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+
+@dataclass(frozen=True)
 class DecodeMetadata:
     """Rows 0 .. rows-1 of the step are decodes, attended by the decode kernel."""
 
@@ -73,7 +98,7 @@ class PrefillMetadata:
     """Sequences first_seq .. B-1 are prefill chunks, attended by the prefill kernel."""
 
     first_seq: int
-    max_q_len: int
+    max_tokens: int  # at least the chunks' tokens together (sizes the kernel's grid)
     query_start: torch.Tensor  # [B + 1] int32
     kv_lens: torch.Tensor  # [B] int32
     page_table: torch.Tensor  # [B, width] int32
@@ -132,7 +157,7 @@ class TritonBackend:
         if nd < batch.num_seqs:
             prefill = PrefillMetadata(
                 nd,
-                max(batch.host_query_len(b) for b in range(nd, batch.num_seqs)),
+                batch.num_tokens - nd,  # decodes are one token each
                 batch.query_start,
                 batch.kv_lens,
                 batch.page_table,
@@ -175,26 +200,68 @@ class TritonBackend:
         return TritonMetadata(buffers.slot_mapping, decode, None)
 
     def prepare_decode_into(self, batch: Batch, buffers: DecodeBuffers) -> TritonMetadata:
-        """Copy a decode-only `batch` into a bucket's static buffers (device-to-device copies,
-        no host sync); rows past the batch become padding: kv_len 0 (output zeros) and slot -1
-        (no store).
-        The model's input rows past the batch are the caller's to pad."""
-        n, width = batch.num_seqs, batch.page_table.shape[1]
-        if batch.num_decodes != n:
-            raise ValueError(
-                f"a decode bucket takes decodes only, got {n - batch.num_decodes} prefill chunks"
-            )
+        """Copy `batch`'s decodes (its first num_decodes sequences and tokens; prefill chunks
+        after them are not this bucket's) into a bucket's static buffers (device-to-device
+        copies, no host sync); rows past them become padding: kv_len 0 (output zeros) and
+        slot -1 (no store). The model's input rows past them are the caller's to pad."""
+        n, width = batch.num_decodes, batch.page_table.shape[1]
         if n > buffers.rows or width > buffers.max_pages:
             raise ValueError(
-                f"a batch of {n} rows x {width} pages does not fit a bucket of "
+                f"a batch of {n} decodes x {width} pages does not fit a bucket of "
                 f"{buffers.rows} rows x {buffers.max_pages} pages"
             )
-        buffers.kv_lens[:n].copy_(batch.kv_lens)
+        buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
         buffers.kv_lens[n:].zero_()
-        buffers.slot_mapping[:n].copy_(batch.slot_mapping)
+        buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
         buffers.slot_mapping[n:].fill_(-1)
-        buffers.page_table[:n, :width].copy_(batch.page_table)
+        buffers.page_table[:n, :width].copy_(batch.page_table[:n])
         return self.decode_metadata(buffers)
+
+    def prefill_buffers(self, tokens: int, seqs: int, max_pages: int) -> PrefillBuffers:
+        """Static metadata for a prefill bucket of up to `tokens` new tokens in up to `seqs`
+        chunks of sequences of at most `max_pages` pages; empty: every token padding."""
+        if tokens < 1 or seqs < 1 or max_pages < 1:
+            raise ValueError(
+                f"a prefill bucket needs tokens, sequences and pages, got {tokens} x {seqs} x "
+                f"{max_pages}"
+            )
+        dev = self.device
+        return PrefillBuffers(
+            slot_mapping=torch.full((tokens,), -1, dtype=INDEX_DTYPE, device=dev),
+            query_start=torch.zeros(seqs + 1, dtype=INDEX_DTYPE, device=dev),
+            kv_lens=torch.zeros(seqs, dtype=INDEX_DTYPE, device=dev),
+            page_table=torch.zeros(seqs, max_pages, dtype=INDEX_DTYPE, device=dev),
+        )
+
+    def prefill_metadata(self, buffers: PrefillBuffers) -> TritonMetadata:
+        """Metadata naming only `buffers`' tensors: what a prefill graph is captured with."""
+        prefill = PrefillMetadata(
+            0, buffers.tokens, buffers.query_start, buffers.kv_lens, buffers.page_table
+        )
+        return TritonMetadata(buffers.slot_mapping, None, prefill)
+
+    def prepare_prefill_into(self, batch: Batch, buffers: PrefillBuffers) -> TritonMetadata:
+        """Copy `batch`'s prefill chunks (the sequences and tokens after its decodes) into a
+        bucket's static buffers, rebased to start at token 0 (device-to-device copies, no
+        host sync); tokens past them get slot -1, sequences past them no tokens and kv_len 0,
+        so padding writes nothing and is attended by no program. The model's input rows past
+        them are the caller's to pad."""
+        nd = batch.num_decodes
+        s, t = batch.num_seqs - nd, batch.num_tokens - nd
+        width = batch.page_table.shape[1]
+        if t > buffers.tokens or s > buffers.seqs or width > buffers.max_pages:
+            raise ValueError(
+                f"{s} prefill chunks of {t} tokens x {width} pages do not fit a bucket of "
+                f"{buffers.tokens} tokens in {buffers.seqs} chunks x {buffers.max_pages} pages"
+            )
+        buffers.slot_mapping[:t].copy_(batch.slot_mapping[nd:])
+        buffers.slot_mapping[t:].fill_(-1)
+        torch.sub(batch.query_start[nd:], nd, out=buffers.query_start[: s + 1])
+        buffers.query_start[s + 1 :].fill_(t)
+        buffers.kv_lens[:s].copy_(batch.kv_lens[nd:])
+        buffers.kv_lens[s:].zero_()
+        buffers.page_table[:s, :width].copy_(batch.page_table[nd:])
+        return self.prefill_metadata(buffers)
 
     def _splits(self, rows: int, max_kv_len: int) -> int:
         if self.num_splits is not None:
@@ -283,7 +350,7 @@ class TritonBackend:
                 p.kv_lens,
                 p.query_start,
                 p.first_seq,
-                p.max_q_len,
+                p.max_tokens,
                 out,
                 self.scale,
             )

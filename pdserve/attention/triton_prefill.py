@@ -7,10 +7,18 @@ pool view's strides, any page size. Sequence b's new tokens are q rows query_sta
 query_start[b+1]; its keys are the first kv_lens[b] tokens of its pages; new token i sits at
 position kv_len - q_len + i and sees keys 0 .. that position.
 
-Grid (sequences, query blocks of the longest chunk, query heads): a program takes BLOCK_M
-tokens of one chunk for one query head (reading KV head head // (Hq / Hkv)); blocks past a
-shorter chunk's end return at once. A block reads keys only up to its last token's position.
-float32 accumulation (online softmax in base 2); the output is in `out`'s dtype.
+Grid (query blocks, query heads): a program takes BLOCK_M tokens of one chunk for one query
+head (reading KV head head // (Hq / Hkv)), and reads keys only up to its last token's position.
+The blocks are numbered without a host table, so that the grid depends only on a bound on
+the tokens and the number of sequences, never on the chunks' lengths: a CUDA graph captured
+over static metadata (engine/prefill_graphs.py) replays it for any chunks that fit. Sequence
+j (of those attended here, from first_seq) owns blocks vstart(j) .. vstart(j) +
+ceil(q_len_j / BLOCK_M) - 1, where vstart(j) = (query_start[j] - query_start[0]) // BLOCK_M +
+j; these ranges never overlap and end before tokens // BLOCK_M + sequences, which sizes the
+grid. A program finds its sequence by binary search over vstart; the numbers in between
+(and sequences of no tokens: a graph's padding) return at once. A program's arithmetic
+depends only on its (sequence, block, head), so every grid that covers the blocks gives the
+same bits. float32 accumulation (online softmax in base 2); the output is in `out`'s dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ def _prefill_kernel(
     kv_lens_ptr,  # [B] int32
     query_start_ptr,  # [B + 1] int32
     first_seq,  # the first sequence of this launch (the decodes come before it)
+    num_seqs,  # sequences first_seq .. first_seq + num_seqs - 1 are attended
     scale_log2,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -64,11 +73,21 @@ def _prefill_kernel(
     PDL: tl.constexpr,
 ):
     enter(PDL, True)
-    seq = first_seq + tl.program_id(0)
-    q_block = tl.program_id(1)
-    head = tl.program_id(2)
+    vblock = tl.program_id(0)
+    head = tl.program_id(1)
+    starts = query_start_ptr + first_seq
+    base = tl.load(starts)
+    lo = vblock * 0  # the last sequence j with vstart(j) <= vblock, in [lo, hi)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ahead = (tl.load(starts + mid) - base) // BLOCK_M + mid <= vblock
+        lo = tl.where(ahead, mid, lo)
+        hi = tl.where(ahead, hi, mid)
+    seq = first_seq + lo
     q_first = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_first
+    q_block = vblock - ((q_first - base) // BLOCK_M + lo)
     if q_block * BLOCK_M >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -133,11 +152,12 @@ def paged_prefill(
     kv_lens: torch.Tensor,  # [B] int32: context + chunk
     query_start: torch.Tensor,  # [B + 1] int32
     first_seq: int,  # sequences first_seq .. B-1 are attended here
-    max_q_len: int,  # the longest of their chunks (sizes the grid)
+    max_tokens: int,  # at least their new tokens, all chunks together (sizes the grid)
     out: torch.Tensor,  # [T, Hq, D]: their rows are written
     scale: float,
 ) -> None:
-    """Causal attention of sequences first_seq .. B-1's new tokens over their pages."""
+    """Causal attention of sequences first_seq .. B-1's new tokens over their pages. A
+    sequence of no new tokens is skipped; rows of `out` no sequence covers are not written."""
     check_cache(k_cache, "k_cache")
     check_cache(v_cache, "v_cache")
     _, num_heads, dim = q.shape
@@ -148,11 +168,11 @@ def paged_prefill(
             f"{tuple(k_cache.shape)} do not fit (query heads must be a multiple of KV heads)"
         )
     num_seqs = kv_lens.shape[0] - first_seq
-    if num_seqs <= 0 or max_q_len <= 0:
+    if num_seqs <= 0 or max_tokens <= 0:
         return
     dtype = dot_dtype(q.dtype, _prefill_kernel)
     block_m, block_n = (FP32_BLOCK, FP32_BLOCK) if q.dtype == torch.float32 else (BLOCK_M, BLOCK_N)
-    grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads)
+    grid = (max_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -162,6 +182,7 @@ def paged_prefill(
         kv_lens,
         query_start,
         first_seq,
+        num_seqs,
         scale * LOG2E,
         *q.stride(),
         *k_cache.stride(),

@@ -17,8 +17,9 @@ graph took 1.27 ms). So decode-only steps run as captured graphs:
   a side stream (Triton compiles its kernels there, outside the capture).
 * **What the graph holds:** embedding, every layer, the final norm: hidden states [bs, hidden].
   The LM head runs eagerly on the real rows only, so no bucket keeps a [bs, vocab] buffer.
-* Prefill and mixed steps, batches beyond the largest bucket, and CPU devices run eagerly.
-  `--enforce-eager` turns graphs off.
+* A step's prefill chunks replay a prefill graph (engine/prefill_graphs.py): a mixed step is
+  this graph for its decodes, then that one for its chunks. Steps that neither holds, and CPU
+  devices, run eagerly. `--enforce-eager` turns graphs off.
 
 The attention backend must offer static decode metadata (`GraphableBackend`); the `triton`
 backend does. Its kernels' grids depend only on the bucket's rows and splits, never on lengths.
@@ -142,23 +143,23 @@ class DecodeGraphs:
         return DecodeGraph(graph, ids, positions, buffers, hidden)
 
     def fits(self, batch: Batch) -> bool:
-        """A decode-only step that a captured bucket holds."""
+        """Whether a captured bucket holds the step's decodes (its first num_decodes rows)."""
         return (
             bool(self.graphs)
-            and batch.num_decodes == batch.num_seqs
-            and batch.num_seqs <= self.sizes[-1]
+            and 0 < batch.num_decodes <= self.sizes[-1]
             and batch.page_table.shape[1] <= self.max_pages
         )
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only batch that `fits`."""
-        n = batch.num_seqs
+        """Hidden states [n, hidden] of the n decodes of a batch that `fits` (rows 0 .. n-1;
+        any prefill chunks after them are not computed here)."""
+        n = batch.num_decodes
         bucket = bucket_for(n, self.sizes)
         assert bucket is not None  # fits() checked it; not input-dependent
         g = self.graphs[bucket]
-        g.input_ids[:n].copy_(batch.input_ids)
+        g.input_ids[:n].copy_(batch.input_ids[:n])
         g.input_ids[n:].zero_()
-        g.positions[:n].copy_(batch.positions)
+        g.positions[:n].copy_(batch.positions[:n])
         g.positions[n:].zero_()
         self.backend.prepare_decode_into(batch, g.buffers)
         g.graph.replay()

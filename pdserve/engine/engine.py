@@ -84,6 +84,9 @@ class Engine:
             cuda_graph_max_bs=0
             if runner.enforce_eager
             else min(runner.cuda_graph_max_bs, cfg.scheduler.max_running),
+            cuda_graph_max_tokens=0
+            if runner.enforce_eager
+            else min(runner.cuda_graph_max_tokens, cfg.scheduler.max_batched_tokens),
             max_model_len=self.max_model_len,
         )
         self.sampler = Sampler(max_slots=cfg.scheduler.max_running)  # penalties' device state

@@ -34,6 +34,7 @@ def build_engine(
     attention_backend: str | None = None,
     enforce_eager: bool = False,
     cuda_graph_max_bs: int = 256,
+    cuda_graph_max_tokens: int = RunnerConfig.cuda_graph_max_tokens,
     prefix_cache: bool = CacheConfig.prefix_cache,
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
@@ -48,7 +49,13 @@ def build_engine(
             max_running=max_running,
             max_model_len=max_model_len,
         ),
-        RunnerConfig(attention_backend, enforce_eager, cuda_graph_max_bs, overlap_schedule),
+        RunnerConfig(
+            attention_backend,
+            enforce_eager,
+            cuda_graph_max_bs,
+            overlap_schedule,
+            cuda_graph_max_tokens,
+        ),
     )
     return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 

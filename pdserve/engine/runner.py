@@ -4,8 +4,12 @@ The Batch (pdserve/attention/batch.py) is built on the host once per step and re
 device in one staged copy; decodes go to it as columns, and each request keeps its page-table
 row from step to step (attention/page_table.py) until `release` (Engine.finish). The attention
 backend derives its own metadata from it once, and every layer reuses that. The model sees
-only tokens, positions and an AttentionContext. On CUDA, a decode-only step replays a captured
-graph instead (engine/cuda_graphs.py) when the backend supports it and graphs are on.
+only tokens, positions and an AttentionContext. On CUDA, with graphs on and a backend that
+supports them, a step replays captured graphs instead: its decodes a decode graph
+(engine/cuda_graphs.py), its prefill chunks a prefill graph (engine/prefill_graphs.py), a
+mixed step one after the other; a step that a captured bucket does not hold runs eagerly.
+Either way the forward yields hidden states [T, hidden] for the step's tokens, and the LM head
+and prompt scoring read the rows they need.
 
 Prompt logprobs (params.prompt_logprobs): for the chunks of requests that ask, and only for
 those rows, the forward also scores each prompt position against the next prompt token, in
@@ -27,6 +31,7 @@ from pdserve.attention.batch import Batch, BatchBuilder, Decodes, SeqSpan
 from pdserve.attention.registry import default_backend, make_backend
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphableBackend
 from pdserve.engine.inflight import Feed
+from pdserve.engine.prefill_graphs import PrefillGraphableBackend, PrefillGraphs
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
@@ -52,11 +57,14 @@ class ModelRunner:
         backend: str | None = None,
         *,
         cuda_graph_max_bs: int = 0,
+        cuda_graph_max_tokens: int = 0,
         max_model_len: int | None = None,
     ) -> None:
         """`backend`: an attention backend's name (None: the device's default).
         `cuda_graph_max_bs`: capture decode graphs up to this batch (0: run eagerly; CUDA and a
-        graph-capable backend only); `max_model_len` bounds their page tables."""
+        graph-capable backend only); `cuda_graph_max_tokens`: prefill graphs up to this many
+        new tokens (0: none; only with decode graphs); `max_model_len` bounds their page
+        tables."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -67,17 +75,23 @@ class ModelRunner:
         self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)
         self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device, _finished)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
             if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
                 log.info(
-                    "attention backend %s has no static metadata: decode runs eagerly",
+                    "attention backend %s has no static metadata: steps run eagerly",
                     self.backend.name,
                 )
-            else:
-                max_len = max_model_len or pool.capacity_tokens
-                max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
-                self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
-                self.graphs.capture()
+                return
+            max_len = max_model_len or pool.capacity_tokens
+            max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
+            self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
+            self.graphs.capture()
+            if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
+                self.prefill_graphs = PrefillGraphs(
+                    model, self.backend, max_pages, cuda_graph_max_tokens
+                )
+                self.prefill_graphs.capture()
 
     def build(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> Batch:
         """The step's Batch; chunks in the scheduler's order (decodes first). A chunk whose
@@ -137,14 +151,33 @@ class ModelRunner:
         chunks that sample, in chunk order; `feed`: the step in flight's sampled ids, for
         inputs still on the device."""
         batch = self.build(chunks, feed)
-        if self.graphs is not None and self.graphs.fits(batch):
-            return self.model.compute_logits(self.graphs.run(batch))  # every decode samples
-        ctx = AttentionContext(self.backend, self.backend.prepare(batch))
-        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        hidden = self._replay(batch)
+        if hidden is None:
+            ctx = AttentionContext(self.backend, self.backend.prepare(batch))
+            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
         self._score_prompts(chunks, batch, hidden)
         if batch.num_samples == 0:
             return hidden.new_empty(0, self.model.arch.vocab_size)  # the logits dtype
+        if batch.num_samples == batch.num_tokens:  # every row samples: most decode steps
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.sample_indices])
+
+    def _replay(self, batch: Batch) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of the step from its graphs: the decodes' (rows 0 .. nd-1)
+        and the prefill chunks' (the rest). None unless captured buckets hold both parts."""
+        decode, prefill = self.graphs, self.prefill_graphs
+        if decode is None:
+            return None
+        nd = batch.num_decodes
+        if nd and not decode.fits(batch):
+            return None
+        if nd == batch.num_seqs:
+            return decode.run(batch)
+        if prefill is None or not prefill.fits(batch):
+            return None
+        if nd == 0:
+            return prefill.run(batch)
+        return torch.cat([decode.run(batch), prefill.run(batch)])
 
     def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
         """Append to each asking request the scores of the prompt tokens its chunk predicts:

@@ -67,11 +67,15 @@ def test_shapes_that_do_not_fit_are_refused():
         q = torch.zeros(1, shape.num_heads, shape.head_dim, dtype=torch.float64, device=DEVICE)
         batch = BatchBuilder(16, 8, DEVICE).build([SeqSpan([1], 0, [1], True)])
         backend.attend(0, q, q[:, :4], q[:, :4], backend.prepare(batch))
-    batch = BatchBuilder(16, 8, DEVICE).build([SeqSpan([1, 2], 0, [1], True)])
-    with pytest.raises(ValueError, match="decodes only, got 1 prefill"):
-        backend.prepare_decode_into(batch, backend.decode_buffers(4, 4))
+    mixed = BatchBuilder(16, 8, DEVICE).build(
+        [SeqSpan([1], 3, [4], True), SeqSpan([1, 2], 0, [1], True)]
+    )
+    buffers = backend.decode_buffers(4, 4)
+    backend.prepare_decode_into(mixed, buffers)  # its decode only: the chunk is not a row
+    assert buffers.kv_lens.tolist() == [4, 0, 0, 0]
+    assert buffers.slot_mapping.tolist() == [4 * 16 + 3, -1, -1, -1]
     decode = BatchBuilder(16, 8, DEVICE).build([SeqSpan([1], 40, [1, 2, 3], True)])
-    with pytest.raises(ValueError, match="does not fit a bucket of 4 rows x 2 pages"):
+    with pytest.raises(ValueError, match="1 decodes x 3 pages does not fit a bucket of 4 rows x 2"):
         backend.prepare_decode_into(decode, backend.decode_buffers(4, 2))
 
 

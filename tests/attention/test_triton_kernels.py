@@ -281,7 +281,7 @@ def test_kernels_use_the_views_strides():
             batch.kv_lens,
             batch.query_start,
             nd,
-            batch.max_query_len,
+            batch.num_tokens - nd,
             out,
             HEAD_DIM**-0.5,
         )
@@ -321,6 +321,61 @@ def test_padded_bucket_rows_write_nothing_and_read_nothing(splits: int):
     assert torch.equal(case.pool.data, eager_pool.data)
     torch.testing.assert_close(out[:3], eager, atol=1e-6, rtol=1e-6)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_mixed_step_split_into_static_buckets_equals_the_eager_step(page_size: int):
+    """A mixed step as the graphs run it: its decodes through a decode bucket's buffers, then
+    its chunks through a prefill bucket's (rebased to token 0, with padded tokens and padded
+    sequences): the same bytes stored and the same outputs, bit for bit, as one eager step;
+    the padding stores nothing and reads no page (its table rows point far outside the
+    pool)."""
+    case = Case(page_size, 4, torch.float32, seed=7)
+    chunk = 40 if GPU else 13
+    spans = [case.span(n - 1, 1) for n in (1, page_size + 1, LONG)]
+    spans += [case.span(0, chunk), case.span(page_size + 2, chunk), case.span(5, 1)]
+    batch = case.batch(spans)
+    q, k, v = case.qkv(batch)
+    eager_pool = case.copy_pool()
+    eager = run(TritonBackend(eager_pool, case.shape, num_splits=1), batch, q, k, v)
+
+    backend = TritonBackend(case.pool, case.shape, num_splits=1)
+    nd, width = batch.num_decodes, batch.page_table.shape[1]
+    t = batch.num_tokens - nd
+    dec = backend.decode_buffers(4, width + 2, num_splits=1)
+    pre = backend.prefill_buffers(t + 7, batch.num_seqs - nd + 3, width + 2)
+    for table in (dec.page_table, pre.page_table):
+        table.fill_(2**30)  # a padded row that read its table would fault or differ
+    d_meta = backend.prepare_decode_into(batch, dec)
+    p_meta = backend.prepare_prefill_into(batch, pre)
+    assert pre.query_start.tolist() == [0, chunk, 2 * chunk, t, t, t, t]
+    assert pre.kv_lens.tolist() == [chunk, page_size + 2 + chunk, 6, 0, 0, 0]
+    assert pre.slot_mapping.tolist()[t:] == [-1] * 7
+    assert torch.equal(pre.slot_mapping[:t], batch.slot_mapping[nd:])
+    pad = case.randn(4 - nd + 7, *q.shape[1:])  # the buckets' padded rows: any values
+    outs = []
+    parts = ((d_meta, slice(0, nd), pad[: 4 - nd]), (p_meta, slice(nd, None), pad[4 - nd :]))
+    for meta, rows, extra in parts:
+        qb = torch.cat([q[rows], extra])
+        kb = torch.cat([k[rows], extra[:, :KV_HEADS]])
+        vb = torch.cat([v[rows], extra[:, :KV_HEADS]])
+        backend.store_kv(1, kb, vb, meta)
+        outs.append(backend.attend(1, qb, kb, vb, meta)[: q[rows].shape[0]])
+    assert torch.equal(case.pool.data, eager_pool.data)
+    assert torch.equal(torch.cat(outs), eager)
+
+
+def test_a_prefill_bucket_refuses_what_it_cannot_hold():
+    case = Case(16, 1, torch.float32, seed=8)
+    batch = case.batch([case.span(3, 1), case.span(0, 20), case.span(16, 5)])
+    backend = TritonBackend(case.pool, case.shape)
+    width = batch.page_table.shape[1]
+    for tokens, seqs, pages in ((24, 2, width), (25, 1, width), (25, 2, width - 1)):
+        with pytest.raises(ValueError, match="do not fit a bucket of"):
+            backend.prepare_prefill_into(batch, backend.prefill_buffers(tokens, seqs, pages))
+    backend.prepare_prefill_into(batch, backend.prefill_buffers(25, 2, width))  # just fits
+    with pytest.raises(ValueError, match="needs tokens, sequences and pages"):
+        backend.prefill_buffers(0, 1, 1)
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")

@@ -80,8 +80,8 @@ def test_preemption_keeps_greedy_output(tiny_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["tiny", "qwen2-tiny", "qwen3-tiny"])
 def test_greedy_matches_hf_on_the_gpu_with_graphs(builtin_dir, name):
-    """float32 on the GPU, the triton backend, decode through CUDA graphs: HF's ids exactly
-    (HF on the CPU, float32)."""
+    """float32 on the GPU, the triton backend, decode and prefill chunks through CUDA graphs:
+    HF's ids exactly (HF on the CPU, float32)."""
     from pdserve.engine.offline import build_engine
 
     path = builtin_dir(name)
@@ -101,3 +101,4 @@ def test_greedy_matches_hf_on_the_gpu_with_graphs(builtin_dir, name):
     mismatched = [(n, a, r) for n, a, r in zip(lengths, together, ref, strict=True) if a != r]
     assert not mismatched, f"{name}: prompt length, ours, HF: {mismatched[:2]}"
     assert engine.runner.graphs.replays > 0 and engine.pool.allocator.num_held == 0
+    assert engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs.replays > 0

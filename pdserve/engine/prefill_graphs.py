@@ -1,0 +1,162 @@
+"""CUDA-graph prefill: a step's prefill chunks replayed as one graph per token-count bucket.
+
+Launched eagerly, a forward costs the host ~0.7 ms a layer on an H200 (the Python side of
+each Triton launch and cuBLAS call), whatever the tokens: 11-12 ms for a 1.2B Llama's
+256-token prompt, whose GPU work is about 1 ms (benchmarks/mixed_step.py). Every decoding
+request waits through the tick that carries a prompt, so under a steady arrival of prompts
+that tick sets the inter-token latency. So the chunks of a step replay a captured graph,
+as its decodes do (engine/cuda_graphs.py): a mixed step is the decode graph of its decodes,
+then the prefill graph of its chunks, one after the other on the stream.
+
+* **Buckets** of new tokens: 16, 32, 64, 128, then every 128 up to 1,024, then every 256 up
+  to the largest (`--cuda-graph-max-tokens`, at most the step budget). A step's chunks replay
+  the smallest bucket that holds their tokens, if they are at most `MAX_SEQS` chunks and their
+  page tables fit; else the whole step runs eagerly.
+* **Static inputs** per bucket: ids, positions and the backend's `PrefillBuffers` (slots,
+  query starts from 0, KV lengths, page tables as wide as max_model_len). Per step the
+  chunks' part of the staged Batch is copied in on the device; padded tokens are token 0 at
+  position 0 with slot -1 (stored nowhere, attended by no program: their hidden rows are
+  never read), padded sequences have no tokens.
+* **Capture** after the KV pool and the decode graphs, largest bucket first, into a memory
+  pool of their own (a mixed step replays a decode graph and a prefill graph back to back;
+  neither may reuse the other's memory), each after a warm-up run on a side stream.
+* **What the graph holds:** embedding, every layer, the final norm: hidden states [tokens,
+  hidden]. The LM head and prompt scoring run eagerly on the rows they need.
+
+A bucket's token count sets the matrix products' shapes, so a chunk's bits may differ from
+an eager run of the same chunk by cuBLAS's choice of kernel for that shape (as a decode
+bucket's padding does); graph and eager runs are checked token for token on the GPU
+(tests/engine/test_prefill_graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from pdserve.attention.backend import AttentionContext
+from pdserve.attention.batch import Batch
+from pdserve.engine.cuda_graphs import WARMUP_RUNS, CaptureReport, bucket_for
+from pdserve.model.llama import CausalLM
+
+log = logging.getLogger(__name__)
+
+MAX_SEQS = 64  # chunks a prefill graph holds; a step of more runs eagerly
+DEFAULT_MAX_TOKENS = 2048  # the largest bucket unless --cuda-graph-max-tokens says otherwise
+
+
+@runtime_checkable
+class PrefillGraphableBackend(Protocol):
+    """An attention backend whose prefill metadata can live in static buffers."""
+
+    def prefill_buffers(self, tokens: int, seqs: int, max_pages: int) -> Any: ...
+
+    def prefill_metadata(self, buffers: Any) -> Any: ...
+
+    def prepare_prefill_into(self, batch: Batch, buffers: Any) -> Any: ...
+
+
+def token_bucket_sizes(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, then every 128 to 1,024, then every 256 (max_tokens itself included)."""
+    if max_tokens < 1:
+        return []
+    steps = [16, 32, 64, *range(128, 1025, 128), *range(1280, max_tokens + 1, 256)]
+    sizes = [t for t in steps if t <= max_tokens]
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+@dataclass
+class PrefillGraph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [tokens] int32
+    positions: torch.Tensor  # [tokens] int32
+    buffers: Any  # the backend's PrefillBuffers
+    hidden: torch.Tensor  # [tokens, hidden]: the graph's output
+
+
+class PrefillGraphs:
+    def __init__(
+        self, model: CausalLM, backend: PrefillGraphableBackend, max_pages: int, max_tokens: int
+    ) -> None:
+        """`max_pages`: the widest page table a chunk's sequence may have (max_model_len's)."""
+        self.model = model
+        self.backend = backend
+        self.max_pages = max_pages
+        self.sizes = token_bucket_sizes(max_tokens)
+        self.graphs: dict[int, PrefillGraph] = {}
+        self.replays = 0
+        self.capture_report: CaptureReport | None = None
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        device = next(self.model.parameters()).device
+        torch.cuda.synchronize(device)
+        start, before = time.monotonic(), torch.cuda.memory_allocated(device)
+        pool = torch.cuda.graph_pool_handle()
+        for tokens in reversed(self.sizes):  # largest first: the smaller ones fit in its pool
+            self.graphs[tokens] = self._capture(tokens, device, pool)
+        torch.cuda.synchronize(device)
+        report = CaptureReport(
+            tuple(self.sizes),
+            time.monotonic() - start,
+            torch.cuda.memory_allocated(device) - before,
+        )
+        self.capture_report = report
+        log.info(
+            "CUDA graphs: %d prefill buckets (16..%d tokens) captured in %.1fs, %.0f MiB",
+            len(report.buckets),
+            self.sizes[-1] if self.sizes else 0,
+            report.seconds,
+            report.memory_bytes / 2**20,
+        )
+        return report
+
+    def _capture(self, tokens: int, device: torch.device, pool: Any) -> PrefillGraph:
+        ids = torch.zeros(tokens, dtype=torch.int32, device=device)
+        positions = torch.zeros(tokens, dtype=torch.int32, device=device)
+        buffers = self.backend.prefill_buffers(tokens, min(tokens, MAX_SEQS), self.max_pages)
+        ctx = AttentionContext(self.backend, self.backend.prefill_metadata(buffers))  # type: ignore[arg-type]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.model(ids, positions, ctx)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(ids, positions, ctx)
+        return PrefillGraph(graph, ids, positions, buffers, hidden)
+
+    def fits(self, batch: Batch) -> bool:
+        """Whether a captured bucket holds the step's prefill chunks (the rows after its
+        decodes)."""
+        seqs = batch.num_seqs - batch.num_decodes
+        bucket = bucket_for(batch.num_tokens - batch.num_decodes, self.sizes)
+        return (
+            bucket is not None
+            and 0 < seqs <= min(bucket, MAX_SEQS)
+            and batch.page_table.shape[1] <= self.max_pages
+        )
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Hidden states [t, hidden] of the t tokens of the prefill chunks of a batch that
+        `fits` (rows num_decodes .. num_tokens-1)."""
+        nd = batch.num_decodes
+        t = batch.num_tokens - nd
+        bucket = bucket_for(t, self.sizes)
+        assert bucket is not None  # fits() checked it; not input-dependent
+        g = self.graphs[bucket]
+        g.input_ids[:t].copy_(batch.input_ids[nd:])
+        g.input_ids[t:].zero_()
+        g.positions[:t].copy_(batch.positions[nd:])
+        g.positions[t:].zero_()
+        self.backend.prepare_prefill_into(batch, g.buffers)
+        g.graph.replay()
+        self.replays += 1
+        return g.hidden[:t]
