@@ -24,7 +24,11 @@ def test_one_token_and_logprobs_and_local_fallback(pd, tiny_dir):
     one = pd.generate(f"one-{pd.backend}", prompt, max_tokens=1)
     assert len(tokens(one)) == 1 and one[-1]["finish_reason"] == "length"
     with_lp = pd.generate(f"lp-{pd.backend}", prompt, max_tokens=3, logprobs=2)
-    assert [len(ln["logprobs"]) for ln in with_lp if ln["token_ids"]] == [1, 1, 1]
+    # One logprobs entry per token; a line may carry several tokens when the stream merged
+    # what waited (a loop behind under load), never a token without its entry.
+    lines = [ln for ln in with_lp if ln["token_ids"]]
+    assert [len(ln["logprobs"]) for ln in lines] == [len(ln["token_ids"]) for ln in lines]
+    assert sum(len(ln["logprobs"]) for ln in lines) == 3
     local = pd.generate(f"loc-{pd.backend}", prompt, max_tokens=3, prefill=False)
     assert tokens(local) == tokens(with_lp)
     pd.wait_quiet()
