@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.launched import wait_healthy  # noqa: E402
-from benchmarks.proc_cpu import Cpu, read_cpu  # noqa: E402
+from benchmarks.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
@@ -65,6 +65,7 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--kv-budget-mb", str(args.kv_budget_mb),
         "--max-running", str(max(args.concurrency)),
         "--max-batched-tokens", str(args.max_batched_tokens),
+        "--router-processes", str(args.router_processes),
         "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
@@ -101,19 +102,21 @@ def bench(
         "--num-prompts", str(n), "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--max-concurrency", str(conc),
         "--warmup", str(WARMUP), "--out", str(path), "--no-progress",
+        "--processes", str(min(args.bench_processes, conc)),
     ]  # fmt: skip
-    before = {p: read_cpu(pid) for p, pid in procs.items()}
+    before = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     itl_before = engine_itl(decode_url)
     client_before = _children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
-    after = {p: read_cpu(pid) for p, pid in procs.items()}
+    after = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     itl_after = engine_itl(decode_url)
     gaps = itl_after[1] - itl_before[1]
     client_s = _children_cpu_s() - client_before
     if done.returncode != 0:
         raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
     s = json.loads(path.read_text())["summary"]
-    tokens = s["output_tokens"] + WARMUP * args.output_len  # what the CPU deltas served
+    # what the CPU deltas served: the run and each client process's warm-up
+    tokens = s["output_tokens"] + WARMUP * min(args.bench_processes, conc) * args.output_len
     rate = s["output_throughput"]
     used = {p: after[p] - before[p] for p in procs}
     return {
@@ -203,6 +206,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--kv-budget-mb", type=float, default=16384)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--router-processes", type=int, default=1, help="launch --router-processes")
+    ap.add_argument("--bench-processes", type=int, default=1, help="pdserve bench --processes")
     ap.add_argument("--startup-timeout", type=float, default=240)
     ap.add_argument("--bench-timeout", type=float, default=600)
     ap.add_argument("--out", default="gpu_serving")

@@ -56,3 +56,28 @@ def read_cpu(pid: int) -> Cpu:
         else:
             other += s
     return Cpu(main, other, kernel)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (a router of several processes: router/pool.py)."""
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # it ended
+    return kids
+
+
+def read_tree_cpu(pid: int) -> Cpu:
+    """`read_cpu` of a process plus its children's (each child's main thread counted as
+    main): a router's processes together."""
+    total = read_cpu(pid)
+    for kid in children(pid):
+        try:
+            c = read_cpu(kid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total = Cpu(total.main_s + c.main_s, total.other_s + c.other_s, total.kernel_s + c.kernel_s)
+    return total

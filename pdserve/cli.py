@@ -286,6 +286,7 @@ def raise_fd_limit(want: int = 65536) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: router/pool.py's
     logs.setup(args.log_level)
     if args.command in ("serve", "router", "launch"):
         raise_fd_limit()

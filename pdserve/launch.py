@@ -53,6 +53,7 @@ def add_launch_command(sub: Any) -> None:
     from pdserve.router.cli import (
         add_front_end_args,
         add_prefix_policy_args,
+        add_processes_arg,
         add_unknown_fields_arg,
         add_worker_streams_arg,
     )
@@ -69,6 +70,7 @@ def add_launch_command(sub: Any) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode (or co-located) workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
+    add_processes_arg(p, "--router-processes")
     p.add_argument(
         "--backend",
         default="auto",
@@ -223,6 +225,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,
+        router_processes=args.router_processes,
         backend=backend,
         debug_faults=args.debug_faults,
         policy=args.policy,

@@ -124,6 +124,15 @@ def add_bench_command(sub: Any) -> None:
         help="cap on requests in flight (default: none)",
     )
     p.add_argument("--warmup", type=int, default=1, help="unrecorded requests sent first")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="client processes sharing the run (requests, concurrency and rate dealt evenly): "
+        "one reads ~20,000 SSE events/s, so high concurrency at fast decode steps needs "
+        "several for the client not to set the ITL it reports (default: 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="of the prompts and the arrival times")
     p.add_argument(
         "--slo",
@@ -211,8 +220,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.dataset.tokenizer) if cfg.dataset.tokenizer else None
     requests = make_requests(cfg.dataset, tokenizer)
     _raise_fd_limit(len(requests) + cfg.warmup + 256)
-    workload = Workload("main", requests, cfg.arrival, seed=cfg.dataset.seed)
-    result = evloop.run(run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress))
+    if args.processes != 1:
+        from pdserve.bench.fanout import run_processes
+
+        try:
+            result = run_processes(
+                cfg.client, requests, cfg.arrival, cfg.slo, cfg.warmup, cfg.dataset.seed,
+                args.processes,
+            )  # fmt: skip
+        except RuntimeError as e:  # a client process failed: no run to report
+            print(f"pdserve bench: {e}", file=sys.stderr)
+            return 1
+    else:
+        workload = Workload("main", requests, cfg.arrival, seed=cfg.dataset.seed)
+        result = evloop.run(
+            run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress)
+        )
     # Files first: a reader that closes our stdout early (| head) must not cost the records.
     if args.out:
         config = {"argv": sys.argv[1:], **dataclasses.asdict(cfg)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ class RunResult:
     records: list[RequestRecord]
     duration_s: float  # first send -> last request's end
     model: str | None
+    started_at: float = 0.0  # the run's start on the wall clock (time.time())
     summary: dict[str, Any] = field(default_factory=dict)
     warmup_errors: list[str] = field(default_factory=list)
 
@@ -70,7 +71,10 @@ async def run_workloads(
     slo: Slo = NO_SLO,
     warmup: int = 1,
     progress: bool = True,
+    start_gate: Callable[[], None] | None = None,
 ) -> RunResult:
+    """`start_gate`: called (on a thread) after the warm-up, and the run's clock starts when
+    it returns: how several client processes of one run start together (bench/fanout.py)."""
     caps = [w.arrival.max_concurrency for w in workloads]
     # aiohttp's default pool of 100 connections would silently queue an uncapped run.
     limit = 0 if any(c is None for c in caps) else sum(c for c in caps if c is not None)
@@ -84,6 +88,9 @@ async def run_workloads(
         # client's work, and it must not land in the TTFT or the offered load.
         bodies = [[encode_body(client, model, req) for req in w.requests] for w in workloads]
         bar = Progress(total, enabled=progress)
+        if start_gate is not None:
+            await asyncio.to_thread(start_gate)
+        started_at = time.time()
         t0 = time.perf_counter()
         per_workload = await asyncio.gather(
             *(
@@ -93,7 +100,7 @@ async def run_workloads(
         )
         duration = time.perf_counter() - t0
     records = sorted((r for recs in per_workload for r in recs), key=lambda r: r.start)
-    result = RunResult(records, duration, model, warmup_errors=warm)
+    result = RunResult(records, duration, model, started_at, warmup_errors=warm)
     result.summary = summarize_run(records, duration, slo)
     return result
 

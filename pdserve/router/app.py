@@ -289,7 +289,7 @@ class Router:
 def run_router(cfg: RouterConfig) -> int:
     """Bind, load the tokenizer, serve: the exit status (2: the port cannot be had)."""
     try:
-        sockets = bind(cfg.host, cfg.port)
+        sockets = bind(cfg.host, cfg.port, reuse_port=cfg.reuse_port)
     except OSError as e:
         log.error("%s", bind_error(cfg.host, cfg.port, e))
         return 2

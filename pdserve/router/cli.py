@@ -118,6 +118,18 @@ def add_worker_streams_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_processes_arg(p: argparse.ArgumentParser, flag: str) -> None:
+    """How many router processes serve the port (router/pool.py), for `router` and `launch`."""
+    p.add_argument(
+        flag,
+        type=int,
+        default=1,
+        metavar="N",
+        help="router processes sharing the port: one streams ~20,000 chunks/s, so high "
+        "concurrency at fast decode steps needs several (default: 1)",
+    )
+
+
 def add_router_command(sub: Any) -> None:
     """Register `router` on the subparsers object of `pdserve`'s top-level parser."""
     r: argparse.ArgumentParser = sub.add_parser(
@@ -143,6 +155,13 @@ def add_router_command(sub: Any) -> None:
     )
     r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    add_processes_arg(r, "--processes")
+    r.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT, so that several routers of this user share the port "
+        "(what --processes does for its own)",
+    )
     r.add_argument(
         "--policy",
         default="least-outstanding",
@@ -191,6 +210,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from pdserve.frontend.fields import reject_unknown_fields
     from pdserve.router.app import run_router
     from pdserve.router.config import RouterConfig
+    from pdserve.router.pool import MAX_PROCESSES, run_pool
     from pdserve.server.auth import load_api_key
 
     # A model directory (what `pdserve launch` passes) is read as it is. Only a builtin: name
@@ -219,6 +239,11 @@ def cmd_router(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
+        reuse_port=args.reuse_port,
     )
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        raise ValueError(f"--processes must be in [1, {MAX_PROCESSES}], got {args.processes}")
+    if args.processes > 1:
+        return run_pool(cfg, args.argv, args.processes)
     reject_unknown_fields(args.reject_unknown_fields)
     return run_router(cfg)

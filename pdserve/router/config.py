@@ -40,6 +40,8 @@ class RouterConfig:
     # "shared": one output stream per worker carries every request's outputs (router/channel.py);
     # "per-request": each /generate streams its own (the A/B of benchmarks/gpu_serving.py).
     worker_streams: str = "shared"
+    # Bind with SO_REUSEPORT: one of several routers on one port (router/pool.py).
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

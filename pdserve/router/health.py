@@ -73,6 +73,7 @@ class HealthMonitor:
                 retry = self.registry.pairs_to_retry(time.monotonic(), self.cfg.pair_retry_s)
                 if retry:
                     await self.deep(retry)
+                self.metrics.publish(self.registry)  # the other processes' scrapes read it
             except Exception:  # noqa: BLE001 - a bug in one round must not end the loop
                 self.loop_errors += 1
                 log.exception(

@@ -56,6 +56,7 @@ class LaunchConfig:
     max_queue: int = 4096  # the router's completion calls in flight at most
     host: str = "127.0.0.1"
     port: int = 8000
+    router_processes: int = 1  # the router's --processes (router/pool.py)
     backend: str = "shm"
     debug_faults: bool = False  # workers take POST /debug/faults
     policy: str = "least-outstanding"
@@ -135,6 +136,7 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
             {
                 "--host": cfg.host,
                 "--port": str(cfg.port),
+                "--processes": str(cfg.router_processes),
                 "--policy": cfg.policy,
                 "--worker-streams": cfg.worker_streams,
                 **(

@@ -10,11 +10,15 @@ window says how many were dropped.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from pdserve.runtime.timing import LOG_REPEAT_WINDOW_S
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# A tag for every line of this process, set by a parent whose children share its log (the
+# processes of one router, router/pool.py): "router-2" reads "... INFO [router-2] name: ...".
+TAG_ENV = "PDSERVE_LOG_TAG"
 BURST = 20
 MAX_KEYS = 4096  # distinct (logger, template) pairs remembered; oldest window forgotten first
 
@@ -47,6 +51,8 @@ class RepeatFilter(logging.Filter):
 
 def setup(level: str) -> None:
     """The root logger at `level` (a name: DEBUG, INFO, ...), its handler rate-limited."""
-    logging.basicConfig(level=level.upper(), format=FORMAT)
+    tag = os.environ.get(TAG_ENV)
+    fmt = FORMAT.replace("%(name)s", f"[{tag}] %(name)s") if tag else FORMAT
+    logging.basicConfig(level=level.upper(), format=fmt)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RepeatFilter())

@@ -74,9 +74,14 @@ class AcceptSocket(socket.socket):
             raise
 
 
-def bind(host: str, port: int) -> list[socket.socket]:
+def bind(
+    host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+) -> list[socket.socket]:
     """Listening sockets on every address of `host` on `port` (0: one free port for all).
-    Raises OSError (see `bind_error`)."""
+    `reuse_port`: with SO_REUSEPORT, so that several processes of this user share the port
+    (the kernel spreads connections over those listening); `listen` False: bound only, which
+    holds the port without ever being handed a connection (router/pool.py). Raises OSError
+    (see `bind_error`)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     socks: list[socket.socket] = []
     seen: set[Any] = set()
@@ -88,12 +93,15 @@ def bind(host: str, port: int) -> list[socket.socket]:
             s = AcceptSocket(family, kind, proto)
             socks.append(s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             if port == 0 and len(socks) > 1:  # every address on the first one's free port
                 addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
             s.bind(addr)
-            s.listen(BACKLOG)
+            if listen:
+                s.listen(BACKLOG)
     except OSError:
         for bound in socks:
             bound.close()
