@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,12 +75,14 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 
 
 @dataclass
-class DecodeGraph:
+class StepGraph:
+    """One bucket's captured forward and the static tensors it reads and writes."""
+
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # [bs] int32
-    positions: torch.Tensor  # [bs] int32
-    buffers: Any  # the backend's DecodeBuffers
-    hidden: torch.Tensor  # [bs, hidden]: the graph's output
+    input_ids: torch.Tensor  # [rows] int32
+    positions: torch.Tensor  # [rows] int32
+    buffers: Any  # the backend's static metadata (DecodeBuffers, PrefillBuffers)
+    hidden: torch.Tensor  # [rows, hidden]: the graph's output
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,55 @@ class CaptureReport:
     buckets: tuple[int, ...]
     seconds: float
     memory_bytes: int  # device memory the graphs' pool and static buffers took
+
+
+@torch.inference_mode()
+def capture_buckets(
+    model: CausalLM,
+    backend: Any,
+    sizes: list[int],
+    static: Callable[[int], tuple[Any, Any]],
+    what: str,
+) -> tuple[dict[int, StepGraph], CaptureReport]:
+    """`model`'s forward captured once per size (rows), largest first into one memory pool of
+    their own (a smaller graph reuses the larger one's activation memory), each after a
+    warm-up on a side stream (Triton compiles, cuBLAS picks its kernels, outside the capture).
+    `static(rows)`: the backend's static buffers for that size and the metadata naming them;
+    `what` names the graphs in the log line."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    start, before = time.monotonic(), torch.cuda.memory_allocated(device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, StepGraph] = {}
+    for rows in reversed(sizes):
+        ids = torch.zeros(rows, dtype=torch.int32, device=device)
+        positions = torch.zeros(rows, dtype=torch.int32, device=device)
+        buffers, metadata = static(rows)
+        ctx = AttentionContext(backend, metadata)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                model(ids, positions, ctx)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = model(ids, positions, ctx)
+        graphs[rows] = StepGraph(graph, ids, positions, buffers, hidden)
+    torch.cuda.synchronize(device)
+    report = CaptureReport(
+        tuple(sizes), time.monotonic() - start, torch.cuda.memory_allocated(device) - before
+    )
+    log.info(
+        "CUDA graphs: %d %s buckets (%d..%d) captured in %.1fs, %.0f MiB",
+        len(sizes),
+        what,
+        sizes[0] if sizes else 0,
+        sizes[-1] if sizes else 0,
+        report.seconds,
+        report.memory_bytes / 2**20,
+    )
+    return graphs, report
 
 
 class DecodeGraphs:
@@ -98,49 +150,20 @@ class DecodeGraphs:
         self.backend = backend
         self.max_pages = max_pages
         self.sizes = bucket_sizes(max_bs)
-        self.graphs: dict[int, DecodeGraph] = {}
+        self.graphs: dict[int, StepGraph] = {}
         self.replays = 0
         self.capture_report: CaptureReport | None = None
 
-    @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        device = next(self.model.parameters()).device
-        torch.cuda.synchronize(device)
-        start, before = time.monotonic(), torch.cuda.memory_allocated(device)
-        pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):  # largest first: the smaller ones fit in its pool
-            self.graphs[bs] = self._capture(bs, device, pool)
-        torch.cuda.synchronize(device)
-        report = CaptureReport(
-            tuple(self.sizes),
-            time.monotonic() - start,
-            torch.cuda.memory_allocated(device) - before,
+        def static(rows: int) -> tuple[Any, Any]:
+            buffers = self.backend.decode_buffers(rows, self.max_pages)
+            return buffers, self.backend.decode_metadata(buffers)
+
+        self.graphs, report = capture_buckets(
+            self.model, self.backend, self.sizes, static, "decode"
         )
         self.capture_report = report
-        log.info(
-            "CUDA graphs: %d decode buckets (1..%d) captured in %.1fs, %.0f MiB",
-            len(report.buckets),
-            self.sizes[-1] if self.sizes else 0,
-            report.seconds,
-            report.memory_bytes / 2**20,
-        )
         return report
-
-    def _capture(self, bs: int, device: torch.device, pool: Any) -> DecodeGraph:
-        ids = torch.zeros(bs, dtype=torch.int32, device=device)
-        positions = torch.zeros(bs, dtype=torch.int32, device=device)
-        buffers = self.backend.decode_buffers(bs, self.max_pages)
-        ctx = AttentionContext(self.backend, self.backend.decode_metadata(buffers))  # type: ignore[arg-type]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self.model(ids, positions, ctx)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(ids, positions, ctx)
-        return DecodeGraph(graph, ids, positions, buffers, hidden)
 
     def fits(self, batch: Batch) -> bool:
         """Whether a captured bucket holds the step's decodes (its first num_decodes rows)."""

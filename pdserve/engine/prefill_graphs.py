@@ -31,19 +31,13 @@ bucket's padding does); graph and eager runs are checked token for token on the 
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from pdserve.attention.backend import AttentionContext
 from pdserve.attention.batch import Batch
-from pdserve.engine.cuda_graphs import WARMUP_RUNS, CaptureReport, bucket_for
+from pdserve.engine.cuda_graphs import CaptureReport, StepGraph, bucket_for, capture_buckets
 from pdserve.model.llama import CausalLM
-
-log = logging.getLogger(__name__)
 
 MAX_SEQS = 64  # chunks a prefill graph holds; a step of more runs eagerly
 DEFAULT_MAX_TOKENS = 2048  # the largest bucket unless --cuda-graph-max-tokens says otherwise
@@ -71,15 +65,6 @@ def token_bucket_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
-@dataclass
-class PrefillGraph:
-    graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # [tokens] int32
-    positions: torch.Tensor  # [tokens] int32
-    buffers: Any  # the backend's PrefillBuffers
-    hidden: torch.Tensor  # [tokens, hidden]: the graph's output
-
-
 class PrefillGraphs:
     def __init__(
         self, model: CausalLM, backend: PrefillGraphableBackend, max_pages: int, max_tokens: int
@@ -89,49 +74,20 @@ class PrefillGraphs:
         self.backend = backend
         self.max_pages = max_pages
         self.sizes = token_bucket_sizes(max_tokens)
-        self.graphs: dict[int, PrefillGraph] = {}
+        self.graphs: dict[int, StepGraph] = {}
         self.replays = 0
         self.capture_report: CaptureReport | None = None
 
-    @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        device = next(self.model.parameters()).device
-        torch.cuda.synchronize(device)
-        start, before = time.monotonic(), torch.cuda.memory_allocated(device)
-        pool = torch.cuda.graph_pool_handle()
-        for tokens in reversed(self.sizes):  # largest first: the smaller ones fit in its pool
-            self.graphs[tokens] = self._capture(tokens, device, pool)
-        torch.cuda.synchronize(device)
-        report = CaptureReport(
-            tuple(self.sizes),
-            time.monotonic() - start,
-            torch.cuda.memory_allocated(device) - before,
+        def static(tokens: int) -> tuple[Any, Any]:
+            buffers = self.backend.prefill_buffers(tokens, min(tokens, MAX_SEQS), self.max_pages)
+            return buffers, self.backend.prefill_metadata(buffers)
+
+        self.graphs, report = capture_buckets(
+            self.model, self.backend, self.sizes, static, "prefill"
         )
         self.capture_report = report
-        log.info(
-            "CUDA graphs: %d prefill buckets (16..%d tokens) captured in %.1fs, %.0f MiB",
-            len(report.buckets),
-            self.sizes[-1] if self.sizes else 0,
-            report.seconds,
-            report.memory_bytes / 2**20,
-        )
         return report
-
-    def _capture(self, tokens: int, device: torch.device, pool: Any) -> PrefillGraph:
-        ids = torch.zeros(tokens, dtype=torch.int32, device=device)
-        positions = torch.zeros(tokens, dtype=torch.int32, device=device)
-        buffers = self.backend.prefill_buffers(tokens, min(tokens, MAX_SEQS), self.max_pages)
-        ctx = AttentionContext(self.backend, self.backend.prefill_metadata(buffers))  # type: ignore[arg-type]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self.model(ids, positions, ctx)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(ids, positions, ctx)
-        return PrefillGraph(graph, ids, positions, buffers, hidden)
 
     def fits(self, batch: Batch) -> bool:
         """Whether a captured bucket holds the step's prefill chunks (the rows after its
