@@ -92,78 +92,100 @@ class CaptureReport:
     memory_bytes: int  # device memory the graphs' pool and static buffers took
 
 
-@torch.inference_mode()
-def capture_buckets(
-    model: CausalLM,
-    backend: Any,
-    sizes: list[int],
-    static: Callable[[int], tuple[Any, Any]],
-    what: str,
-) -> tuple[dict[int, StepGraph], CaptureReport]:
-    """`model`'s forward captured once per size (rows), largest first into one memory pool of
-    their own (a smaller graph reuses the larger one's activation memory), each after a
-    warm-up on a side stream (Triton compiles, cuBLAS picks its kernels, outside the capture).
-    `static(rows)`: the backend's static buffers for that size and the metadata naming them;
-    `what` names the graphs in the log line."""
-    device = next(model.parameters()).device
-    torch.cuda.synchronize(device)
-    start, before = time.monotonic(), torch.cuda.memory_allocated(device)
-    pool = torch.cuda.graph_pool_handle()
-    graphs: dict[int, StepGraph] = {}
-    for rows in reversed(sizes):
-        ids = torch.zeros(rows, dtype=torch.int32, device=device)
-        positions = torch.zeros(rows, dtype=torch.int32, device=device)
-        buffers, metadata = static(rows)
-        ctx = AttentionContext(backend, metadata)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                model(ids, positions, ctx)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = model(ids, positions, ctx)
-        graphs[rows] = StepGraph(graph, ids, positions, buffers, hidden)
-    torch.cuda.synchronize(device)
-    report = CaptureReport(
-        tuple(sizes), time.monotonic() - start, torch.cuda.memory_allocated(device) - before
-    )
-    log.info(
-        "CUDA graphs: %d %s buckets (%d..%d) captured in %.1fs, %.0f MiB",
-        len(sizes),
-        what,
-        sizes[0] if sizes else 0,
-        sizes[-1] if sizes else 0,
-        report.seconds,
-        report.memory_bytes / 2**20,
-    )
-    return graphs, report
+class BucketGraphs:
+    """One kind of graph, one per bucket of rows: what decode and prefill graphs share.
+    A kind says how its static metadata is made (`static`) and which rows of a step it runs."""
 
+    what = "step"  # names the kind in the log line
 
-class DecodeGraphs:
-    def __init__(
-        self, model: CausalLM, backend: GraphableBackend, max_pages: int, max_bs: int
-    ) -> None:
-        """`max_pages`: the widest page table a decode may have (max_model_len's pages)."""
+    def __init__(self, model: CausalLM, backend: Any, max_pages: int, sizes: list[int]) -> None:
+        """`max_pages`: the widest page table a sequence may have (max_model_len's pages)."""
         self.model = model
         self.backend = backend
         self.max_pages = max_pages
-        self.sizes = bucket_sizes(max_bs)
+        self.sizes = sizes
         self.graphs: dict[int, StepGraph] = {}
         self.replays = 0
         self.capture_report: CaptureReport | None = None
 
-    def capture(self) -> CaptureReport:
-        def static(rows: int) -> tuple[Any, Any]:
-            buffers = self.backend.decode_buffers(rows, self.max_pages)
-            return buffers, self.backend.decode_metadata(buffers)
+    def static(self, rows: int) -> tuple[Any, Any]:
+        """The backend's static buffers for a bucket of `rows` and the metadata naming them."""
+        raise NotImplementedError
 
-        self.graphs, report = capture_buckets(
-            self.model, self.backend, self.sizes, static, "decode"
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """The forward captured once per bucket, largest first into one memory pool of this
+        kind's own (a smaller graph reuses the larger one's activation memory), each after a
+        warm-up on a side stream (Triton compiles, cuBLAS picks its kernels, outside it)."""
+        device = next(self.model.parameters()).device
+        torch.cuda.synchronize(device)
+        start, before = time.monotonic(), torch.cuda.memory_allocated(device)
+        pool = torch.cuda.graph_pool_handle()
+        for rows in reversed(self.sizes):
+            ids = torch.zeros(rows, dtype=torch.int32, device=device)
+            positions = torch.zeros(rows, dtype=torch.int32, device=device)
+            buffers, metadata = self.static(rows)
+            ctx = AttentionContext(self.backend, metadata)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    self.model(ids, positions, ctx)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, positions, ctx)
+            self.graphs[rows] = StepGraph(graph, ids, positions, buffers, hidden)
+        torch.cuda.synchronize(device)
+        report = CaptureReport(
+            tuple(self.sizes),
+            time.monotonic() - start,
+            torch.cuda.memory_allocated(device) - before,
         )
         self.capture_report = report
+        log.info(
+            "CUDA graphs: %d %s buckets (%d..%d) captured in %.1fs, %.0f MiB",
+            len(self.sizes),
+            self.what,
+            self.sizes[0] if self.sizes else 0,
+            self.sizes[-1] if self.sizes else 0,
+            report.seconds,
+            report.memory_bytes / 2**20,
+        )
         return report
+
+    def replay(
+        self, batch: Batch, rows: slice, prepare: Callable[[Batch, Any], Any]
+    ) -> torch.Tensor:
+        """Hidden states [n, hidden] of `batch`'s tokens `rows` (n of them, which a bucket
+        holds): copied into the smallest such bucket, the rest padding (token 0 at position
+        0), its metadata by `prepare(batch, buffers)`, then the graph replayed."""
+        ids = batch.input_ids[rows]
+        n = ids.shape[0]
+        bucket = bucket_for(n, self.sizes)
+        assert bucket is not None  # the kind's fits() checked it; not input-dependent
+        g = self.graphs[bucket]
+        g.input_ids[:n].copy_(ids)
+        g.input_ids[n:].zero_()
+        g.positions[:n].copy_(batch.positions[rows])
+        g.positions[n:].zero_()
+        prepare(batch, g.buffers)
+        g.graph.replay()
+        self.replays += 1
+        return g.hidden[:n]
+
+
+class DecodeGraphs(BucketGraphs):
+    what = "decode"
+
+    def __init__(
+        self, model: CausalLM, backend: GraphableBackend, max_pages: int, max_bs: int
+    ) -> None:
+        super().__init__(model, backend, max_pages, bucket_sizes(max_bs))
+
+    def static(self, rows: int) -> tuple[Any, Any]:
+        buffers = self.backend.decode_buffers(rows, self.max_pages)
+        return buffers, self.backend.decode_metadata(buffers)
 
     def fits(self, batch: Batch) -> bool:
         """Whether a captured bucket holds the step's decodes (its first num_decodes rows)."""
@@ -176,15 +198,4 @@ class DecodeGraphs:
     def run(self, batch: Batch) -> torch.Tensor:
         """Hidden states [n, hidden] of the n decodes of a batch that `fits` (rows 0 .. n-1;
         any prefill chunks after them are not computed here)."""
-        n = batch.num_decodes
-        bucket = bucket_for(n, self.sizes)
-        assert bucket is not None  # fits() checked it; not input-dependent
-        g = self.graphs[bucket]
-        g.input_ids[:n].copy_(batch.input_ids[:n])
-        g.input_ids[n:].zero_()
-        g.positions[:n].copy_(batch.positions[:n])
-        g.positions[n:].zero_()
-        self.backend.prepare_decode_into(batch, g.buffers)
-        g.graph.replay()
-        self.replays += 1
-        return g.hidden[:n]
+        return self.replay(batch, slice(0, batch.num_decodes), self.backend.prepare_decode_into)

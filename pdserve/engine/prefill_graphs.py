@@ -36,11 +36,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from pdserve.attention.batch import Batch
-from pdserve.engine.cuda_graphs import CaptureReport, StepGraph, bucket_for, capture_buckets
+from pdserve.engine.cuda_graphs import BucketGraphs, bucket_for
 from pdserve.model.llama import CausalLM
 
 MAX_SEQS = 64  # chunks a prefill graph holds; a step of more runs eagerly
-DEFAULT_MAX_TOKENS = 2048  # the largest bucket unless --cuda-graph-max-tokens says otherwise
 
 
 @runtime_checkable
@@ -65,29 +64,17 @@ def token_bucket_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
-class PrefillGraphs:
+class PrefillGraphs(BucketGraphs):
+    what = "prefill"
+
     def __init__(
         self, model: CausalLM, backend: PrefillGraphableBackend, max_pages: int, max_tokens: int
     ) -> None:
-        """`max_pages`: the widest page table a chunk's sequence may have (max_model_len's)."""
-        self.model = model
-        self.backend = backend
-        self.max_pages = max_pages
-        self.sizes = token_bucket_sizes(max_tokens)
-        self.graphs: dict[int, StepGraph] = {}
-        self.replays = 0
-        self.capture_report: CaptureReport | None = None
+        super().__init__(model, backend, max_pages, token_bucket_sizes(max_tokens))
 
-    def capture(self) -> CaptureReport:
-        def static(tokens: int) -> tuple[Any, Any]:
-            buffers = self.backend.prefill_buffers(tokens, min(tokens, MAX_SEQS), self.max_pages)
-            return buffers, self.backend.prefill_metadata(buffers)
-
-        self.graphs, report = capture_buckets(
-            self.model, self.backend, self.sizes, static, "prefill"
-        )
-        self.capture_report = report
-        return report
+    def static(self, rows: int) -> tuple[Any, Any]:
+        buffers = self.backend.prefill_buffers(rows, min(rows, MAX_SEQS), self.max_pages)
+        return buffers, self.backend.prefill_metadata(buffers)
 
     def fits(self, batch: Batch) -> bool:
         """Whether a captured bucket holds the step's prefill chunks (the rows after its
@@ -103,16 +90,4 @@ class PrefillGraphs:
     def run(self, batch: Batch) -> torch.Tensor:
         """Hidden states [t, hidden] of the t tokens of the prefill chunks of a batch that
         `fits` (rows num_decodes .. num_tokens-1)."""
-        nd = batch.num_decodes
-        t = batch.num_tokens - nd
-        bucket = bucket_for(t, self.sizes)
-        assert bucket is not None  # fits() checked it; not input-dependent
-        g = self.graphs[bucket]
-        g.input_ids[:t].copy_(batch.input_ids[nd:])
-        g.input_ids[t:].zero_()
-        g.positions[:t].copy_(batch.positions[nd:])
-        g.positions[t:].zero_()
-        self.backend.prepare_prefill_into(batch, g.buffers)
-        g.graph.replay()
-        self.replays += 1
-        return g.hidden[:t]
+        return self.replay(batch, slice(batch.num_decodes, None), self.backend.prepare_prefill_into)

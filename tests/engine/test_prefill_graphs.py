@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import bucket_for
+from pdserve.attention.backend import AttentionContext
+from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, StepGraph, bucket_for
 from pdserve.engine.offline import build_engine
-from pdserve.engine.prefill_graphs import MAX_SEQS, token_bucket_sizes
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.prefill_graphs import MAX_SEQS, PrefillGraphs, token_bucket_sizes
 from tests.engine.test_cuda_graphs import staggered_run
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -29,6 +31,62 @@ def test_token_buckets_are_fine_while_small_and_every_256_past_1024():
 def test_the_cpu_has_no_prefill_graphs(tiny_dir):
     engine = build_engine(tiny_dir)
     assert engine.runner.prefill_graphs is None
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU (which has none): `replay` runs the
+    model eagerly over the bucket's static tensors, what the captured graph replays."""
+
+    def __init__(self, model, graph: StepGraph, ctx: AttentionContext) -> None:
+        self.model, self.static, self.ctx = model, graph, ctx
+
+    def replay(self) -> None:
+        g = self.static
+        g.hidden.copy_(self.model(g.input_ids, g.positions, self.ctx))
+
+
+def without_capture(graphs: BucketGraphs) -> BucketGraphs:
+    """`graphs` with every bucket's static tensors made as capture makes them, and an eager
+    stand-in for the graph."""
+    for rows in graphs.sizes:
+        buffers, metadata = graphs.static(rows)
+        ids = torch.zeros(rows, dtype=torch.int32)
+        hidden = torch.empty(rows, graphs.model.arch.hidden_size)
+        g = StepGraph(None, ids, torch.zeros_like(ids), buffers, hidden)  # type: ignore[arg-type]
+        g.graph = EagerReplay(graphs.model, g, AttentionContext(graphs.backend, metadata))
+        graphs.graphs[rows] = g
+    return graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the captured graphs below")
+def test_a_mixed_step_through_the_static_buckets_equals_the_eager_step(tiny_dir):
+    """On the CPU, with Triton's interpreter: a step of three decodes and a 23-token prompt,
+    through the runner's graph path (decodes into a decode bucket, the chunk rebased into a
+    prefill bucket, both padded; the graphs stood in for by eager runs over their static
+    tensors) gives the eager step's logits bit for bit."""
+    engine = build_engine(
+        tiny_dir, attention_backend="triton", max_batched_tokens=64, prefix_cache=False
+    )
+    runner = engine.runner
+    for i in range(3):
+        params = SamplingParams(max_tokens=50, temperature=0)
+        engine.submit(f"d{i}", list(range(5 + i, 30 + i)), params, lambda _: None)
+    for _ in range(3):
+        engine.tick()
+    engine.sync()
+    params = SamplingParams(max_tokens=2, temperature=0)
+    prompt = engine.make_request("p", list(range(40, 63)), params, lambda _: None, None)
+    engine.scheduler.add(prompt)
+    chunks = engine.scheduler.schedule().chunks
+    assert [c.length for c in chunks] == [1, 1, 1, 23]
+    with torch.inference_mode():
+        eager = runner.forward(chunks)
+        decode = without_capture(DecodeGraphs(runner.model, runner.backend, 64, 8))
+        prefill = without_capture(PrefillGraphs(runner.model, runner.backend, 64, 64))
+        runner.graphs, runner.prefill_graphs = decode, prefill  # type: ignore[assignment]
+        graphed = runner.forward(chunks)
+    assert (decode.replays, prefill.replays) == (1, 1)
+    assert torch.equal(graphed, eager)
 
 
 @CUDA
