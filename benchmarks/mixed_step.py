@@ -8,9 +8,14 @@ its upload, the model, the logits: what a tick launches) for B requests decoding
   * decode: the B decode chunks alone (a CUDA graph when the batch fits a bucket);
   * prefill: the P-token chunk alone (a prefill graph when a bucket holds it,
     engine/prefill_graphs.py);
-  * mixed: the B decodes and the chunk in one step, as `engine.runner.forward` runs it (the
-    decode graph, then the prefill graph);
+  * mixed: the B decodes and the chunk in one step, as `engine.runner.forward` runs it (one
+    prefill graph of B + P tokens, the decodes in its decode section, when a bucket holds it;
+    `prefill_graph` says whether it did);
   * each again eagerly (`_eager`), with the graphs set aside: every step before prefill graphs.
+
+A mixed step of B + P tokens needs a bucket of that many: pass `--cuda-graph-max-tokens` at
+least max(batches) + max(prefills) to graph every row (the default, 2,048, leaves the 2,048
+-token prompt beside decodes eager).
 
 Each is timed between CUDA events after a warm-up (the median of --steps calls): GPU time when
 the GPU is the bottleneck, launch time when the host is. Running one chunk list again and
@@ -71,11 +76,12 @@ def host_ms(engine: Engine, chunks: Sequence[Chunk], args: argparse.Namespace) -
 def eager_ms(engine: Engine, chunks: Sequence[Chunk], args: argparse.Namespace) -> float:
     """`ms_of` with the graphs set aside: the step run eagerly."""
     runner = engine.runner
-    graphs, runner.graphs = runner.graphs, None
+    graphs, prefill = runner.graphs, runner.prefill_graphs
+    runner.graphs = runner.prefill_graphs = None
     try:
         return ms_of(engine, chunks, args)
     finally:
-        runner.graphs = graphs
+        runner.graphs, runner.prefill_graphs = graphs, prefill
 
 
 def prefill_replays(engine: Engine) -> int:
@@ -112,8 +118,8 @@ def bench_batch(engine: Engine, batch: int, args: argparse.Namespace) -> list[di
     rows = []
     for i, p in enumerate(args.prefills):
         chunks = with_prompt(engine, p, seed=batch * 1000 + i)
-        replays = prefill_replays(engine)
         pf_ms = ms_of(engine, chunks[-1:], args)
+        replays = prefill_replays(engine)
         mixed = ms_of(engine, chunks, args)
         graphed = prefill_replays(engine) > replays
         pf_host, mixed_host = host_ms(engine, chunks[-1:], args), host_ms(engine, chunks, args)

@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.tokenizer import Tokenizer  # noqa: E402
+from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 
 
 def post(url: str, body: dict[str, object]) -> dict[str, object]:
@@ -56,6 +58,7 @@ def main() -> int:
     tok = Tokenizer.from_dir(path)
     want = [tok.decode(ids) for ids in generate(engine, prompts, params)]
     del engine
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-cuda-"))
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -82,6 +85,8 @@ def main() -> int:
             str(args.chunk),
             "--kv-budget-mb",
             "1024",
+            "--log-dir",
+            str(log_dir),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -117,7 +122,10 @@ def main() -> int:
                 )
             )  # type: ignore[index]
         wall = time.perf_counter() - t0
-        with urllib.request.urlopen(url + "/debug/cluster", timeout=30) as r:
+        # /debug/* needs the cluster key's token; launch wrote the key in its log dir.
+        headers = ClusterKey.load(log_dir / "cluster.key").http_headers
+        cluster = urllib.request.Request(url + "/debug/cluster", headers=headers)
+        with urllib.request.urlopen(cluster, timeout=30) as r:
             workers = json.loads(r.read())["workers"]
         moved = sum(
             w["state"]["engine"]["role"]["stats"]["bytes_written"]

@@ -77,8 +77,9 @@ class RunnerConfig:
     # Overlapped scheduling (engine/inflight.py): the CPU prepares step N+1 while the device
     # runs step N. None: on for CUDA, off elsewhere (a CPU runs the "device" work itself).
     overlap_schedule: bool | None = None
-    # The most new tokens of a step's prefill chunks replayed as a CUDA graph (CUDA only; 0:
-    # prefill chunks run eagerly; capped by the step budget, max_batched_tokens).
+    # The most tokens (decodes included) of a step that carries prefill chunks replayed as a
+    # CUDA graph (CUDA only; 0: such steps run eagerly; capped by the step budget,
+    # max_batched_tokens).
     cuda_graph_max_tokens: int = 2048
 
     def __post_init__(self) -> None:

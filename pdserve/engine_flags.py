@@ -94,8 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--cuda-graph-max-tokens",
         type=int,
         default=RunnerConfig.cuda_graph_max_tokens,
-        help="the most new tokens of a step's prefill chunks replayed as a CUDA graph (capped "
-        "by --max-batched-tokens; 0: prefill runs eagerly)",
+        help="the most tokens (decodes included) of a step that carries prefill chunks replayed "
+        "as a CUDA graph (capped by --max-batched-tokens; 0: such steps run eagerly)",
     )
     g.add_argument(
         "--request-timeout",

@@ -14,10 +14,14 @@ Invariants:
   and scratch once; per step `prepare_decode_into(batch, buffers)` copies the Batch's decodes
   into it (padded rows: kv_len 0, slot -1) and returns metadata that names only those static
   tensors, so a graph captured with it replays the same kernels on the new values. Likewise
-  `prefill_buffers(tokens, seqs, max_pages)` and `prepare_prefill_into(batch, buffers)` for
-  the Batch's prefill chunks (padded tokens: slot -1; padded sequences: no tokens, kv_len 0).
-  The kernels' grids depend only on a bucket's rows, tokens, sequences and split count,
-  never on lengths.
+  `prefill_buffers(tokens, seqs, max_pages, decodes)` and `prepare_prefill_into(batch,
+  buffers)` for a whole step that carries prefill chunks: its decodes in a decode section of
+  `decodes` rows (attended by the decode kernel), then its chunks (the prefill kernel); padded
+  tokens: slot -1; padded decode rows and sequences: kv_len 0, no tokens. The kernels' grids
+  depend only on a bucket's rows, tokens, sequences and split count, never on lengths.
+- A decode section wider than the step's decodes covers some of its chunk rows too: the
+  decode kernel writes zeros there (kv_len 0), and the prefill kernel, launched after it on
+  the same stream, writes those rows' real outputs over them.
 """
 
 from __future__ import annotations
@@ -58,10 +62,13 @@ class DecodeBuffers:
 
 @dataclass(frozen=True)
 class PrefillBuffers:
-    """A prefill bucket's static metadata: up to `tokens` new tokens in up to `seqs` chunks."""
+    """The static metadata of a bucket of steps that carry prefill chunks: up to `tokens`
+    tokens, the step's decodes first (up to `decode.rows`, none without a decode section),
+    then up to `seqs` chunks."""
 
     slot_mapping: torch.Tensor  # [tokens] int32: -1 for a padded token (store_kv skips it)
-    query_start: torch.Tensor  # [seqs + 1] int32: from 0; padded sequences have no tokens
+    decode: DecodeBuffers | None  # rows 0 .. decode.rows-1; its slot_mapping is a view of ours
+    query_start: torch.Tensor  # [seqs + 1] int32: the chunks' rows in the step (after decodes)
     kv_lens: torch.Tensor  # [seqs] int32: 0 for a padded sequence
     page_table: torch.Tensor  # [seqs, max_pages] int32
 
@@ -165,10 +172,16 @@ class TritonBackend:
         return TritonMetadata(batch.slot_mapping, decode, prefill)
 
     def decode_buffers(
-        self, rows: int, max_pages: int, num_splits: int | None = None
+        self,
+        rows: int,
+        max_pages: int,
+        num_splits: int | None = None,
+        slot_mapping: torch.Tensor | None = None,
     ) -> DecodeBuffers:
         """Static metadata for a decode bucket of `rows` rows whose sequences hold at most
-        `max_pages` pages each; `num_splits` None: as for `rows` rows of max_pages pages."""
+        `max_pages` pages each; `num_splits` None: as for `rows` rows of max_pages pages;
+        `slot_mapping`: the rows' slots as a view of a larger step's (a step bucket's decode
+        section), else its own."""
         if rows < 1 or max_pages < 1:
             raise ValueError(f"a decode bucket needs rows and pages, got {rows} x {max_pages}")
         if num_splits is not None and num_splits < 1:
@@ -178,10 +191,12 @@ class TritonBackend:
         if splits == 1:
             out_shape, lse_shape = (0,), (0,)
         dev = self.device
+        if slot_mapping is None:
+            slot_mapping = torch.full((rows,), -1, dtype=INDEX_DTYPE, device=dev)
         return DecodeBuffers(
             kv_lens=torch.zeros(rows, dtype=INDEX_DTYPE, device=dev),
             page_table=torch.zeros(rows, max_pages, dtype=INDEX_DTYPE, device=dev),
-            slot_mapping=torch.full((rows,), -1, dtype=INDEX_DTYPE, device=dev),
+            slot_mapping=slot_mapping,
             num_splits=splits,
             partial_out=torch.empty(out_shape, dtype=torch.float32, device=dev),
             partial_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
@@ -189,21 +204,33 @@ class TritonBackend:
 
     def decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
         """Metadata naming only `buffers`' tensors: what a CUDA graph is captured with."""
+        return TritonMetadata(buffers.slot_mapping, self._decode_section(buffers), None)
+
+    @staticmethod
+    def _decode_section(buffers: DecodeBuffers) -> DecodeMetadata:
         split = buffers.num_splits > 1
-        decode = DecodeMetadata(
+        return DecodeMetadata(
             buffers.kv_lens,
             buffers.page_table,
             buffers.num_splits,
             buffers.partial_out if split else None,
             buffers.partial_lse if split else None,
         )
-        return TritonMetadata(buffers.slot_mapping, decode, None)
 
     def prepare_decode_into(self, batch: Batch, buffers: DecodeBuffers) -> TritonMetadata:
         """Copy `batch`'s decodes (its first num_decodes sequences and tokens; prefill chunks
         after them are not this bucket's) into a bucket's static buffers (device-to-device
         copies, no host sync); rows past them become padding: kv_len 0 (output zeros) and
         slot -1 (no store). The model's input rows past them are the caller's to pad."""
+        n = batch.num_decodes
+        self._copy_decodes(batch, buffers)
+        buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
+        buffers.slot_mapping[n:].fill_(-1)
+        return self.decode_metadata(buffers)
+
+    @staticmethod
+    def _copy_decodes(batch: Batch, buffers: DecodeBuffers) -> None:
+        """The decodes' KV lengths and page-table rows into `buffers` (rows past: kv_len 0)."""
         n, width = batch.num_decodes, batch.page_table.shape[1]
         if n > buffers.rows or width > buffers.max_pages:
             raise ValueError(
@@ -212,22 +239,27 @@ class TritonBackend:
             )
         buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
         buffers.kv_lens[n:].zero_()
-        buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
-        buffers.slot_mapping[n:].fill_(-1)
         buffers.page_table[:n, :width].copy_(batch.page_table[:n])
-        return self.decode_metadata(buffers)
 
-    def prefill_buffers(self, tokens: int, seqs: int, max_pages: int) -> PrefillBuffers:
-        """Static metadata for a prefill bucket of up to `tokens` new tokens in up to `seqs`
-        chunks of sequences of at most `max_pages` pages; empty: every token padding."""
-        if tokens < 1 or seqs < 1 or max_pages < 1:
+    def prefill_buffers(
+        self, tokens: int, seqs: int, max_pages: int, decodes: int = 0
+    ) -> PrefillBuffers:
+        """Static metadata for a bucket of steps of up to `tokens` tokens: up to `decodes`
+        decodes (0: none, no decode section), then up to `seqs` prefill chunks, of sequences
+        of at most `max_pages` pages; empty: every token padding."""
+        if tokens < 1 or seqs < 1 or max_pages < 1 or not 0 <= decodes <= tokens:
             raise ValueError(
-                f"a prefill bucket needs tokens, sequences and pages, got {tokens} x {seqs} x "
-                f"{max_pages}"
+                f"a prefill bucket needs tokens, sequences, pages and at most one decode a "
+                f"token, got {tokens} x {seqs} x {max_pages}, {decodes} decodes"
             )
         dev = self.device
+        slots = torch.full((tokens,), -1, dtype=INDEX_DTYPE, device=dev)
+        decode = None
+        if decodes:
+            decode = self.decode_buffers(decodes, max_pages, slot_mapping=slots[:decodes])
         return PrefillBuffers(
-            slot_mapping=torch.full((tokens,), -1, dtype=INDEX_DTYPE, device=dev),
+            slot_mapping=slots,
+            decode=decode,
             query_start=torch.zeros(seqs + 1, dtype=INDEX_DTYPE, device=dev),
             kv_lens=torch.zeros(seqs, dtype=INDEX_DTYPE, device=dev),
             page_table=torch.zeros(seqs, max_pages, dtype=INDEX_DTYPE, device=dev),
@@ -235,28 +267,34 @@ class TritonBackend:
 
     def prefill_metadata(self, buffers: PrefillBuffers) -> TritonMetadata:
         """Metadata naming only `buffers`' tensors: what a prefill graph is captured with."""
+        decode = None if buffers.decode is None else self._decode_section(buffers.decode)
         prefill = PrefillMetadata(
             0, buffers.tokens, buffers.query_start, buffers.kv_lens, buffers.page_table
         )
-        return TritonMetadata(buffers.slot_mapping, None, prefill)
+        return TritonMetadata(buffers.slot_mapping, decode, prefill)
 
     def prepare_prefill_into(self, batch: Batch, buffers: PrefillBuffers) -> TritonMetadata:
-        """Copy `batch`'s prefill chunks (the sequences and tokens after its decodes) into a
-        bucket's static buffers, rebased to start at token 0 (device-to-device copies, no
-        host sync); tokens past them get slot -1, sequences past them no tokens and kv_len 0,
-        so padding writes nothing and is attended by no program. The model's input rows past
-        them are the caller's to pad."""
+        """Copy a step that carries prefill chunks into a bucket's static buffers
+        (device-to-device copies, no host sync): its decodes into the decode section, its
+        chunks' query starts, lengths and page tables after them, every token's slot. Tokens
+        past the step's get slot -1, decode rows and sequences past its kv_len 0 and no
+        tokens, so padding writes nothing and is attended by no program. The model's input
+        rows past the step's are the caller's to pad."""
         nd = batch.num_decodes
-        s, t = batch.num_seqs - nd, batch.num_tokens - nd
+        s, t = batch.num_seqs - nd, batch.num_tokens
         width = batch.page_table.shape[1]
-        if t > buffers.tokens or s > buffers.seqs or width > buffers.max_pages:
+        rows = 0 if buffers.decode is None else buffers.decode.rows
+        if nd > rows or t > buffers.tokens or s > buffers.seqs or width > buffers.max_pages:
             raise ValueError(
-                f"{s} prefill chunks of {t} tokens x {width} pages do not fit a bucket of "
-                f"{buffers.tokens} tokens in {buffers.seqs} chunks x {buffers.max_pages} pages"
+                f"{nd} decodes and {s} prefill chunks of {t} tokens x {width} pages do not fit "
+                f"a bucket of {rows} decodes and {buffers.seqs} chunks in {buffers.tokens} "
+                f"tokens x {buffers.max_pages} pages"
             )
-        buffers.slot_mapping[:t].copy_(batch.slot_mapping[nd:])
+        if buffers.decode is not None:
+            self._copy_decodes(batch, buffers.decode)
+        buffers.slot_mapping[:t].copy_(batch.slot_mapping)
         buffers.slot_mapping[t:].fill_(-1)
-        torch.sub(batch.query_start[nd:], nd, out=buffers.query_start[: s + 1])
+        buffers.query_start[: s + 1].copy_(batch.query_start[nd:])
         buffers.query_start[s + 1 :].fill_(t)
         buffers.kv_lens[:s].copy_(batch.kv_lens[nd:])
         buffers.kv_lens[s:].zero_()
@@ -325,6 +363,8 @@ class TritonBackend:
     ) -> torch.Tensor:  # [T, Hq, D]
         k_cache, v_cache = self.kv[layer]
         out = torch.empty_like(q)
+        # Decodes first: a graph's decode section may reach into the chunks' rows (zeros
+        # there), which the prefill kernel, queued after it, then writes.
         d = metadata.decode
         if d is not None:
             rows = d.rows

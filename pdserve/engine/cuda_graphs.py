@@ -17,9 +17,9 @@ graph took 1.27 ms). So decode-only steps run as captured graphs:
   a side stream (Triton compiles its kernels there, outside the capture).
 * **What the graph holds:** embedding, every layer, the final norm: hidden states [bs, hidden].
   The LM head runs eagerly on the real rows only, so no bucket keeps a [bs, vocab] buffer.
-* A step's prefill chunks replay a prefill graph (engine/prefill_graphs.py): a mixed step is
-  this graph for its decodes, then that one for its chunks. Steps that neither holds, and CPU
-  devices, run eagerly. `--enforce-eager` turns graphs off.
+* A step that carries prefill chunks replays a prefill graph instead (engine/prefill_graphs.py),
+  its decodes included. Steps that neither holds, and CPU devices, run eagerly.
+  `--enforce-eager` turns graphs off.
 
 The attention backend must offer static decode metadata (`GraphableBackend`); the `triton`
 backend does. Its kernels' grids depend only on the bucket's rows and splits, never on lengths.

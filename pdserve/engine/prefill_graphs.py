@@ -1,31 +1,36 @@
-"""CUDA-graph prefill: a step's prefill chunks replayed as one graph per token-count bucket.
+"""CUDA-graph prefill: a step that carries prefill chunks, its decodes included, replayed as
+one graph per bucket of its tokens.
 
 Launched eagerly, a forward costs the host ~0.7 ms a layer on an H200 (the Python side of
 each Triton launch and cuBLAS call), whatever the tokens: 11-12 ms for a 1.2B Llama's
 256-token prompt, whose GPU work is about 1 ms (benchmarks/mixed_step.py). Every decoding
 request waits through the tick that carries a prompt, so under a steady arrival of prompts
-that tick sets the inter-token latency. So the chunks of a step replay a captured graph,
-as its decodes do (engine/cuda_graphs.py): a mixed step is the decode graph of its decodes,
-then the prefill graph of its chunks, one after the other on the stream.
+that tick sets the inter-token latency. So such a step replays a captured graph, as a
+decode-only step does (engine/cuda_graphs.py). The step's decodes are rows of the same
+graph: one forward reads the weights once for decodes and chunks together (a decode graph
+followed by a graph of the chunks alone read them twice, and cost 128 decodes with a
+256-token prompt 3.2 ms on an H200 where the decodes alone took 1.7).
 
-* **Buckets** of new tokens: 16, 32, 64, 128, then every 128 up to 1,024, then every 256 up
-  to the largest (`--cuda-graph-max-tokens`, at most the step budget). A step's chunks replay
-  the smallest bucket that holds their tokens, if they are at most `MAX_SEQS` chunks and their
-  page tables fit; else the whole step runs eagerly.
-* **Static inputs** per bucket: ids, positions and the backend's `PrefillBuffers` (slots,
-  query starts from 0, KV lengths, page tables as wide as max_model_len). Per step the
-  chunks' part of the staged Batch is copied in on the device; padded tokens are token 0 at
-  position 0 with slot -1 (stored nowhere, attended by no program: their hidden rows are
-  never read), padded sequences have no tokens.
+* **Buckets** of tokens, decodes included: 16, 32, 64, 128, then every 128 up to 1,024,
+  then every 256 up to the largest (`--cuda-graph-max-tokens`, at most the step budget). A
+  step replays the smallest bucket that holds its tokens, if its decodes fit the bucket's
+  decode section (up to the largest decode bucket), its chunks are at most `MAX_SEQS` and
+  their page tables fit; else the whole step runs eagerly.
+* **Static inputs** per bucket: ids, positions and the backend's `PrefillBuffers`: every
+  token's slot, a decode section (KV lengths and page tables of up to min(tokens, largest
+  decode bucket) rows, split-KV scratch) and the chunks' query starts, KV lengths and page
+  tables, all as wide as max_model_len. Per step the staged Batch is copied in on the device;
+  padded tokens are token 0 at position 0 with slot -1 (stored nowhere, attended by no
+  program: their hidden rows are never read), padded decode rows and sequences have KV length
+  0 and no tokens.
 * **Capture** after the KV pool and the decode graphs, largest bucket first, into a memory
-  pool of their own (a mixed step replays a decode graph and a prefill graph back to back;
-  neither may reuse the other's memory), each after a warm-up run on a side stream.
+  pool of their own, each after a warm-up run on a side stream.
 * **What the graph holds:** embedding, every layer, the final norm: hidden states [tokens,
   hidden]. The LM head and prompt scoring run eagerly on the rows they need.
 
-A bucket's token count sets the matrix products' shapes, so a chunk's bits may differ from
-an eager run of the same chunk by cuBLAS's choice of kernel for that shape (as a decode
-bucket's padding does); graph and eager runs are checked token for token on the GPU
+A bucket's token count sets the matrix products' shapes, so a row's bits may differ from an
+eager run of the same step by cuBLAS's choice of kernel for that shape (as a decode bucket's
+padding does); graph and eager runs are checked token for token on the GPU
 (tests/engine/test_prefill_graphs.py).
 """
 
@@ -46,7 +51,7 @@ MAX_SEQS = 64  # chunks a prefill graph holds; a step of more runs eagerly
 class PrefillGraphableBackend(Protocol):
     """An attention backend whose prefill metadata can live in static buffers."""
 
-    def prefill_buffers(self, tokens: int, seqs: int, max_pages: int) -> Any: ...
+    def prefill_buffers(self, tokens: int, seqs: int, max_pages: int, decodes: int) -> Any: ...
 
     def prefill_metadata(self, buffers: Any) -> Any: ...
 
@@ -68,26 +73,34 @@ class PrefillGraphs(BucketGraphs):
     what = "prefill"
 
     def __init__(
-        self, model: CausalLM, backend: PrefillGraphableBackend, max_pages: int, max_tokens: int
+        self,
+        model: CausalLM,
+        backend: PrefillGraphableBackend,
+        max_pages: int,
+        max_tokens: int,
+        max_decodes: int,
     ) -> None:
+        """`max_decodes`: the most decodes a step replayed here may carry (0: none)."""
         super().__init__(model, backend, max_pages, token_bucket_sizes(max_tokens))
+        self.max_decodes = max_decodes
 
     def static(self, rows: int) -> tuple[Any, Any]:
-        buffers = self.backend.prefill_buffers(rows, min(rows, MAX_SEQS), self.max_pages)
+        decodes = min(rows, self.max_decodes)
+        buffers = self.backend.prefill_buffers(rows, min(rows, MAX_SEQS), self.max_pages, decodes)
         return buffers, self.backend.prefill_metadata(buffers)
 
     def fits(self, batch: Batch) -> bool:
-        """Whether a captured bucket holds the step's prefill chunks (the rows after its
-        decodes)."""
-        seqs = batch.num_seqs - batch.num_decodes
-        bucket = bucket_for(batch.num_tokens - batch.num_decodes, self.sizes)
+        """Whether a captured bucket holds the step: its tokens, its decodes in the bucket's
+        decode section, its prefill chunks (at least one) and their page tables."""
+        nd, seqs = batch.num_decodes, batch.num_seqs - batch.num_decodes
+        bucket = bucket_for(batch.num_tokens, self.sizes)
         return (
             bucket is not None
+            and nd <= min(bucket, self.max_decodes)
             and 0 < seqs <= min(bucket, MAX_SEQS)
             and batch.page_table.shape[1] <= self.max_pages
         )
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Hidden states [t, hidden] of the t tokens of the prefill chunks of a batch that
-        `fits` (rows num_decodes .. num_tokens-1)."""
-        return self.replay(batch, slice(batch.num_decodes, None), self.backend.prepare_prefill_into)
+        """Hidden states [T, hidden] of every token of a step that `fits`."""
+        return self.replay(batch, slice(0, None), self.backend.prepare_prefill_into)

@@ -5,9 +5,9 @@ device in one staged copy; decodes go to it as columns, and each request keeps i
 row from step to step (attention/page_table.py) until `release` (Engine.finish). The attention
 backend derives its own metadata from it once, and every layer reuses that. The model sees
 only tokens, positions and an AttentionContext. On CUDA, with graphs on and a backend that
-supports them, a step replays captured graphs instead: its decodes a decode graph
-(engine/cuda_graphs.py), its prefill chunks a prefill graph (engine/prefill_graphs.py), a
-mixed step one after the other; a step that a captured bucket does not hold runs eagerly.
+supports them, a step replays a captured graph instead: a decode graph for a step of decodes
+(engine/cuda_graphs.py), a prefill graph for a step that carries prefill chunks, its decodes
+included (engine/prefill_graphs.py); a step that a captured bucket does not hold runs eagerly.
 Either way the forward yields hidden states [T, hidden] for the step's tokens, and the LM head
 and prompt scoring read the rows they need.
 
@@ -59,12 +59,14 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         cuda_graph_max_tokens: int = 0,
         max_model_len: int | None = None,
+        decodes: bool = True,
     ) -> None:
         """`backend`: an attention backend's name (None: the device's default).
         `cuda_graph_max_bs`: capture decode graphs up to this batch (0: run eagerly; CUDA and a
         graph-capable backend only); `cuda_graph_max_tokens`: prefill graphs up to this many
-        new tokens (0: none; only with decode graphs); `max_model_len` bounds their page
-        tables."""
+        tokens a step that carries prefill chunks (0: none); `max_model_len` bounds their
+        page tables; `decodes` False: this engine never runs a decode step (a prefill
+        worker's), so no decode graph is captured and prefill graphs have no decode section."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -76,22 +78,26 @@ class ModelRunner:
         self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device, _finished)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
-                log.info(
-                    "attention backend %s has no static metadata: steps run eagerly",
-                    self.backend.name,
-                )
-                return
-            max_len = max_model_len or pool.capacity_tokens
-            max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
-            self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
+        decode_bs = cuda_graph_max_bs if decodes else 0
+        if self.device.type != "cuda" or decode_bs == cuda_graph_max_tokens == 0:
+            return
+        if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
+            log.info(
+                "attention backend %s has no static metadata: steps run eagerly",
+                self.backend.name,
+            )
+            return
+        max_len = max_model_len or pool.capacity_tokens
+        max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
+        if decode_bs > 0:
+            self.graphs = DecodeGraphs(model, self.backend, max_pages, decode_bs)
             self.graphs.capture()
-            if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
-                self.prefill_graphs = PrefillGraphs(
-                    model, self.backend, max_pages, cuda_graph_max_tokens
-                )
-                self.prefill_graphs.capture()
+        if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
+            max_decodes = self.graphs.sizes[-1] if self.graphs is not None else 0
+            self.prefill_graphs = PrefillGraphs(
+                model, self.backend, max_pages, cuda_graph_max_tokens, max_decodes
+            )
+            self.prefill_graphs.capture()
 
     def build(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> Batch:
         """The step's Batch; chunks in the scheduler's order (decodes first). A chunk whose
@@ -163,21 +169,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_indices])
 
     def _replay(self, batch: Batch) -> torch.Tensor | None:
-        """Hidden states [T, hidden] of the step from its graphs: the decodes' (rows 0 .. nd-1)
-        and the prefill chunks' (the rest). None unless captured buckets hold both parts."""
-        decode, prefill = self.graphs, self.prefill_graphs
-        if decode is None:
+        """Hidden states [T, hidden] of the step from a graph: a decode graph for a step of
+        decodes only, else a prefill graph (its decodes and chunks in one forward). None
+        unless a captured bucket holds the step."""
+        graphs: DecodeGraphs | PrefillGraphs | None = self.prefill_graphs
+        if batch.num_decodes == batch.num_seqs:
+            graphs = self.graphs
+        if graphs is None or not graphs.fits(batch):
             return None
-        nd = batch.num_decodes
-        if nd and not decode.fits(batch):
-            return None
-        if nd == batch.num_seqs:
-            return decode.run(batch)
-        if prefill is None or not prefill.fits(batch):
-            return None
-        if nd == 0:
-            return prefill.run(batch)
-        return torch.cat([decode.run(batch), prefill.run(batch)])
+        return graphs.run(batch)
 
     def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
         """Append to each asking request the scores of the prompt tokens its chunk predicts:

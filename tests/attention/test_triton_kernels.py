@@ -324,11 +324,11 @@ def test_padded_bucket_rows_write_nothing_and_read_nothing(splits: int):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_a_mixed_step_split_into_static_buckets_equals_the_eager_step(page_size: int):
-    """A mixed step as the graphs run it: its decodes through a decode bucket's buffers, then
-    its chunks through a prefill bucket's (rebased to token 0, with padded tokens and padded
-    sequences): the same bytes stored and the same outputs, bit for bit, as one eager step;
-    the padding stores nothing and reads no page (its table rows point far outside the
+def test_a_mixed_step_through_a_static_bucket_equals_the_eager_step(page_size: int):
+    """A mixed step as a prefill graph runs it: three decodes in a decode section of five rows
+    (so its last two rows are the first chunk's), then the chunks, then padded tokens and
+    padded sequences: the same bytes stored and the same outputs, bit for bit, as one eager
+    step; the padding stores nothing and reads no page (its table rows point far outside the
     pool)."""
     case = Case(page_size, 4, torch.float32, seed=7)
     chunk = 40 if GPU else 13
@@ -340,42 +340,69 @@ def test_a_mixed_step_split_into_static_buckets_equals_the_eager_step(page_size:
     eager = run(TritonBackend(eager_pool, case.shape, num_splits=1), batch, q, k, v)
 
     backend = TritonBackend(case.pool, case.shape, num_splits=1)
-    nd, width = batch.num_decodes, batch.page_table.shape[1]
-    t = batch.num_tokens - nd
-    dec = backend.decode_buffers(4, width + 2, num_splits=1)
-    pre = backend.prefill_buffers(t + 7, batch.num_seqs - nd + 3, width + 2)
-    for table in (dec.page_table, pre.page_table):
+    nd, t, width = batch.num_decodes, batch.num_tokens, batch.page_table.shape[1]
+    buffers = backend.prefill_buffers(t + 7, batch.num_seqs - nd + 3, width + 2, decodes=5)
+    assert buffers.decode is not None
+    for table in (buffers.decode.page_table, buffers.page_table):
         table.fill_(2**30)  # a padded row that read its table would fault or differ
-    d_meta = backend.prepare_decode_into(batch, dec)
-    p_meta = backend.prepare_prefill_into(batch, pre)
-    assert pre.query_start.tolist() == [0, chunk, 2 * chunk, t, t, t, t]
-    assert pre.kv_lens.tolist() == [chunk, page_size + 2 + chunk, 6, 0, 0, 0]
-    assert pre.slot_mapping.tolist()[t:] == [-1] * 7
-    assert torch.equal(pre.slot_mapping[:t], batch.slot_mapping[nd:])
-    pad = case.randn(4 - nd + 7, *q.shape[1:])  # the buckets' padded rows: any values
-    outs = []
-    parts = ((d_meta, slice(0, nd), pad[: 4 - nd]), (p_meta, slice(nd, None), pad[4 - nd :]))
-    for meta, rows, extra in parts:
-        qb = torch.cat([q[rows], extra])
-        kb = torch.cat([k[rows], extra[:, :KV_HEADS]])
-        vb = torch.cat([v[rows], extra[:, :KV_HEADS]])
-        backend.store_kv(1, kb, vb, meta)
-        outs.append(backend.attend(1, qb, kb, vb, meta)[: q[rows].shape[0]])
+    meta = backend.prepare_prefill_into(batch, buffers)
+    assert buffers.decode.kv_lens.tolist() == [1, page_size + 1, LONG, 0, 0]
+    assert buffers.query_start.tolist() == [3, 3 + chunk, 3 + 2 * chunk, t, t, t, t]
+    assert buffers.kv_lens.tolist() == [chunk, page_size + 2 + chunk, 6, 0, 0, 0]
+    assert buffers.slot_mapping.tolist()[t:] == [-1] * 7
+    assert torch.equal(buffers.slot_mapping[:t], batch.slot_mapping)
+    pad = case.randn(7, *q.shape[1:])  # the bucket's padded rows: any values
+    qb, kb, vb = torch.cat([q, pad]), torch.cat([k, pad[:, :KV_HEADS]]), torch.cat([v, v[:7]])
+    backend.store_kv(1, kb, vb, meta)
+    out = backend.attend(1, qb, kb, vb, meta)
     assert torch.equal(case.pool.data, eager_pool.data)
-    assert torch.equal(torch.cat(outs), eager)
+    assert torch.equal(out[:t], eager)
+
+
+def test_a_prefill_bucket_without_a_decode_section_runs_chunks_alone():
+    """Two chunks, no decodes, through a bucket with no decode section: the eager step's
+    outputs bit for bit; a step with a decode has no place there and is refused."""
+    case = Case(16, 4, torch.float32, seed=9)
+    batch = case.batch([case.span(0, 11), case.span(17, 6)])
+    q, k, v = case.qkv(batch)
+    eager_pool = case.copy_pool()
+    eager = run(TritonBackend(eager_pool, case.shape), batch, q, k, v)
+    backend = TritonBackend(case.pool, case.shape)
+    buffers = backend.prefill_buffers(32, 4, batch.page_table.shape[1])
+    assert buffers.decode is None
+    meta = backend.prepare_prefill_into(batch, buffers)
+    assert meta.decode is None and buffers.query_start.tolist() == [0, 11, 17, 17, 17]
+    pad = case.randn(32 - 17, *q.shape[1:])
+    qb, kb, vb = torch.cat([q, pad]), torch.cat([k, pad[:, :KV_HEADS]]), torch.cat([v, v[:15]])
+    backend.store_kv(1, kb, vb, meta)
+    out = backend.attend(1, qb, kb, vb, meta)
+    assert torch.equal(case.pool.data, eager_pool.data)
+    assert torch.equal(out[:17], eager)
+    mixed = case.batch([case.span(3, 1), case.span(0, 5)])
+    room = backend.prefill_buffers(32, 4, mixed.page_table.shape[1])
+    with pytest.raises(ValueError, match="1 decodes and 1 prefill chunks"):
+        backend.prepare_prefill_into(mixed, room)
 
 
 def test_a_prefill_bucket_refuses_what_it_cannot_hold():
+    """Tokens count the step's decodes too (1 + 20 + 5 = 26)."""
     case = Case(16, 1, torch.float32, seed=8)
     batch = case.batch([case.span(3, 1), case.span(0, 20), case.span(16, 5)])
     backend = TritonBackend(case.pool, case.shape)
     width = batch.page_table.shape[1]
-    for tokens, seqs, pages in ((24, 2, width), (25, 1, width), (25, 2, width - 1)):
+    for tokens, seqs, pages, decodes in (
+        (25, 2, width, 1),  # one token short
+        (26, 1, width, 1),  # one chunk short
+        (26, 2, width - 1, 1),  # one page short
+        (26, 2, width, 0),  # no room for the decode
+    ):
         with pytest.raises(ValueError, match="do not fit a bucket of"):
-            backend.prepare_prefill_into(batch, backend.prefill_buffers(tokens, seqs, pages))
-    backend.prepare_prefill_into(batch, backend.prefill_buffers(25, 2, width))  # just fits
-    with pytest.raises(ValueError, match="needs tokens, sequences and pages"):
-        backend.prefill_buffers(0, 1, 1)
+            buffers = backend.prefill_buffers(tokens, seqs, pages, decodes)
+            backend.prepare_prefill_into(batch, buffers)
+    backend.prepare_prefill_into(batch, backend.prefill_buffers(26, 2, width, 1))  # just fits
+    for bad in ((0, 1, 1, 0), (4, 1, 1, 5)):
+        with pytest.raises(ValueError, match="needs tokens, sequences, pages"):
+            backend.prefill_buffers(*bad)
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")

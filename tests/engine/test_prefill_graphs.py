@@ -10,6 +10,7 @@ from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, StepGraph, bu
 from pdserve.engine.offline import build_engine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefill_graphs import MAX_SEQS, PrefillGraphs, token_bucket_sizes
+from pdserve.engine.scheduler import Chunk
 from tests.engine.test_cuda_graphs import staggered_run
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -61,9 +62,10 @@ def without_capture(graphs: BucketGraphs) -> BucketGraphs:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the captured graphs below")
 def test_a_mixed_step_through_the_static_buckets_equals_the_eager_step(tiny_dir):
     """On the CPU, with Triton's interpreter: a step of three decodes and a 23-token prompt,
-    through the runner's graph path (decodes into a decode bucket, the chunk rebased into a
-    prefill bucket, both padded; the graphs stood in for by eager runs over their static
-    tensors) gives the eager step's logits bit for bit."""
+    through the runner's graph path (one prefill bucket of 32 tokens: the decodes in its
+    decode section, the chunk after them, padded; the graph stood in for by an eager run over
+    its static tensors) gives the eager step's logits bit for bit, and so does the prompt's
+    next chunk alone, with no decodes."""
     engine = build_engine(
         tiny_dir, attention_backend="triton", max_batched_tokens=64, prefix_cache=False
     )
@@ -79,14 +81,18 @@ def test_a_mixed_step_through_the_static_buckets_equals_the_eager_step(tiny_dir)
     engine.scheduler.add(prompt)
     chunks = engine.scheduler.schedule().chunks
     assert [c.length for c in chunks] == [1, 1, 1, 23]
+    alone = [Chunk(prompt, 0, 23)]
     with torch.inference_mode():
-        eager = runner.forward(chunks)
+        eager = [runner.forward(chunks), runner.forward(alone)]
         decode = without_capture(DecodeGraphs(runner.model, runner.backend, 64, 8))
-        prefill = without_capture(PrefillGraphs(runner.model, runner.backend, 64, 64))
+        prefill = without_capture(PrefillGraphs(runner.model, runner.backend, 64, 64, 8))
         runner.graphs, runner.prefill_graphs = decode, prefill  # type: ignore[assignment]
         graphed = runner.forward(chunks)
-    assert (decode.replays, prefill.replays) == (1, 1)
-    assert torch.equal(graphed, eager)
+        assert (decode.replays, prefill.replays) == (0, 1)
+        assert prefill.graphs[32].buffers.decode.rows == 8
+        assert torch.equal(graphed, eager[0])
+        assert torch.equal(runner.forward(alone), eager[1])
+    assert prefill.replays == 2
 
 
 @CUDA
@@ -150,3 +156,33 @@ def test_a_step_no_bucket_holds_runs_eagerly(tiny_dir):
             assert graphs is not None and graphs.sizes[-1] == 256 and graphs.replays == 0
             assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     assert outs[False] == outs[True]
+
+
+@CUDA
+def test_a_prefill_workers_engine_graphs_prompts_without_a_decode_section(tiny_dir):
+    """An engine that never decodes (a prefill worker's, `decodes=False`) captures no decode
+    graph, and its prefill graphs have no decode section; its prompts' first tokens, one
+    to a request as a prefill worker's are, equal an eager engine's."""
+    g = torch.Generator().manual_seed(12)
+    prompts = [
+        torch.randint(3, 4000, (int(k),), generator=g).tolist()
+        for k in torch.randint(1, 300, (20,), generator=g)
+    ]
+    join_at = [int(k) for k in torch.randint(0, 12, (20,), generator=g)]
+    outs = {}
+    for eager in (True, False):
+        engine = build_engine(
+            tiny_dir,
+            device="cuda",
+            attention_backend="triton",
+            enforce_eager=eager,
+            max_batched_tokens=512,
+            decodes=False,
+        )
+        outs[eager] = staggered_run(engine, prompts, [1] * len(prompts), join_at)
+        if not eager:
+            graphs = engine.runner.prefill_graphs
+            assert engine.runner.graphs is None and graphs is not None and graphs.replays > 3
+            assert all(s.buffers.decode is None for s in graphs.graphs.values())
+    assert outs[False] == outs[True]
+    assert [len(o) for o in outs[True]] == [1] * len(prompts)
