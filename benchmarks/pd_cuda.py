@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,7 @@ def main() -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(log_dir, ignore_errors=True)  # it holds the cluster's key
 
 
 if __name__ == "__main__":

@@ -277,8 +277,8 @@ class TritonBackend:
         """Copy a step that carries prefill chunks into a bucket's static buffers
         (device-to-device copies, no host sync): its decodes into the decode section, its
         chunks' query starts, lengths and page tables after them, every token's slot. Tokens
-        past the step's get slot -1, decode rows and sequences past its kv_len 0 and no
-        tokens, so padding writes nothing and is attended by no program. The model's input
+        past the step's get slot -1, decode rows past its kv_len 0 (zeros out, no key read),
+        sequences past its no tokens (no program), so padding stores nothing. The model's input
         rows past the step's are the caller's to pad."""
         nd = batch.num_decodes
         s, t = batch.num_seqs - nd, batch.num_tokens

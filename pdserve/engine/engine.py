@@ -59,15 +59,8 @@ def _unsent(msg: Send) -> None:
 
 class Engine:
     def __init__(
-        self,
-        cfg: EngineConfig,
-        model: LoadedModel,
-        pool: KVPool,
-        eos_token_ids: frozenset[int],
-        decodes: bool = True,
+        self, cfg: EngineConfig, model: LoadedModel, pool: KVPool, eos_token_ids: frozenset[int]
     ) -> None:
-        """`decodes` False: an engine that never runs a decode step (a prefill worker's: its
-        requests end at their first token), so no graph is captured for one."""
         self.cfg = cfg
         self.model = model
         self.pool = pool
@@ -95,7 +88,6 @@ class Engine:
             if runner.enforce_eager
             else min(runner.cuda_graph_max_tokens, cfg.scheduler.max_batched_tokens),
             max_model_len=self.max_model_len,
-            decodes=decodes,
         )
         self.sampler = Sampler(max_slots=cfg.scheduler.max_running)  # penalties' device state
         self.metrics = EngineMetrics()
@@ -118,11 +110,7 @@ class Engine:
 
     @classmethod
     def build(
-        cls,
-        cfg: EngineConfig,
-        eos_token_ids: frozenset[int],
-        shared_pool: bool = False,
-        decodes: bool = True,
+        cls, cfg: EngineConfig, eos_token_ids: frozenset[int], shared_pool: bool = False
     ) -> Engine:
         device = torch.device(cfg.model.device)
         dtype = getattr(torch, cfg.model.dtype)
@@ -140,7 +128,7 @@ class Engine:
             pool.capacity_tokens,
             pool.data.numel() / 2**20,
         )
-        return cls(cfg, model, pool, eos_token_ids, decodes)
+        return cls(cfg, model, pool, eos_token_ids)
 
     def attach(self, role: Role, transport: Callable[[Send], None]) -> None:
         """Before the loop starts: the role, and where the messages it returns are sent."""

@@ -38,7 +38,6 @@ def build_engine(
     prefix_cache: bool = CacheConfig.prefix_cache,
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
-    decodes: bool = True,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
@@ -58,7 +57,7 @@ def build_engine(
             cuda_graph_max_tokens,
         ),
     )
-    return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool, decodes=decodes)
+    return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 
 
 def generate(

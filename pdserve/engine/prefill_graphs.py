@@ -20,9 +20,9 @@ followed by a graph of the chunks alone read them twice, and cost 128 decodes wi
   token's slot, a decode section (KV lengths and page tables of up to min(tokens, largest
   decode bucket) rows, split-KV scratch) and the chunks' query starts, KV lengths and page
   tables, all as wide as max_model_len. Per step the staged Batch is copied in on the device;
-  padded tokens are token 0 at position 0 with slot -1 (stored nowhere, attended by no
-  program: their hidden rows are never read), padded decode rows and sequences have KV length
-  0 and no tokens.
+  padded tokens are token 0 at position 0 with slot -1 (stored nowhere; their hidden rows are
+  never read), padded sequences have no tokens (no prefill program attends them), padded
+  decode rows KV length 0 (the decode kernel reads no key for them and writes zeros).
 * **Capture** after the KV pool and the decode graphs, largest bucket first, into a memory
   pool of their own, each after a warm-up run on a side stream.
 * **What the graph holds:** embedding, every layer, the final norm: hidden states [tokens,

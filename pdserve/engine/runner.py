@@ -59,14 +59,12 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         cuda_graph_max_tokens: int = 0,
         max_model_len: int | None = None,
-        decodes: bool = True,
     ) -> None:
         """`backend`: an attention backend's name (None: the device's default).
         `cuda_graph_max_bs`: capture decode graphs up to this batch (0: run eagerly; CUDA and a
-        graph-capable backend only); `cuda_graph_max_tokens`: prefill graphs up to this many
-        tokens a step that carries prefill chunks (0: none); `max_model_len` bounds their
-        page tables; `decodes` False: this engine never runs a decode step (a prefill
-        worker's), so no decode graph is captured and prefill graphs have no decode section."""
+        graph-capable backend only); `cuda_graph_max_tokens`: capture prefill graphs for steps
+        of up to this many tokens that carry prefill chunks (0: none; only with decode
+        graphs); `max_model_len` bounds their page tables."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -78,26 +76,22 @@ class ModelRunner:
         self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device, _finished)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        decode_bs = cuda_graph_max_bs if decodes else 0
-        if self.device.type != "cuda" or decode_bs == cuda_graph_max_tokens == 0:
-            return
-        if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
-            log.info(
-                "attention backend %s has no static metadata: steps run eagerly",
-                self.backend.name,
-            )
-            return
-        max_len = max_model_len or pool.capacity_tokens
-        max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
-        if decode_bs > 0:
-            self.graphs = DecodeGraphs(model, self.backend, max_pages, decode_bs)
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
+                log.info(
+                    "attention backend %s has no static metadata: steps run eagerly",
+                    self.backend.name,
+                )
+                return
+            max_len = max_model_len or pool.capacity_tokens
+            max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
+            self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
             self.graphs.capture()
-        if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
-            max_decodes = self.graphs.sizes[-1] if self.graphs is not None else 0
-            self.prefill_graphs = PrefillGraphs(
-                model, self.backend, max_pages, cuda_graph_max_tokens, max_decodes
-            )
-            self.prefill_graphs.capture()
+            if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
+                self.prefill_graphs = PrefillGraphs(
+                    model, self.backend, max_pages, cuda_graph_max_tokens, self.graphs.sizes[-1]
+                )
+                self.prefill_graphs.capture()
 
     def build(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> Batch:
         """The step's Batch; chunks in the scheduler's order (decodes first). A chunk whose

@@ -84,8 +84,8 @@ class Server:
             identity = f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             assert self.key is not None  # checked above for every role but colocated
             self.control = Control(identity, self._to_engine, self._send_failed, self.key)
-            if cfg.role == "prefill":  # its requests end at their first token: no decode
-                self.engine = Engine.build(cfg.engine, eos, decodes=False)
+            if cfg.role == "prefill":
+                self.engine = Engine.build(cfg.engine, eos)
                 info["control"] = self.control.bind(cfg.host, cfg.control_port)
                 self.copier = Copier()
                 role = PrefillRole(self.engine, identity, self.control, self.copier)

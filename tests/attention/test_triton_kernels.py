@@ -323,12 +323,13 @@ def test_padded_bucket_rows_write_nothing_and_read_nothing(splits: int):
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_a_mixed_step_through_a_static_bucket_equals_the_eager_step(page_size: int):
+@pytest.mark.parametrize("page_size, splits", [(1, 1), (16, 1), (16, 3)])
+def test_a_mixed_step_through_a_static_bucket_equals_the_eager_step(page_size: int, splits: int):
     """A mixed step as a prefill graph runs it: three decodes in a decode section of five rows
-    (so its last two rows are the first chunk's), then the chunks, then padded tokens and
-    padded sequences: the same bytes stored and the same outputs, bit for bit, as one eager
-    step; the padding stores nothing and reads no page (its table rows point far outside the
+    (so its last two rows are the first chunk's; with 3 splits the reduce kernel writes them),
+    then the chunks, then padded tokens and padded sequences, in buffers that held a larger
+    step before: the same bytes stored and the same outputs, bit for bit, as one eager step;
+    the padding stores nothing and reads no page (its table rows point far outside the
     pool)."""
     case = Case(page_size, 4, torch.float32, seed=7)
     chunk = 40 if GPU else 13
@@ -337,12 +338,16 @@ def test_a_mixed_step_through_a_static_bucket_equals_the_eager_step(page_size: i
     batch = case.batch(spans)
     q, k, v = case.qkv(batch)
     eager_pool = case.copy_pool()
-    eager = run(TritonBackend(eager_pool, case.shape, num_splits=1), batch, q, k, v)
+    eager = run(TritonBackend(eager_pool, case.shape, num_splits=splits), batch, q, k, v)
 
-    backend = TritonBackend(case.pool, case.shape, num_splits=1)
+    backend = TritonBackend(case.pool, case.shape, num_splits=splits)
     nd, t, width = batch.num_decodes, batch.num_tokens, batch.page_table.shape[1]
     buffers = backend.prefill_buffers(t + 7, batch.num_seqs - nd + 3, width + 2, decodes=5)
-    assert buffers.decode is not None
+    assert buffers.decode is not None and buffers.decode.num_splits == splits
+    # The step before: five decodes and a longer chunk. Its lengths left behind in rows 3-4
+    # would send the decode kernel through the table rows filled below.
+    larger = case.batch([case.span(n, 1) for n in (3, 9, 20, 30, 40)] + [case.span(0, t - 12)])
+    backend.prepare_prefill_into(larger, buffers)
     for table in (buffers.decode.page_table, buffers.page_table):
         table.fill_(2**30)  # a padded row that read its table would fault or differ
     meta = backend.prepare_prefill_into(batch, buffers)

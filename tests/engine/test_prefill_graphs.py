@@ -157,32 +157,3 @@ def test_a_step_no_bucket_holds_runs_eagerly(tiny_dir):
             assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     assert outs[False] == outs[True]
 
-
-@CUDA
-def test_a_prefill_workers_engine_graphs_prompts_without_a_decode_section(tiny_dir):
-    """An engine that never decodes (a prefill worker's, `decodes=False`) captures no decode
-    graph, and its prefill graphs have no decode section; its prompts' first tokens, one
-    to a request as a prefill worker's are, equal an eager engine's."""
-    g = torch.Generator().manual_seed(12)
-    prompts = [
-        torch.randint(3, 4000, (int(k),), generator=g).tolist()
-        for k in torch.randint(1, 300, (20,), generator=g)
-    ]
-    join_at = [int(k) for k in torch.randint(0, 12, (20,), generator=g)]
-    outs = {}
-    for eager in (True, False):
-        engine = build_engine(
-            tiny_dir,
-            device="cuda",
-            attention_backend="triton",
-            enforce_eager=eager,
-            max_batched_tokens=512,
-            decodes=False,
-        )
-        outs[eager] = staggered_run(engine, prompts, [1] * len(prompts), join_at)
-        if not eager:
-            graphs = engine.runner.prefill_graphs
-            assert engine.runner.graphs is None and graphs is not None and graphs.replays > 3
-            assert all(s.buffers.decode is None for s in graphs.graphs.values())
-    assert outs[False] == outs[True]
-    assert [len(o) for o in outs[True]] == [1] * len(prompts)
