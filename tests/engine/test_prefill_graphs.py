@@ -156,4 +156,3 @@ def test_a_step_no_bucket_holds_runs_eagerly(tiny_dir):
             assert graphs is not None and graphs.sizes[-1] == 256 and graphs.replays == 0
             assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     assert outs[False] == outs[True]
-
