@@ -12,7 +12,10 @@ above it is the streaming path's.
 Reported per run: output tokens/s, TTFT and ITL p50/p90/p99 from the sinks; the share of
 ticks whose step carried a prefill chunk; tick time (host wall, one `Engine.tick`) for ticks
 with a prefill chunk and without (a tick that launches none may still wait for one:
-overlapped scheduling completes the step before); the engine thread's CPU time per tick. Every
+overlapped scheduling completes the step before); the engine thread's CPU time per tick; a
+decode tick's host share (its wall time less the time it polled the GPU,
+runtime/gpu_wait.waited_s) and the share of decode ticks that never waited for the GPU (near
+1: the host sets the pace, not the GPU). Every
 figure comes from one window: from the end of the first --warmup-prompts requests (Triton
 compiles, first graph replays) to the submission of the last prompt (after it the batch only
 drains).
@@ -20,13 +23,18 @@ drains).
     python3 benchmarks/engine_load.py --concurrency 32 --num-prompts 512     # on a GPU
     python benchmarks/engine_load.py --device cpu --model builtin:tiny --concurrency 4 \
         --num-prompts 16 --input-len 16 --output-len 8 --warmup-prompts 4     # a CPU smoke run
+    python3 benchmarks/engine_load.py --concurrency 128 --num-prompts 1536 \
+        --max-batched-tokens 1024 --profile 2> prof.txt   # where a tick's host time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import heapq
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -44,6 +52,7 @@ from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.engine.scheduler import StepPlan  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.runtime.gpu_wait import waited_s  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -118,7 +127,8 @@ class Load:
 
 def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     load = Load(engine, args)
-    ticks: list[tuple[bool, float]] = []  # (launched a prefill chunk, seconds), in the window
+    # (launched a prefill chunk, seconds, of which polling the GPU), in the window
+    ticks: list[tuple[bool, float, float]] = []
     plans: list[StepPlan] = []
     step = engine.stepper.step
 
@@ -133,6 +143,7 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     p_reps = [0, 0]
     cpu = [0.0, 0.0]  # this (the engine's) thread's CPU time at the window's two ends
     reps = [0, 0]
+    prof = cProfile.Profile() if args.profile else None
     engine.stepper.step = observed_step  # type: ignore[method-assign]
     try:
         for _ in range(min(args.concurrency, args.num_prompts)):
@@ -147,23 +158,36 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             measuring = load.measuring
             if measuring and not ticks:
                 cpu[0], reps[0], p_reps[0] = time.thread_time(), replays(), p_replays()
-            t0, n = time.perf_counter(), len(plans)
-            engine.tick()
-            dt = time.perf_counter() - t0
+            t0, w0, n = time.perf_counter(), waited_s(), len(plans)
+            if measuring and prof is not None:
+                prof.runcall(engine.tick)
+            else:
+                engine.tick()
+            dt, waited = time.perf_counter() - t0, waited_s() - w0
             if measuring:
-                ticks.append((len(plans) > n and any(c.length > 1 for c in plans[-1].chunks), dt))
+                pf = len(plans) > n and any(c.length > 1 for c in plans[-1].chunks)
+                ticks.append((pf, dt, waited))
                 cpu[1], reps[1], p_reps[1] = time.thread_time(), replays(), p_replays()
     finally:
         engine.stepper.step = step  # type: ignore[method-assign]
+    if prof is not None:
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        print(out.getvalue(), file=sys.stderr)
     if load.failed:
         raise RuntimeError(f"{len(load.failed)} requests failed, e.g. {load.failed[0]}")
     if load.t_open is None or load.t_close is None or not ticks:
         raise RuntimeError("nothing measured: raise --num-prompts well above --warmup-prompts")
     wall = load.t_close - load.t_open
-    with_pf = [dt for pf, dt in ticks if pf]
-    without = [dt for pf, dt in ticks if not pf]
+    with_pf = [dt for pf, dt, _ in ticks if pf]
+    without = [dt for pf, dt, _ in ticks if not pf]
+    host = [dt - w for pf, dt, w in ticks if not pf]  # a decode tick's wall less its GPU waits
+    unwaited = sum(w == 0 for pf, _, w in ticks if not pf)
     return {
         "concurrency": args.concurrency,
+        "profiled": bool(args.profile),
         "requests": len(load.ttft),  # the requests whose first token came in the window
         "total_tokens": load.total_tokens,
         "window_s": round(wall, 3),
@@ -178,6 +202,8 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "tick_prefill_ms": ms(statistics.median(with_pf)) if with_pf else None,
         "tick_decode_ms": ms(statistics.median(without)) if without else None,
         "tick_cpu_ms": ms((cpu[1] - cpu[0]) / len(ticks)),  # CUDA waits spin: counted
+        "tick_decode_host_ms": ms(statistics.median(host)) if host else None,
+        "decode_ticks_unwaited": round(unwaited / len(host), 3) if host else None,
         "graph_replays": None if graphs is None else reps[1] - reps[0],
         "prefill_graph_replays": None if pgraphs is None else p_reps[1] - p_reps[0],
     }
@@ -207,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget-mb", type=float, default=4096)
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=2048, help="0: prefill eager")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the window's ticks (to stderr): where the host's share goes; it slows "
+        "the host, so the row's times are not the engine's",
+    )
     ap.add_argument("--out", default=None, help="a JSON file for the row")
     args = ap.parse_args(argv)
     engine = build_engine(

@@ -177,18 +177,20 @@ def run_pdserve(
     }
 
 
-def decode_engine(path: Path, args: argparse.Namespace, max_len: int) -> Engine:
+def decode_engine(path: Path, args: argparse.Namespace, max_len: int, prompt: int = 0) -> Engine:
     """An engine for max(args.batches) requests of up to `max_len` tokens each (KV for all of
-    them), prefilling PREFILL_TOKENS a step, graphs unless --eager."""
+    them), prefilling PREFILL_TOKENS a step, graphs unless --eager. `prompt` > 0: room for
+    one more request, a `prompt`-token prompt in one chunk beside the decodes."""
     top = max(args.batches)
-    tokens = top * (-(-max_len // PAGE_SIZE) * PAGE_SIZE)
+    max_len = max(max_len, prompt + 16)
+    tokens = (top + (prompt > 0)) * (-(-max_len // PAGE_SIZE) * PAGE_SIZE)
     return build_engine(
         path,
         dtype=args.dtype,
         device=args.device,
         page_size=PAGE_SIZE,
-        max_batched_tokens=PREFILL_TOKENS,
-        max_running=top,
+        max_batched_tokens=max(PREFILL_TOKENS, top + prompt),
+        max_running=top + (prompt > 0),
         kv_budget_mb=kv_budget_mb(path, getattr(torch, args.dtype), tokens),
         max_model_len=max_len,
         attention_backend=getattr(args, "backend", None),

@@ -1,6 +1,7 @@
 """Where a decode forward's GPU time goes, kernel by kernel, beside its wall time (one GPU).
 
     python benchmarks/gpu_kernels.py --models llama3.2-1b-shape --batches 1,32,128 --out k.json
+    python benchmarks/gpu_kernels.py --models llama3.2-1b-shape --batches 128 --prefill 256
     python benchmarks/gpu_kernels.py --device cpu --models tiny --batches 2 --ctx 40  # smoke
 
 For each model and batch the engine prefills B random `--ctx`-token prompts (as
@@ -11,7 +12,18 @@ profiler), the sum of its kernels' times, their count, and the kernels grouped b
 do (GEMMs, attention, the fused elementwise kernels, the sampler's, copies), with the top
 kernels by time. `gap` = period - kernel time: where the GPU idles between kernels
 (launch latency, host waits). The weight GEMMs' bandwidth = the weights' bytes / GEMM time,
-against the copy bandwidth measured in the same run.
+against the copy bandwidth measured in the same run; `matmul_roofline_ms` = the step's weight
+FLOPs over the bf16 matmul rate measured then.
+
+`--prefill P` profiles a mixed step instead: the B decodes and one new prompt's P-token chunk
+in one forward, as a serving tick that admits a prompt runs it (one prefill graph of B + P
+tokens with the decodes in its decode section, engine/prefill_graphs.py, when a bucket holds
+it): where the time of the ticks that carry a prompt goes.
+
+Kernels launched with programmatic dependent launch (pdserve/kernels/pdl.py) start before the
+kernel ahead of them ends and wait on the device: the profiler counts that wait in their time,
+so kernel times can add up to more than the period (a negative `gap`). `PDSERVE_PDL=0` in the
+environment gives each kernel its own time, at the cost of the gaps PDL hides.
 
 `--step tick` profiles whole engine steps instead (`Engine.tick()` with overlapped scheduling,
 as served: the forward plus the sampler, the step's uploads and the device->host copy of the
@@ -41,12 +53,13 @@ from benchmarks.gpu_decode import (  # noqa: E402
     decode_engine,
     prefill,
 )
+from benchmarks.mixed_step import with_prompt  # noqa: E402
 from benchmarks.roofline import measure_ceilings, time_steps  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 
 GROUPS = [  # (group, pattern on the kernel's name), first match wins
     ("gemm", r"gemm|gemv|cutlass|nvjet|sm90_|sm100_|ampere_|matmul|splitK"),
-    ("attention", r"paged|attend|decode_kernel|_reduce_kernel|flash|sdpa|_attn"),
+    ("attention", r"paged|attend|decode_kernel|prefill_kernel|_reduce_kernel|flash|sdpa|_attn"),
     ("fused elementwise", r"rms|norm|rotary|silu|store|add_"),
     ("sampler", r"gumbel|argmax|topk|sort|softmax|max_"),
     ("copy", r"[Mm]emcpy|[Mm]emset|copy|cat|index"),
@@ -112,10 +125,14 @@ def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> li
     path = resolve_model(f"builtin:{name}")
     ticks = args.step == "tick"
     out_len = 64 + (3 * args.steps + 16 if ticks else 0)  # ticks decode: never end in the run
-    engine = decode_engine(path, args, max_len=args.ctx + out_len)
-    weight_bytes = sum(
-        p.numel() * p.element_size() for p in engine.model.parameters() if p.dim() == 2
-    )
+    engine = decode_engine(path, args, max_len=args.ctx + out_len, prompt=args.prefill)
+    weights = [p for p in engine.model.parameters() if p.dim() == 2]
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    # the weights' matmuls: 2 FLOPs per weight per token, the LM head's for the sampling rows
+    # only (a prompt's chunk samples its last), the embedding lookup none; attention left out
+    arch = engine.model.arch
+    head = arch.vocab_size * arch.hidden_size
+    body = sum(p.numel() for p in weights) - head * (1 if arch.tie_word_embeddings else 2)
     out = []
     for batch in args.batches:
         ended: dict[str, str] = {}
@@ -123,6 +140,9 @@ def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> li
         engine.sync()
         check_none_ended(ended)
         chunks = decode_chunks(engine, ids)
+        if args.prefill:
+            chunks = with_prompt(engine, args.prefill, seed=batch)
+        flops = 2 * (body * sum(c.length for c in chunks) + head * len(chunks))
         step: Any = lambda c=chunks: engine.runner.forward(c)  # noqa: E731
         if ticks:
             engine.overlap, step = True, engine.tick
@@ -143,6 +163,7 @@ def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> li
         row = {
             "model": name,
             "batch": batch,
+            "prefill_tokens": args.prefill,
             "step": args.step,
             "period_ms": round(period * 1e3, 4),
             "kernel_ms": round(busy, 4),
@@ -152,13 +173,14 @@ def bench(name: str, args: argparse.Namespace, ceilings: dict[str, float]) -> li
             "groups_ms": {g: round(v, 4) for g, v in sorted(by_group.items(), key=lambda x: -x[1])},
             "gemm_GBps": round(weight_bytes / gemm_s / 1e9, 1) if gemm_s else None,
             "copy_GBps": ceilings["copy_GBps"],
+            "matmul_roofline_ms": round(flops / (ceilings["matmul_TFLOPs"] * 1e9), 4),
             "top": [{**k, "ms": round(k["ms"], 4)} for k in kernels[: args.top]],
         }
         print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
         for k in row["top"]:
             print(f"    {k['ms']:8.4f} ms  x{k['count']:5.1f}  {k['group']:18s} {k['name'][:110]}")
         out.append(row)
-        for rid in ids:
+        for rid in ids + ([f"p{batch}"] if args.prefill else []):
             engine.abort(rid)
         engine.tick()
     return out
@@ -180,8 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         default="forward",
         help="profile ModelRunner.forward, or whole overlapped Engine.tick() steps",
     )
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="forward only: the step carries one prompt's chunk of this many tokens beside "
+        "the decodes (a mixed step, one prefill graph when a bucket holds it)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.prefill and args.step == "tick":
+        ap.error("--prefill profiles a forward: a tick would advance the prompt")
     args.batches = [int(b) for b in args.batches.split(",") if b]
     if not torch.cuda.is_available() and args.device.startswith("cuda"):
         print("no CUDA device: run with --device cpu for a smoke run (aten ops)", file=sys.stderr)

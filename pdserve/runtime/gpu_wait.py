@@ -6,6 +6,7 @@ the transfer that waited like any other failure of it.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Protocol
 
@@ -14,6 +15,16 @@ from pdserve.runtime.timing import GPU_WAIT_TIMEOUT_S
 
 class Event(Protocol):
     def query(self) -> bool: ...
+
+
+_clock = threading.local()  # .waited: seconds this thread spent polling in wait_event
+
+
+def waited_s() -> float:
+    """Seconds the calling thread has spent in `wait_event` polling an event not yet reached,
+    since it started: a tick's wall time minus this is the host's share of the tick
+    (benchmarks/engine_load.py), which tells a host-bound engine from a GPU-bound one."""
+    return float(getattr(_clock, "waited", 0.0))
 
 
 class GpuWaitTimeout(TimeoutError):
@@ -25,8 +36,12 @@ def wait_event(event: Event, what: str, timeout_s: float = GPU_WAIT_TIMEOUT_S) -
     as `synchronize()` spins without it: the same latency, and other threads run."""
     if event.query():
         return
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
-        time.sleep(0)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    try:
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
+            time.sleep(0)
+    finally:
+        _clock.waited = waited_s() + time.monotonic() - start

@@ -95,13 +95,23 @@ def test_a_mixed_step_through_the_static_buckets_equals_the_eager_step(tiny_dir)
     assert prefill.replays == 2
 
 
+def poison_free_memory(gb: float = 2.0) -> None:
+    """Fill `gb` of the CUDA caching allocator's free memory with NaN: the next engine's
+    buffers outside its graphs' private pools (the KV pool, the page table, the buckets'
+    static metadata) are carved from it, so a kernel that reads a slot it should not (and
+    multiplies it by a zero weight) turns a token's logits into NaN instead of reading the
+    zeros a fresh allocation often happens to hold."""
+    junk = torch.full((int(gb * 2**28),), float("nan"), device="cuda")
+    del junk  # back to the allocator's cache, NaNs and all
+
+
 @CUDA
 @pytest.mark.parametrize("budget", [48, 512])
 def test_graph_prefill_equals_eager_prefill_token_for_token(tiny_dir, budget):
     """Prompts of 1 to 300 tokens join while others decode: with a step budget of 48 the long
     ones are chunked over several mixed steps (chunks over cached context), with 512 many
     prompts share a step. Eager, graphs, graphs with overlap: the same ids, and the prefill
-    graphs replayed (most steps that carried a chunk)."""
+    graphs replayed (most steps that carried a chunk). Each engine's memory starts as NaN."""
     g = torch.Generator().manual_seed(11)
     n = 24
     prompts = [
@@ -112,6 +122,7 @@ def test_graph_prefill_equals_eager_prefill_token_for_token(tiny_dir, budget):
     join_at = [0] * 6 + [int(k) for k in torch.randint(1, 80, (n - 6,), generator=g)]
     runs = {}
     for eager, overlap in ((True, False), (False, False), (False, True)):
+        poison_free_memory()
         engine = build_engine(
             tiny_dir,
             device="cuda",

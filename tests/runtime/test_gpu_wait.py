@@ -3,9 +3,12 @@ its bound (a fake event: the same protocol as torch.cuda.Event's query)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from pdserve.runtime.gpu_wait import GpuWaitTimeout, wait_event
+from pdserve.runtime.gpu_wait import GpuWaitTimeout, wait_event, waited_s
 
 
 class After:
@@ -30,3 +33,29 @@ def test_a_hung_device_ends_the_wait_with_a_timeout() -> None:
     with pytest.raises(GpuWaitTimeout, match="a step"):
         wait_event(e, "a step", timeout_s=0.05)
     assert e.queries > 1
+
+
+class Until:
+    """Reached once `seconds` have passed since it was made."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def test_the_time_a_thread_polled_is_counted_for_that_thread_only() -> None:
+    before = waited_s()
+    wait_event(After(0), "a step done already")
+    assert waited_s() == before  # no poll: nothing counted
+    wait_event(Until(0.05), "a step")
+    assert 0.05 <= waited_s() - before < 5.0
+    with pytest.raises(GpuWaitTimeout):
+        wait_event(After(-1), "a hung step", timeout_s=0.02)
+    assert waited_s() - before >= 0.07  # a wait that timed out counts too
+    other: list[float] = []
+    t = threading.Thread(target=lambda: other.append(waited_s()))
+    t.start()
+    t.join(timeout=5)
+    assert other == [0.0]
