@@ -15,16 +15,22 @@ with a prefill chunk and without (a tick that launches none may still wait for o
 overlapped scheduling completes the step before); the engine thread's CPU time per tick; a
 decode tick's host share (its wall time less the time it polled the GPU,
 runtime/gpu_wait.waited_s) and the share of decode ticks that never waited for the GPU (near
-1: the host sets the pace, not the GPU). Every
-figure comes from one window: from the end of the first --warmup-prompts requests (Triton
-compiles, first graph replays) to the submission of the last prompt (after it the batch only
-drains).
+1: the host sets the pace, not the GPU). Every figure comes from one window: from the end of
+the first --warmup-prompts requests (Triton compiles, first graph replays) to the submission
+of the last prompt (after it the batch only drains). The startup heap is frozen out of the
+garbage collector's scans first, as a worker's is (runtime/gc_freeze.py).
 
     python3 benchmarks/engine_load.py --concurrency 32 --num-prompts 512     # on a GPU
     python benchmarks/engine_load.py --device cpu --model builtin:tiny --concurrency 4 \
         --num-prompts 16 --input-len 16 --output-len 8 --warmup-prompts 4     # a CPU smoke run
     python3 benchmarks/engine_load.py --concurrency 128 --num-prompts 1536 \
         --max-batched-tokens 1024 --profile 2> prof.txt   # where a tick's host time goes
+    python benchmarks/engine_load.py --stub-forward --concurrency 128 --num-prompts 1536 \
+        --max-batched-tokens 1024        # the engine's host work under that load, any machine
+
+`--stub-forward` replaces the model by the batch build and fixed logits (stub_forward.py) and
+overlaps the steps as on a GPU: what is left of a tick is the engine's own host work under
+this load (arrivals, prefill chunks, finishes, every token's sink).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stub_forward import stub_forward  # noqa: E402
 from pdserve.bench.metrics import percentile  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
@@ -52,6 +59,7 @@ from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.engine.scheduler import StepPlan  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 from pdserve.runtime.gpu_wait import waited_s  # noqa: E402
 
 PAGE_SIZE = 16
@@ -239,8 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         help="cProfile the window's ticks (to stderr): where the host's share goes; it slows "
         "the host, so the row's times are not the engine's",
     )
+    ap.add_argument(
+        "--stub-forward",
+        action="store_true",
+        help="no model: the batch build and fixed logits (benchmarks/stub_forward.py), steps "
+        "overlapped; the tiny model's engine on the CPU",
+    )
     ap.add_argument("--out", default=None, help="a JSON file for the row")
     args = ap.parse_args(argv)
+    if args.stub_forward:
+        args.model, args.device, args.dtype = "builtin:tiny", "cpu", "float32"
     engine = build_engine(
         resolve_model(args.model),
         dtype=args.dtype,
@@ -251,8 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_budget_mb=args.kv_budget_mb,
         max_model_len=args.input_len + args.output_len + 64,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        overlap_schedule=True if args.stub_forward else None,
     )
-    row = {"model": args.model, **run(engine, args)}
+    if args.stub_forward:
+        stub_forward(engine)
+    freeze_startup_heap()  # as a worker does once started (runtime/gc_freeze.py)
+    row = {"model": "stub" if args.stub_forward else args.model, **run(engine, args)}
     print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "row": row}, indent=1))

@@ -33,13 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stub_forward import VOCAB, stub_forward  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
-
-VOCAB = 64  # the stub's logits: the sampler's tensor work stays small and fixed
 
 
 def engine_for(batch: int, overlap: bool, ctx: int) -> Engine:
@@ -52,13 +51,7 @@ def engine_for(batch: int, overlap: bool, ctx: int) -> Engine:
         max_model_len=ctx + 1024,
         overlap_schedule=overlap,
     )
-    logits = torch.zeros(batch, VOCAB)
-
-    def forward(chunks, feed=None):  # type: ignore[no-untyped-def]
-        eng.runner.build(chunks, feed)  # the batch build is the engine's work: keep it
-        return logits[: sum(1 for c in chunks if c.samples)]
-
-    eng.runner.forward = forward  # type: ignore[method-assign]
+    stub_forward(eng)  # the batch build is the engine's work: kept; no model
     return eng
 
 

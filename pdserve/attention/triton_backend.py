@@ -225,7 +225,8 @@ class TritonBackend:
         n = batch.num_decodes
         self._copy_decodes(batch, buffers)
         buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
-        buffers.slot_mapping[n:].fill_(-1)
+        if n < buffers.rows:
+            buffers.slot_mapping[n:].fill_(-1)
         return self.decode_metadata(buffers)
 
     @staticmethod
@@ -238,7 +239,8 @@ class TritonBackend:
                 f"{buffers.rows} rows x {buffers.max_pages} pages"
             )
         buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
-        buffers.kv_lens[n:].zero_()
+        if n < buffers.rows:
+            buffers.kv_lens[n:].zero_()
         buffers.page_table[:n, :width].copy_(batch.page_table[:n])
 
     def prefill_buffers(

@@ -166,9 +166,10 @@ class BucketGraphs:
         assert bucket is not None  # the kind's fits() checked it; not input-dependent
         g = self.graphs[bucket]
         g.input_ids[:n].copy_(ids)
-        g.input_ids[n:].zero_()
         g.positions[:n].copy_(batch.positions[rows])
-        g.positions[n:].zero_()
+        if n < bucket:  # (a torch call saved where the step fills its bucket)
+            g.input_ids[n:].zero_()
+            g.positions[n:].zero_()
         prepare(batch, g.buffers)
         g.graph.replay()
         self.replays += 1

@@ -295,14 +295,17 @@ class Engine:
         self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
 
     # -- the verbs roles use ----------------------------------------------------------------
-    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None:
+    def emit_token(
+        self, req: Request, tok: int, lp: TokenLogprob | None, now: float | None = None
+    ) -> None:
         """A token was sampled for `req`: record it, stream it, stop if it ends the request.
         A request that asked for no token (max_tokens 0: it scores its prompt) ends here
-        without it."""
+        without it. `now`: when it arrived (monotonic; None: now)."""
         if req.params.max_tokens == 0:
             self.finish(req, Event.LENGTH)
             return
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         req.output_ids.append(tok)
         self._generated += 1  # counted into metrics once a step (a lock per inc)
         if req.first_token_at is None:
@@ -321,7 +324,10 @@ class Engine:
                 (tok,),
                 (lp,) if lp is not None else (),
                 num_prompt_tokens=len(req.prompt_ids),
-                prompt_logprobs=req.take_prompt_logprobs(),
+                # (the check first: a call per token saved where nobody asked)
+                prompt_logprobs=req.take_prompt_logprobs()
+                if req.params.prompt_logprobs is not None
+                else (),
             )
         )
 

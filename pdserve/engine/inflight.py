@@ -31,6 +31,7 @@ What makes it exact:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,13 +51,25 @@ class Feed:
 
     def __init__(self, ids: torch.Tensor, reqs: Sequence[Request]) -> None:
         self.ids = ids  # [N] int64
-        self._rows = {id(r): i for i, r in enumerate(reqs)}
+        self._reqs = reqs
+        self._rows: dict[int, int] | None = None  # id(request) -> row, made when first asked
+
+    def rows(self, reqs: Sequence[Request]) -> list[int]:
+        """Each of `reqs`' row in `ids`; RuntimeError naming one with no token in flight.
+        Most steps ask for the step in flight's own requests in its order: checked by
+        identity in one pass, no lookup per request."""
+        if len(reqs) == len(self._reqs) and all(map(operator.is_, reqs, self._reqs)):
+            return list(range(len(reqs)))
+        if self._rows is None:
+            self._rows = {id(r): i for i, r in enumerate(self._reqs)}
+        rows = list(map(self._rows.get, map(id, reqs)))
+        if None in rows:
+            req = reqs[rows.index(None)]
+            raise RuntimeError(f"request {req.request_id}: no token of it is in flight")
+        return rows  # type: ignore[return-value]  # no None left
 
     def row(self, req: Request) -> int:
-        row = self._rows.get(id(req))
-        if row is None:
-            raise RuntimeError(f"request {req.request_id}: no token of it is in flight")
-        return row
+        return self.rows([req])[0]
 
     def staged_rows(self, dst: list[int], src: list[int]) -> list[list[int]]:
         """The index lists `fill` needs on the device, uploaded with the step's batch: none when

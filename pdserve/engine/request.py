@@ -180,6 +180,14 @@ class Request:
         """Tokens sampled so far, a pending one included: the next token's output position."""
         return len(self.output_ids) + self.pending
 
+    def launch_token(self, max_len: int) -> None:
+        """A step that samples its next token was launched: that token is pending until the
+        step completes, and `pending_last` says whether it is surely the last (max_tokens, or
+        `max_len` tokens in all): nothing more is scheduled for it (engine/inflight.py)."""
+        self.pending += 1
+        out = len(self.output_ids) + self.pending  # num_output_tokens, in one frame: per row
+        self.pending_last = out >= self.params.max_tokens or len(self.prompt_ids) + out >= max_len
+
     @property
     def num_uncomputed(self) -> int:
         if self.pending_last:

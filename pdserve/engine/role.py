@@ -9,7 +9,8 @@ Each tick calls, in order (docs/architecture.md §Loop):
     expire(now)            the role's time-driven work: room deadlines, pings, silent peers
     admit()                start what now fits (the decode role opens rooms for new requests)
     after_forward(plan)    a step's chunks have their KV in the pool (the prefill role ships it)
-    take_token(req, ...)   a sampled token; True if the role consumed it (else it is streamed)
+    take_token(req, ...)   a sampled token; True if the role consumed it (else it is streamed);
+                           asked only of a role whose `takes_tokens` is True
     take_outbox()          the messages to send, drained: roles never call the control plane
 
 and, off the loop: `abort` (the Abort command), `fail` (a step failed a request), `command_failed`
@@ -72,6 +73,10 @@ class Role(Protocol):
 
     def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool: ...
 
+    # Whether take_token may ever return True (a prefill role's first tokens); False: the
+    # engine streams every token without asking, a call saved per token.
+    takes_tokens: bool
+
     def take_outbox(self) -> list[Send]: ...
 
     def on_control(self, inbound: Any) -> Send | None:
@@ -102,6 +107,7 @@ class Colocated:
 
     name = "colocated"
     overlaps = True
+    takes_tokens = False
 
     def handle(self, cmd: object) -> None:
         raise TypeError(f"a co-located engine takes no {type(cmd).__name__}")

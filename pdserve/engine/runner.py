@@ -106,7 +106,7 @@ class ModelRunner:
         starts = [c.start for c in chunks[:nd]]
         ids = [r.token_at(p) for r, p in zip(reqs, starts, strict=True)]
         dst = [b for b, t in enumerate(ids) if t is None]  # rows of input_ids fed on the device
-        src = [self._in_flight(feed, reqs[b], 1) for b in dst]  # their rows in feed.ids
+        src = self._feed_rows(feed, [reqs[b] for b in dst] if len(dst) < nd else reqs)
         decodes = Decodes(
             [0 if t is None else t for t in ids],  # a placeholder, overwritten below
             starts,
@@ -134,12 +134,24 @@ class ModelRunner:
     @staticmethod
     def _in_flight(feed: Feed | None, req: Request, missing: int) -> int:
         """`req`'s row in `feed`: its one input token not on the host was sampled there."""
-        if feed is None or missing != 1:
+        if missing != 1:
             raise RuntimeError(
-                f"request {req.request_id}: {missing} input tokens are not on the host and "
-                "no step in flight sampled them"
+                f"request {req.request_id}: {missing} input tokens are not on the host; a "
+                "step in flight sampled one at most"
             )
-        return feed.row(req)
+        return ModelRunner._feed_rows(feed, [req])[0]
+
+    @staticmethod
+    def _feed_rows(feed: Feed | None, reqs: list[Request]) -> list[int]:
+        """The rows in `feed` of `reqs`, decodes whose input token was sampled there."""
+        if not reqs:
+            return []
+        if feed is None:
+            raise RuntimeError(
+                f"request {reqs[0].request_id}: its input token is not on the host and no "
+                "step in flight sampled it"
+            )
+        return feed.rows(reqs)
 
     def release(self, req: Request) -> None:
         """`req` left the engine: its page-table row may be reused (attention/page_table.py)."""

@@ -50,11 +50,15 @@ class Chunk:
 
     __slots__ = ("request", "start", "length", "samples")
 
-    def __init__(self, request: Request, start: int, length: int) -> None:
+    def __init__(
+        self, request: Request, start: int, length: int, samples: bool | None = None
+    ) -> None:
+        """`samples`: whether start + length reaches request.num_tokens, when the caller
+        knows it already (the scheduler: length is all that is left); None: computed."""
         self.request = request
         self.start = start
         self.length = length
-        self.samples = start + length == request.num_tokens
+        self.samples = start + length == request.num_tokens if samples is None else samples
 
     def __repr__(self) -> str:
         return f"Chunk({self.request.request_id}, start={self.start}, length={self.length})"
@@ -147,18 +151,22 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.cfg.max_batched_tokens
+        running, chunks, ps = self.running, plan.chunks, self.page_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed, budget)
+        while i < len(running) and budget > 0:  # the hot loop: a decode batch, every step
+            req = running[i]
+            left = req.num_uncomputed
+            n = left if left <= budget else budget
             if n == 0:  # its last token is still in flight (engine/inflight.py)
                 i += 1
                 continue
-            if not self._has_room(req, n) and not self._reserve(req, n, plan):
-                if i < len(self.running) and self.running[i] is req:
+            start = req.num_computed
+            # Room in its pages (most decode steps), else pages for it, maybe by preempting.
+            if start + n > len(req.page_view) * ps and not self._reserve(req, n, plan):
+                if i < len(running) and running[i] is req:
                     i += 1  # no page for it this step: only pinned requests could give way
                 continue  # else req itself was preempted; running[i] is now the next one
-            plan.chunks.append(Chunk(req, req.num_computed, n))
+            chunks.append(Chunk(req, start, n, n == left))
             budget -= n
             i += 1
         self._poll_loads()
@@ -169,7 +177,8 @@ class Scheduler:
             if self.loads is not None and self.loads.loading(req.request_id):
                 j += 1  # its KV is on its way from host memory; the next may go first
                 continue
-            n = min(req.num_uncomputed, budget)
+            left = req.num_uncomputed
+            n = min(left, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
             if not self.allocator.can_allocate(need):
                 self._release(req, cache=False)  # a waiting request holds no pages
@@ -183,15 +192,11 @@ class Scheduler:
             self._grow(req, need)
             req.transition(Event.SCHEDULE)
             self.running.append(req)
-            plan.chunks.append(Chunk(req, req.num_computed, n))
+            plan.chunks.append(Chunk(req, req.num_computed, n, n == left))
             budget -= n
         # Decodes (one token) first, then prefill chunks: the runner's layout.
         plan.chunks.sort(key=lambda c: c.length != 1)
         return plan
-
-    def _has_room(self, req: Request, n: int) -> bool:
-        """Whether `req`'s pages already hold `n` more tokens (most decode steps)."""
-        return req.num_computed + n <= req.num_pages * self.page_size
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""

@@ -15,6 +15,7 @@ nothing of engine.py. A failure inside a step fails only its requests (engine/is
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from pdserve.engine.inflight import InFlight, Picks
@@ -42,7 +43,9 @@ class StepHost(Protocol):
     overlap: bool
     max_model_len: int
 
-    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> None: ...
+    def emit_token(
+        self, req: Request, tok: int, lp: TokenLogprob | None, now: float | None = None
+    ) -> None: ...
 
     def finish(self, req: Request, event: Event, error: str | None = None) -> object: ...
 
@@ -115,10 +118,7 @@ class Stepper:
         step.sampling = sampling
         max_len = h.max_model_len
         for req in sampling:
-            req.pending += 1
-            req.pending_last = (
-                req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len
-            )
+            req.launch_token(max_len)
 
     def complete(self) -> None:
         """Process the step in flight, if any: its tokens, then its retired pages."""
@@ -143,14 +143,18 @@ class Stepper:
             lease.release()
 
     def _emit(self, picks: Picks) -> None:
+        """Each token to its request: the role's if it takes it, else streamed, all of them
+        stamped with one clock reading (they arrived together)."""
         h = self.host
-        take_token, emit_token = h.role.take_token, h.emit_token
+        take_token = h.role.take_token if h.role.takes_tokens else None
+        emit_token = h.emit_token
+        now = time.monotonic()
         for req, tok, lp in picks:
             if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
                 continue
             try:
-                if not take_token(req, tok, lp):
-                    emit_token(req, tok, lp)
+                if take_token is None or not take_token(req, tok, lp):
+                    emit_token(req, tok, lp, now)
             except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
                 log.exception("handling a token of %s failed", req.request_id)
                 self.fail(req, f"handling its token failed: {type(e).__name__}: {e}")

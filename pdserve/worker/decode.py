@@ -54,6 +54,7 @@ class DecodeRole:
 
     name = "decode"
     overlaps = True
+    takes_tokens = False
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ class PrefillRole:
 
     name = "prefill"
     overlaps = False  # the first token and the written pages go to D at once
+    takes_tokens = True  # a room's first token goes to D, not to a client
 
     def __init__(
         self,

@@ -29,3 +29,18 @@ def test_tiny_closed_loop_serves_every_prompt_and_measures_one_window(
     assert 0 <= row["prefill_tick_share"] <= 1
     assert row["tick_decode_ms"] > 0
     assert row["graph_replays"] is None  # no CUDA graphs on the CPU
+
+
+def test_stub_forward_serves_the_load_with_no_model(tmp_path: Path) -> None:
+    """--stub-forward: the tiny engine with its forward replaced by the batch build (the
+    engine's host work alone), steps overlapped; every prompt still served in full."""
+    out = tmp_path / "load.json"
+    argv = ["--stub-forward", "--concurrency", "4", "--num-prompts", "24"]
+    argv += ["--warmup-prompts", "4", "--input-len", "40", "--output-len", "6"]
+    argv += ["--max-batched-tokens", "64"]
+    assert engine_load.main([*argv, "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["row"]
+    assert row["model"] == "stub"
+    assert row["total_tokens"] == 24 * 6
+    assert 0 < row["prefill_tick_share"] < 1  # 40-token prompts in 64-token steps: mixed
+    assert row["decode_ticks_unwaited"] == 1.0  # nothing on a device to wait for

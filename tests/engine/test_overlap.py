@@ -178,6 +178,29 @@ def test_feed_fills_a_run_by_a_slice_and_anything_else_by_index():
     assert ids.tolist() == [43, 40, 0, 0, 42]
 
 
+def test_feed_finds_each_request_row_in_order_or_not_and_names_one_not_in_flight():
+    import pytest
+    import torch
+
+    from pdserve.engine.inflight import Feed
+    from pdserve.engine.params import SamplingParams
+    from pdserve.engine.request import Request
+
+    sp = SamplingParams(max_tokens=4)
+    a, b, c, d = (Request(f"r{i}", [1, 2], sp, lambda _o: None) for i in range(4))
+    feed = Feed(torch.tensor([40, 41, 42]), [a, b, c])
+    assert feed.rows([a, b, c]) == [0, 1, 2]  # the step in flight's own order
+    assert feed.rows([c, a]) == [2, 0]  # one left, the others in another order
+    assert feed.rows([]) == []
+    assert feed.row(b) == 1
+    with pytest.raises(RuntimeError, match="request r3: no token of it is in flight"):
+        feed.rows([a, d, b])
+    same_ids = Feed(torch.tensor([40, 41, 42]), [a, b, c])
+    twin = Request("r1", [1, 2], sp, lambda _o: None)  # equal id, another request
+    with pytest.raises(RuntimeError, match="request r1"):
+        same_ids.rows([a, twin, c])
+
+
 def collect(outs: dict[str, list[int]], rid: str):
     return lambda o: outs[rid].extend(o.token_ids)
 

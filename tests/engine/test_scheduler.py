@@ -200,8 +200,8 @@ def test_max_running_caps_admission():
 def test_random_workloads_keep_leases_exact_and_leak_nothing():
     """Admit, grow, preempt, pin, finish, abort and hand over in a seeded random order; after
     every step each page's count is the number of live leases holding it, every chunk runs on
-    pages its request holds, a running request's lease covers exactly its computed tokens,
-    and a waiting one holds none."""
+    pages its request holds (and samples iff it reaches its last token), a running request's
+    lease covers exactly its computed tokens, and a waiting one holds none."""
     rng = random.Random(3)
     s = sched(16, max_batched_tokens=16, max_running=6)
     kept = []  # leases handed over to a "room", released some steps later
@@ -231,6 +231,8 @@ def test_random_workloads_keep_leases_exact_and_leak_nothing():
             for c in plan.chunks:  # every chunk runs on pages its request holds
                 assert c.request.status is Status.RUNNING, step
                 assert c.request.num_pages * 4 >= c.start + c.length, step
+                # and samples exactly when it reaches its request's last token
+                assert c.samples == (c.start + c.length == c.request.num_tokens), step
             finish_step(plan)
             for r in list(s.running):
                 if len(r.output_ids) >= r.params.max_tokens:
