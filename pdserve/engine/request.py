@@ -54,6 +54,11 @@ class Event(enum.Enum):
 
 TRANSITIONS: dict[tuple[Status, Event], Status] = {
     (Status.WAITING, Event.SCHEDULE): Status.RUNNING,
+    # A request preempted while a step that samples for it is in flight (overlapped
+    # scheduling) is WAITING when that token arrives; a token that ends it (a stop, its last
+    # by max_tokens or the context) ends it there, as it would have running.
+    (Status.WAITING, Event.STOP): Status.FINISHED_STOPPED,
+    (Status.WAITING, Event.LENGTH): Status.FINISHED_LENGTH,
     (Status.WAITING, Event.ABORT): Status.FINISHED_ABORTED,
     (Status.WAITING, Event.FAIL): Status.FINISHED_FAILED,
     (Status.RUNNING, Event.PREEMPT): Status.WAITING,

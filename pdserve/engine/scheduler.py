@@ -177,8 +177,7 @@ class Scheduler:
             if self.loads is not None and self.loads.loading(req.request_id):
                 j += 1  # its KV is on its way from host memory; the next may go first
                 continue
-            left = req.num_uncomputed
-            n = min(left, budget)
+            n = min(req.num_uncomputed, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
             if not self.allocator.can_allocate(need):
                 self._release(req, cache=False)  # a waiting request holds no pages
@@ -192,7 +191,9 @@ class Scheduler:
             self._grow(req, need)
             req.transition(Event.SCHEDULE)
             self.running.append(req)
-            plan.chunks.append(Chunk(req, req.num_computed, n, n == left))
+            # (samples computed: a request preempted with its last token in flight comes
+            # back with nothing to compute, n == 0, and must not sample)
+            plan.chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
         # Decodes (one token) first, then prefill chunks: the runner's layout.
         plan.chunks.sort(key=lambda c: c.length != 1)

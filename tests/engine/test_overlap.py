@@ -239,3 +239,53 @@ def test_page_table_rows_are_given_back_and_reused_exactly(tiny_dir):
         assert got[True][rid] == got[False][rid] and len(got[True][rid]) == 12
     aborted = got[True]["r1"]  # overlapped, its token in flight at the abort is dropped
     assert aborted == got[False]["r1"][: len(aborted)]
+
+
+def test_a_request_preempted_with_its_last_token_in_flight_ends_normally(tiny_dir):
+    """Overlapped, four pages, three requests: when c needs a page, v (the newest) is preempted
+    while the step that samples its last token (max_tokens) is in flight, and the step's budget
+    is spent by a and c, so v stays WAITING when that token arrives. It ends with that token
+    and finish reason "length", not an error. (A stop id in flight takes the same path: the
+    WAITING -> STOP edge, tests/engine/test_request.py.)"""
+    import dataclasses
+
+    from pdserve.engine.offline import build_engine
+
+    def scenario(v_params: SamplingParams) -> tuple[dict[str, tuple[str, str | None]], dict]:
+        pb = make_engine(tiny_dir, page_size=4, overlap=True).pool.layout.page_bytes
+        eng = build_engine(
+            tiny_dir,
+            page_size=4,
+            max_batched_tokens=3,
+            max_running=3,
+            kv_budget_mb=4 * pb / 2**20 + 1e-9,  # four pages
+            max_model_len=1024,
+            overlap_schedule=True,
+            prefix_cache=False,
+        )
+        ends: dict[str, tuple[str, str | None]] = {}
+        toks: dict[str, list[int]] = {}
+        jobs = [("a", [5, 6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+        jobs += [("c", [5], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+        jobs += [("v", [5], v_params)]
+        for rid, prompt, sp in jobs:
+            toks[rid] = []
+
+            def sink(o: RequestOutput, rid: str = rid) -> None:
+                toks[rid].extend(o.token_ids)
+                if o.finish_reason:
+                    ends[rid] = (o.finish_reason, o.error)
+
+            eng.submit(rid, prompt, sp, sink)
+        for i in range(60):
+            if i == 4:  # the step that preempts v: a's and c's decodes spend the budget
+                eng.scheduler.cfg = dataclasses.replace(eng.scheduler.cfg, max_batched_tokens=2)
+            if len(ends) == 3 and not eng.has_work():
+                break
+            eng.tick()
+        assert eng.metrics.preemptions._value.get() == 1  # the scenario happened
+        return ends, toks
+
+    ends, toks = scenario(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert ends == {"a": ("length", None), "c": ("length", None), "v": ("length", None)}
+    assert [len(toks[r]) for r in "acv"] == [6, 6, 3]

@@ -13,6 +13,8 @@ def make() -> Request:
 # The request lifecycle's legal edges, written out: everything else is refused.
 LEGAL = {
     (Status.WAITING, Event.SCHEDULE): Status.RUNNING,
+    (Status.WAITING, Event.STOP): Status.FINISHED_STOPPED,  # preempted, its token in flight
+    (Status.WAITING, Event.LENGTH): Status.FINISHED_LENGTH,
     (Status.WAITING, Event.ABORT): Status.FINISHED_ABORTED,
     (Status.WAITING, Event.FAIL): Status.FINISHED_FAILED,
     (Status.RUNNING, Event.PREEMPT): Status.WAITING,

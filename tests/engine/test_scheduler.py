@@ -253,3 +253,27 @@ def test_random_workloads_keep_leases_exact_and_leak_nothing():
     for lease in kept:
         lease.release()
     assert s.allocator.num_free == 16 and len(s.leases) == 0 and s.leases.violations() == []
+
+
+def test_a_request_preempted_with_its_last_token_in_flight_comes_back_without_sampling():
+    """Overlapped scheduling: b's last token (max_tokens) is still in flight when a needs a
+    page and b, the newest, is preempted; b is admitted again in the same step with nothing to
+    compute, and its chunk must not sample (its token is already on its way)."""
+    s = sched(4, max_batched_tokens=64, max_running=4)
+    a, b = req("a", 7), req("b", 7, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    finish_step(s.schedule())  # both prompts (2 pages each); a first token each
+    for c in s.schedule().chunks:  # launched, not completed: b's second token is its last
+        c.request.num_computed = c.start + c.length
+        c.request.launch_token(1024)
+    assert b.pending_last and b.num_uncomputed == 0
+    a.pending -= 1  # a's token landed; a decodes at position 8 and needs a third page
+    a.output_ids.append(7)
+    plan = s.schedule()
+    assert plan.preempted == [b]
+    chunks = {c.request.request_id: c for c in plan.chunks}
+    assert chunks["a"].samples and chunks["a"].length == 1
+    assert chunks["b"].length == 0 and not chunks["b"].samples
+    for c in plan.chunks:
+        assert c.samples == (c.start + c.length == c.request.num_tokens)
