@@ -289,3 +289,65 @@ def test_a_request_preempted_with_its_last_token_in_flight_ends_normally(tiny_di
     ends, toks = scenario(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert ends == {"a": ("length", None), "c": ("length", None), "v": ("length", None)}
     assert [len(toks[r]) for r in "acv"] == [6, 6, 3]
+
+
+def test_overlap_equals_plain_on_random_workloads_under_memory_pressure(tiny_dir):
+    """Seeded random workloads on pools of 6-12 pages of 4 tokens, token budgets of 2-16 and
+    up to 7 requests (greedy and seeded draws, stop ids, prefix cache on or off): overlapped
+    scheduling gives every request the plain loop's tokens and finish reason, none ends in an
+    error, and enough of them preempt to exercise tokens in flight across a preemption."""
+    import random
+
+    from pdserve.engine.offline import build_engine
+
+    page_bytes = make_engine(tiny_dir, page_size=4).pool.layout.page_bytes
+
+    def run(seed: int, overlap: bool) -> tuple[dict, dict, float]:
+        rng = random.Random(seed)
+        pages = rng.randint(6, 12)
+        eng = build_engine(
+            tiny_dir,
+            page_size=4,
+            max_batched_tokens=rng.choice([2, 3, 5, 8, 16]),
+            max_running=rng.randint(2, 6),
+            kv_budget_mb=pages * page_bytes / 2**20 + 1e-9,
+            max_model_len=1024,
+            overlap_schedule=overlap,
+            prefix_cache=rng.random() < 0.5,
+        )
+        toks: dict[int, list[int]] = {}
+        ends: dict[int, tuple[str | None, str | None]] = {}
+        for i in range(rng.randint(3, 7)):
+            greedy = rng.random() < 0.5
+            sp = SamplingParams(
+                max_tokens=rng.randint(1, 10),
+                temperature=0 if greedy else 1.5,
+                seed=rng.randint(0, 99),
+                ignore_eos=True,
+                stop_token_ids=tuple(rng.sample(range(3, 4000), 30)) if rng.random() < 0.5 else (),
+            )
+            prompt = [rng.randint(3, 60) for _ in range(rng.randint(1, 12))]
+            if len(prompt) + sp.max_tokens > eng.max_model_len:
+                continue
+            toks[i] = []
+
+            def sink(o: RequestOutput, i: int = i) -> None:
+                toks[i].extend(o.token_ids)
+                if o.finish_reason:
+                    ends[i] = (o.finish_reason, o.error)
+
+            eng.submit(f"r{i}", prompt, sp, sink)
+        for _ in range(2000):
+            if len(ends) == len(toks) and not eng.has_work():
+                break
+            eng.tick()
+        assert eng.leases.violations() == []
+        return toks, ends, eng.metrics.preemptions._value.get()
+
+    preempting = 0
+    for seed in range(16):
+        plain, overlapped = run(seed, False), run(seed, True)
+        assert overlapped[:2] == plain[:2], seed
+        assert {r for r, _ in overlapped[1].values()} <= {"length", "stop"}, seed
+        preempting += overlapped[2] > 0
+    assert preempting >= 4
