@@ -160,6 +160,44 @@ def test_pd_decode_with_overlap_matches_colocated(tiny_dir):
     assert wire.violations() == []
 
 
+def test_pd_decode_with_overlap_under_memory_pressure_matches_colocated(tiny_dir):
+    """Seeded random workloads through a prefill and an overlapping decode worker whose pool is
+    8-14 pages of 4 tokens (rooms wait for pages, requests preempt on D and recompute there),
+    budgets of 3-16 tokens: every request gets the co-located plain loop's tokens and finish,
+    nothing leaks, and enough of them preempt on D."""
+    import random
+
+    page_bytes = make_engine(tiny_dir, page_size=4).pool.layout.page_bytes
+    preempting = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        pages, chunk = rng.randint(8, 14), rng.choice([3, 5, 8, 16])
+        wire = Wire(tiny_dir, overlap=True, chunk=chunk, d_kv_mb=pages * page_bytes / 2**20)
+        jobs = []
+        for _ in range(rng.randint(3, 7)):
+            sp = SamplingParams(
+                max_tokens=rng.randint(1, 10),
+                temperature=0 if rng.random() < 0.5 else 1.5,
+                seed=rng.randint(0, 99),
+                ignore_eos=True,
+            )
+            prompt = [rng.randint(3, 60) for _ in range(rng.randint(1, 12))]
+            if len(prompt) + sp.max_tokens <= wire.d.max_model_len:
+                jobs.append((prompt, sp))
+        colocated = run(make_engine(tiny_dir, page_size=4, chunk=chunk, overlap=False), jobs)
+        outs = {f"r{i}": wire.submit(f"r{i}", p, sp) for i, (p, sp) in enumerate(jobs)}
+        wire.run_until(lambda outs=outs: all(o and o[-1].finish_reason for o in outs.values()))
+        wire.run_until(wire.idle)
+        got = {
+            rid: ([t for o in os_ for t in o.token_ids], os_[-1].finish_reason)
+            for rid, os_ in outs.items()
+        }
+        assert got == colocated, seed
+        assert wire.violations() == []
+        preempting += wire.d.metrics.preemptions._value.get() > 0
+    assert preempting >= 2
+
+
 def test_feed_fills_a_run_by_a_slice_and_anything_else_by_index():
     import torch
 

@@ -36,13 +36,14 @@ class Wire:
         overlap: bool | None = None,
         index_k: tuple[str, str] = ("auto", "auto"),  # V3.2's index-K mode on P, on D
         dtype: str = "float32",
+        d_kv_mb: float = 4.0,  # D's pool (a small one: memory pressure, preemption on D)
     ) -> None:
         def engine(shared: bool) -> Engine:
             return build_engine(
                 model_dir,
                 page_size=page_size,
                 max_batched_tokens=chunk,
-                kv_budget_mb=4.0,
+                kv_budget_mb=d_kv_mb if shared else 4.0,
                 max_model_len=1024,
                 shared_pool=shared,
                 overlap_schedule=overlap,
