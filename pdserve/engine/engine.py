@@ -304,8 +304,7 @@ class Engine:
         if req.params.max_tokens == 0:
             self.finish(req, Event.LENGTH)
             return
-        if now is None:
-            now = time.monotonic()
+        now = time.monotonic() if now is None else now
         req.output_ids.append(tok)
         self._generated += 1  # counted into metrics once a step (a lock per inc)
         if req.first_token_at is None:
@@ -324,10 +323,7 @@ class Engine:
                 (tok,),
                 (lp,) if lp is not None else (),
                 num_prompt_tokens=len(req.prompt_ids),
-                # (the check first: a call per token saved where nobody asked)
-                prompt_logprobs=req.take_prompt_logprobs()
-                if req.params.prompt_logprobs is not None
-                else (),
+                prompt_logprobs=req.take_prompt_logprobs(),
             )
         )
 
