@@ -13,6 +13,7 @@ Sans-I/O and torch-free: the router imports this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -64,6 +65,12 @@ _decoder = msgspec.json.Decoder(RequestOutput)
 def encode_line(out: RequestOutput) -> bytes:
     """One NDJSON line, newline included."""
     return _encoder.encode(out) + b"\n"
+
+
+def encode_lines(outs: Sequence[RequestOutput]) -> bytes:
+    """`encode_line` of each, joined, in one C call (a burst of 128 outputs: 39 -> 11 µs on
+    the 2-core VM; it runs on the worker's event loop, which shares the GIL with the engine)."""
+    return _encoder.encode_lines(outs)
 
 
 def decode_output(line: bytes) -> RequestOutput:

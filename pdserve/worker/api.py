@@ -33,7 +33,7 @@ from aiohttp import web
 
 from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad, check_timeout
-from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_line
+from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
 from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
@@ -204,7 +204,7 @@ class WorkerApi:
                 except StreamTimeout:
                     outs = [RequestOutput(rid, (), (), "error", TIMED_OUT)]
                 finished = any(o.finish_reason is not None for o in outs)
-                await resp.write(b"".join(encode_line(o) for o in outs))
+                await resp.write(encode_lines(outs))
             await resp.write_eof()
         finally:
             stream.close()

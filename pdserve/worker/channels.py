@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from pdserve.protocol.outputs import RequestOutput, encode_line
+from pdserve.protocol.outputs import RequestOutput, encode_lines
 from pdserve.runtime.timing import CHANNEL_HEARTBEAT_S
 from pdserve.server.output_stream import merge_runs
 
@@ -58,6 +58,8 @@ class ChannelError(Exception):
 def encode_burst(outs: Sequence[RequestOutput]) -> bytes:
     """Outputs of many requests as NDJSON, each request's merged into as few lines as its
     finishes allow (`merge_runs`), requests in the order they first appear."""
+    if len({o.request_id for o in outs}) == len(outs):  # the common case: one output each
+        return encode_lines(outs)
     by_request: dict[str, list[RequestOutput]] = {}
     for o in outs:
         run = by_request.get(o.request_id)
@@ -65,9 +67,7 @@ def encode_burst(outs: Sequence[RequestOutput]) -> bytes:
             by_request[o.request_id] = [o]
         else:
             run.append(o)
-    if len(by_request) == len(outs):  # the common case: one output per request
-        return b"".join(encode_line(o) for o in outs)
-    return b"".join(encode_line(m) for run in by_request.values() for m in merge_runs(run))
+    return encode_lines([m for run in by_request.values() for m in merge_runs(run)])
 
 
 class Channel:

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from pdserve.protocol.outputs import RequestOutput, TokenLogprob, decode_line, encode_line
+from pdserve.protocol.outputs import (
+    RequestOutput,
+    TokenLogprob,
+    decode_line,
+    encode_line,
+    encode_lines,
+)
 
 OUT = RequestOutput("r", (4, 5), (TokenLogprob(4, -0.5, ((4, -0.5), (9, -1.0))),), "stop", None, 7)
 
@@ -27,6 +33,12 @@ def test_a_line_round_trips_and_has_the_documented_shape() -> None:
     for finish in (None, "length", "abort", "error"):
         o = RequestOutput("r", (), finish_reason=finish, error="e" if finish else None)
         assert decode_line(encode_line(o), "r") == o
+
+
+def test_many_lines_in_one_call_are_each_line_joined() -> None:
+    outs = [OUT, RequestOutput("s", (1,)), RequestOutput("t", (), finish_reason="abort")]
+    assert encode_lines(outs) == b"".join(encode_line(o) for o in outs)
+    assert encode_lines([]) == b""
 
 
 def line(**fields: object) -> bytes:
