@@ -68,8 +68,8 @@ def encode_line(out: RequestOutput) -> bytes:
 
 
 def encode_lines(outs: Sequence[RequestOutput]) -> bytes:
-    """`encode_line` of each, joined, in one C call (a burst of 128 outputs: 39 -> 11 µs on
-    the 2-core VM; it runs on the worker's event loop, which shares the GIL with the engine)."""
+    """`encode_line` of each, joined, in one C call: it runs on the worker's event loop, which
+    shares the GIL with the engine thread (benchmarks/stream_encode.py)."""
     return _encoder.encode_lines(outs)
 
 
