@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.protocol.outputs import RequestOutput, encode_line, encode_lines  # noqa: E402
-from pdserve.worker.channels import encode_burst  # noqa: E402
+from pdserve.worker.channels import by_request, encode_burst  # noqa: E402
 
 
 def burst(n: int) -> list[RequestOutput]:
@@ -32,15 +32,9 @@ def burst(n: int) -> list[RequestOutput]:
 
 def before_burst(outs: list[RequestOutput]) -> bytes:
     """worker/channels.py's encode_burst before 2026-12-04, for the comparison (a burst of
-    one output per request: its common case)."""
-    by_request: dict[str, list[RequestOutput]] = {}
-    for o in outs:
-        run = by_request.get(o.request_id)
-        if run is None:
-            by_request[o.request_id] = [o]
-        else:
-            run.append(o)
-    if len(by_request) != len(outs):
+    one output per request, its common case): the outputs grouped by request first, then a
+    line per output joined in Python."""
+    if len(by_request(outs)) != len(outs):
         raise ValueError("this comparison is for bursts of one output per request")
     return b"".join(encode_line(o) for o in outs)
 

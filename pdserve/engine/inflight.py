@@ -68,9 +68,6 @@ class Feed:
             raise RuntimeError(f"request {req.request_id}: no token of it is in flight")
         return rows  # type: ignore[return-value]  # no None left
 
-    def row(self, req: Request) -> int:
-        return self.rows([req])[0]
-
     def staged_rows(self, dst: list[int], src: list[int]) -> list[list[int]]:
         """The index lists `fill` needs on the device, uploaded with the step's batch: none when
         `dst` and `src` are each one run of consecutive rows (the common step: the requests

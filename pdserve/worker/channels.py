@@ -60,14 +60,20 @@ def encode_burst(outs: Sequence[RequestOutput]) -> bytes:
     finishes allow (`merge_runs`), requests in the order they first appear."""
     if len({o.request_id for o in outs}) == len(outs):  # the common case: one output each
         return encode_lines(outs)
-    by_request: dict[str, list[RequestOutput]] = {}
+    runs = by_request(outs).values()
+    return encode_lines([m for run in runs for m in merge_runs(run)])
+
+
+def by_request(outs: Sequence[RequestOutput]) -> dict[str, list[RequestOutput]]:
+    """Each request's outputs in order, requests in the order they first appear."""
+    runs: dict[str, list[RequestOutput]] = {}
     for o in outs:
-        run = by_request.get(o.request_id)
+        run = runs.get(o.request_id)
         if run is None:
-            by_request[o.request_id] = [o]
+            runs[o.request_id] = [o]
         else:
             run.append(o)
-    return encode_lines([m for run in by_request.values() for m in merge_runs(run)])
+    return runs
 
 
 class Channel:

@@ -230,7 +230,7 @@ def test_feed_finds_each_request_row_in_order_or_not_and_names_one_not_in_flight
     assert feed.rows([a, b, c]) == [0, 1, 2]  # the step in flight's own order
     assert feed.rows([c, a]) == [2, 0]  # one left, the others in another order
     assert feed.rows([]) == []
-    assert feed.row(b) == 1
+    assert feed.rows([b]) == [1]
     with pytest.raises(RuntimeError, match="request r3: no token of it is in flight"):
         feed.rows([a, d, b])
     same_ids = Feed(torch.tensor([40, 41, 42]), [a, b, c])
