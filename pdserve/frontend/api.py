@@ -241,14 +241,17 @@ class OpenAIApi:
 
 
 async def read_json(request: web.Request) -> Any:
-    """The request's JSON body, through the checks every JSON endpoint shares.
+    """The request's JSON body, through the checks every JSON endpoint shares."""
+    return parse_json_body(await read_body(request), request.charset)
 
-    A body past the app's client_max_size raises aiohttp's 413, which the error middleware
-    (pdserve.server.errors) turns into an OpenAI-style body; one that has not arrived within
-    BODY_TIMEOUT_S is a 408.
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body. One past the app's client_max_size raises aiohttp's 413, which the
+    error middleware (pdserve.server.errors) turns into an OpenAI-style body; one that has not
+    arrived within BODY_TIMEOUT_S is a 408.
     """
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError as e:
         raise ApiError(
             408,
@@ -256,7 +259,6 @@ async def read_json(request: web.Request) -> Any:
             type_="timeout_error",
             code="body_timeout",
         ) from e
-    return parse_json_body(raw, request.charset)
 
 
 def _no_such_model(asked: str, served: str) -> ApiError:

@@ -25,36 +25,18 @@ are SamplingParams' wire form (`SamplingParams.from_builtins`), as in a PrefillR
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import re
 from typing import Any
 
 from aiohttp import web
 
-from pdserve.frontend.api import read_json
-from pdserve.frontend.protocol import ApiError, bad, check_timeout
+from pdserve.frontend.api import read_body, read_json
+from pdserve.frontend.protocol import ApiError, bad
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
-from pdserve.protocol.sampling import InvalidParams, SamplingParams, is_int, show
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
 from pdserve.worker.channels import TIMED_OUT, ChannelError, Channels
-
-MAX_REQUEST_ID_CHARS = 256
-MAX_ADDRESS_CHARS = 270  # "tcp://" + a 253-character host name + ":65535"
-GENERATE_KEYS = frozenset({"request_id", "prompt_ids", "params", "timeout_s", "prefill", "channel"})
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_ADDRESS = re.compile(
-    rf"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*):(?P<port>[0-9]{{1,5}})"
-)
-
-
-def params_from_json(d: Any) -> SamplingParams:
-    """A router's or a peer's params -> SamplingParams (`SamplingParams.from_builtins`);
-    anything wrong is ApiError 400 naming the field, and nothing else is raised."""
-    try:
-        return SamplingParams.from_builtins(d)
-    except InvalidParams as e:
-        raise bad(str(e), e.param) from e
+from pdserve.worker.generate_body import check_request_id, parse_generate
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
@@ -62,39 +44,10 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
     return p.to_builtins()
 
 
-def check_request_id(v: Any, field: str = "request_id") -> str:
-    """A request's (or a channel's) id: a printable string of 1 to 256 characters."""
-    if not (isinstance(v, str) and 0 < len(v) <= MAX_REQUEST_ID_CHARS and v.isprintable()):
-        raise bad(
-            f"'{field}' must be a printable string of 1 to {MAX_REQUEST_ID_CHARS} "
-            f"characters, got {show(v)}",
-            field,
-        )
-    return v
-
-
 def _channel_error(e: ChannelError) -> web.Response:
     kind = "server_error" if e.status >= 500 else "invalid_request_error"
     err = ApiError(e.status, e.message, type_=kind, code=e.code)
     return web.json_response(err.body(), status=e.status)
-
-
-def check_prefill_address(v: Any) -> str:
-    """A prefill worker's control address as the router sends it: tcp://HOST:PORT, HOST a
-    host name, an IPv4 address or a bracketed IPv6 address."""
-    m = _ADDRESS.fullmatch(v) if isinstance(v, str) and len(v) <= MAX_ADDRESS_CHARS else None
-    ok = m is not None and 1 <= int(m["port"]) <= 65535
-    if ok and m is not None and m["host"].startswith("["):
-        try:
-            ipaddress.IPv6Address(m["host"][1:-1])
-        except ValueError:
-            ok = False
-    if not ok:
-        raise bad(
-            f"'prefill' must be a control address tcp://HOST:PORT (port 1 to 65535), got {show(v)}",
-            "prefill",
-        )
-    return str(v)
 
 
 class WorkerApi:
@@ -154,26 +107,11 @@ class WorkerApi:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise bad("the request body must be a JSON object")
-            unknown = sorted(k for k in body if k not in GENERATE_KEYS)
-            if unknown:
-                raise bad(f"unknown fields {show(unknown)}", unknown[0])
-            rid = check_request_id(body.get("request_id"))
-            prompt = body.get("prompt_ids")
-            if not isinstance(prompt, list) or not all(is_int(t) for t in prompt):
-                raise bad("'prompt_ids' must be a list of integers", "prompt_ids")
-            params = params_from_json(body.get("params", {}))
-            timeout = check_timeout(body.get("timeout_s"), "timeout_s")
-            prefill = check_prefill_address(body["prefill"]) if "prefill" in body else None
-            cid = check_request_id(body["channel"], "channel") if "channel" in body else None
-            try:
-                self.engine.validate(prompt, params)
-            except InvalidParams as e:
-                raise bad(str(e), e.param) from e
+            g = parse_generate(await read_body(request), request.charset, self.engine.validate)
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
+        rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s
+        prefill, cid = g.prefill, g.channel
         loop = asyncio.get_running_loop()
         wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S
         extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}

@@ -36,12 +36,8 @@ from pdserve.protocol.sampling import (
     validate_prompt,
 )
 from pdserve.server.errors import error_middleware
-from pdserve.worker.api import (
-    WorkerApi,
-    check_prefill_address,
-    params_from_json,
-    params_to_json,
-)
+from pdserve.worker.api import WorkerApi, params_to_json
+from pdserve.worker.generate_body import check_prefill_address, params_from_json
 
 VOCAB, MAX_LEN = 100, 64
 NAN, INF = float("nan"), float("inf")
