@@ -106,7 +106,10 @@ class OpenAIApi:
         try:
             spec = parse_completion(await read_json(request))
             self._check_model(spec)
-            prompts = await self._off_loop(self._encode_prompts, spec.prompts)
+            if any(isinstance(p, str) for p in spec.prompts):
+                prompts = await self._off_loop(self._encode_prompts, spec.prompts)
+            else:  # token ids already: no tokenizer, so no hop to its threads and back
+                prompts = self._encode_prompts(spec.prompts)
             return await self._serve(request, spec, prompts)
         except ApiError as e:
             return error_response(e)
