@@ -52,6 +52,13 @@ class WorkerClient:
         self.url = url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
 
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        """A /generate body as JSON; WorkerError (the request never left) if it cannot be."""
+        try:
+            return msgspec.json.encode(body)
+        except (TypeError, ValueError, OverflowError) as e:  # a lone surrogate, a huge int
+            raise WorkerError(self.url, f"the /generate body cannot be encoded: {e}") from e
+
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(
             total=total_s, sock_connect=min(self.connect_timeout_s, total_s)
@@ -115,7 +122,7 @@ class WorkerClient:
         try:
             async with self.session.post(
                 self.url + "/generate",
-                data=msgspec.json.encode(body),
+                data=self._encode(body),
                 headers=JSON_HEADERS,
                 timeout=self._timeout(timeout_s),
             ) as r:
@@ -151,7 +158,7 @@ class WorkerClient:
         try:
             async with self.session.post(
                 self.url + "/generate",
-                data=msgspec.json.encode(body),
+                data=self._encode(body),
                 headers=JSON_HEADERS,
                 timeout=self._timeout(timeout_s),
             ) as r:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.config import HttpLimits
@@ -80,5 +81,6 @@ class RouterConfig:
             self.abort_timeout_s,
             self.debug_timeout_s,
         )
-        if min(timeouts) <= 0 or self.drain_timeout_s < 0:
-            raise ValueError(f"router timeouts must be positive: {self}")
+        finite = all(math.isfinite(t) for t in (*timeouts, self.drain_timeout_s))
+        if not finite or min(timeouts) <= 0 or self.drain_timeout_s < 0:
+            raise ValueError(f"router timeouts must be positive and finite: {self}")

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.protocol.control_address import is_control_address
+from pdserve.protocol.sampling import show
 from pdserve.router.client import WorkerClient, WorkerError
 from pdserve.router.config import RouterConfig
 from pdserve.runtime.timing import DISCOVERY_RETRY_S, INFO_CALL_S
@@ -84,9 +86,10 @@ def check_fleet(
             raise RouterStartupError(
                 f"prefill worker {url} serves {info.get('model')!r}; decode workers serve {model!r}"
             )
-        if not isinstance(info.get("control"), str) or not info["control"]:
+        if not is_control_address(info.get("control")):
             raise RouterStartupError(
-                f"prefill worker {url}: /info has no 'control' address for decode workers"
+                f"prefill worker {url}: /info has no 'control' address tcp://HOST:PORT for "
+                f"decode workers, got {show(info.get('control'))}"
             )
     return Fleet(
         model=model,

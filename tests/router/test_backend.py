@@ -331,6 +331,10 @@ def test_check_fleet_takes_the_smallest_limits_and_refuses_bad_fleets():
             "with --prefill workers",
         ),
         ((("http://a", info("decode")),), (("http://p", info("prefill")),), "no 'control'"),
+        *(
+            ((("http://a", info("decode")),), (("http://p", info("prefill", control=c)),), "got")
+            for c in ("tcp://x", "tcp://p\ud800:1", "tcp://p:0", "udp://p:1", 5, "")
+        ),
         (
             (("http://a", info("decode")),),
             (("http://p", info("prefill", model="n", control="tcp://x")),),
@@ -338,6 +342,10 @@ def test_check_fleet_takes_the_smallest_limits_and_refuses_bad_fleets():
         ),
         ((("http://a", {"role": "colocated", "model": "m"}),), (), "no valid 'max_model_len'"),
     ]
+    pd = check_fleet(
+        (("http://a", info("decode")),), (("http://p", info("prefill", control="tcp://[::1]:9")),)
+    )
+    assert pd.prefill[0][1]["control"] == "tcp://[::1]:9"
     for decode, prefill, msg in bad:
         with pytest.raises(RouterStartupError, match=msg.replace("(", r"\(")):
             check_fleet(decode, prefill)

@@ -124,6 +124,20 @@ def test_hazards_get_the_general_answer(raw: bytes) -> None:
     assert answer(raw) == general(raw)
 
 
+@pytest.mark.parametrize("charset", ["utf-16", "hex", "rot13", "no-such-charset", "utf-8-sig"])
+def test_a_body_in_a_charset_other_than_utf8_gets_the_general_answer(charset: str) -> None:
+    raw = encode(body())  # ASCII: the typed decoder would take it, were it asked
+    assert generate_body._fast(raw, charset, validate) is None
+    assert answer(raw, charset) == general(raw, charset)
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", "utf8", "U8"])
+def test_every_name_of_utf8_takes_the_fast_decoder(charset: str) -> None:
+    raw = encode(body())
+    fast = generate_body._fast(raw, charset, validate)
+    assert fast is not None and fast == general(raw, charset)
+
+
 def test_a_body_in_another_charset_goes_to_the_general_decoder() -> None:
     raw = json.dumps(body(request_id="é"), ensure_ascii=False).encode("latin-1")
     assert answer(raw, "latin-1") == general(raw, "latin-1")
