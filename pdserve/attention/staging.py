@@ -15,7 +15,8 @@ Invariants:
 - The pinned host buffer is not rewritten while the previous copy may still read it: the copy
   records an event, and the next `upload` waits on it first.
 - On the CPU the "device" copy is a plain clone of the packed prefix, so views never alias the
-  reused host buffer.
+  reused host buffer. `_to_device` is the one place the copy is made: a test stands a reused,
+  poisoned buffer in for CUDA's (tests/engine/test_emulated_cuda.py).
 - Every part starts on an `ALIGN`-element boundary (64 bytes for int32), as vectorised kernels
   like their pointers.
 """
@@ -74,14 +75,7 @@ class Staging:
                 self._host[o : o + n].copy_(p.reshape(-1))
             elif n:
                 self._host_np[o : o + n] = p  # numpy converts a list (or casts) in one pass
-        if self.device.type == "cpu":
-            flat = self._host[:end].clone()
-        else:
-            flat = self._device[:end]
-            flat.copy_(self._host[:end], non_blocking=self.pinned)
-            if self.pinned:
-                self._copied = torch.cuda.Event()
-                self._copied.record()
+        flat = self._to_device(end)
         # A slice is 1-D already: only a tensor part of another shape costs a view (each
         # torch call is a few µs of host time a step on CUDA).
         return [
@@ -90,6 +84,18 @@ class Staging:
             else flat[o : o + n]
             for p, o, n in zip(parts, offsets, sizes, strict=True)
         ]
+
+    def _to_device(self, end: int) -> torch.Tensor:
+        """The packed prefix `[:end]` in the device buffer, by one copy queued on the stream
+        (the event marks when the pinned source may be rewritten); on the CPU a clone."""
+        if self.device.type == "cpu":
+            return self._host[:end].clone()
+        flat = self._device[:end]
+        flat.copy_(self._host[:end], non_blocking=self.pinned)
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return flat
 
     def _grow(self, need: int) -> None:
         cap = max(MIN_CAPACITY, self.capacity)
