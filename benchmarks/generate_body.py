@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.microbench import us  # noqa: E402
 from pdserve.protocol.sampling import SamplingParams, validate_prompt  # noqa: E402
 from pdserve.server.json_body import parse_json_body  # noqa: E402
 from pdserve.worker import generate_body  # noqa: E402
@@ -47,10 +46,6 @@ def general(raw: bytes) -> generate_body.Generate:
 
 def now(raw: bytes) -> generate_body.Generate:
     return generate_body.parse_generate(raw, None, validate)
-
-
-def us(fn: object, number: int, repeats: int) -> float:
-    return statistics.median(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6  # type: ignore[arg-type]
 
 
 def main() -> int:

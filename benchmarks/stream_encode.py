@@ -14,12 +14,11 @@ then `encode_lines`). Median µs per burst of --repeats.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.microbench import us  # noqa: E402
 from pdserve.protocol.outputs import RequestOutput, encode_line, encode_lines  # noqa: E402
 from pdserve.worker.channels import by_request, encode_burst  # noqa: E402
 
@@ -37,10 +36,6 @@ def before_burst(outs: list[RequestOutput]) -> bytes:
     if len(by_request(outs)) != len(outs):
         raise ValueError("this comparison is for bursts of one output per request")
     return b"".join(encode_line(o) for o in outs)
-
-
-def us(fn: object, number: int, repeats: int) -> float:
-    return statistics.median(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6  # type: ignore[arg-type]
 
 
 def main() -> int:

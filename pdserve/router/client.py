@@ -20,8 +20,6 @@ from pdserve.protocol.outputs import RequestOutput, decode_line, decode_output
 
 ERROR_BODY_LIMIT = 2000  # characters of a worker's error body worth quoting
 MAX_LINE_BYTES = 256 * 2**20  # one /generate line at most (prompt logprobs can be large)
-# A /generate body is encoded by msgspec: 34 µs for an 8,192-token prompt where json.dumps
-# took 510 (2-core VM), on the router's event loop.
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -53,7 +51,9 @@ class WorkerClient:
         self.connect_timeout_s = connect_timeout_s
 
     def _encode(self, body: dict[str, Any]) -> bytes:
-        """A /generate body as JSON; WorkerError (the request never left) if it cannot be."""
+        """A /generate body as JSON; WorkerError (the request never left) if it cannot be.
+        msgspec, on the router's event loop: 34 µs for an 8,192-token prompt where json.dumps
+        took 510 (2-core VM)."""
         try:
             return msgspec.json.encode(body)
         except (TypeError, ValueError, OverflowError) as e:  # a lone surrogate, a huge int

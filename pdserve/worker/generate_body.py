@@ -6,11 +6,11 @@ Python's json, then a walk for depth and lone surrogates) followed by a check pe
 looks at each prompt id in Python, three times over. The fast one decodes the body with msgspec
 into a typed struct, which checks the ids' types in C, then runs the same field checks. It
 accepts only what the general one accepts (a typed field takes a subset of what the general
-check does, and a string outside ASCII is left to the general one), and anything it refuses,
-for any reason, goes to the general decoder, which names the fault: one message per fault,
-however the body arrived. On the 2-core VM a 256-token body costs the worker's event loop,
-which shares the GIL with the engine thread, 18 µs instead of 85, and 0.37 ms instead of 2.0 for
-8,192 tokens (`python benchmarks/generate_body.py`).
+check does; msgspec refuses a lone surrogate and bytes that are not UTF-8, as the general
+decoder does), and anything it refuses, for any reason, goes to the general decoder, which
+names the fault: one message per fault, however the body arrived. On the 2-core VM a 256-token
+body costs the worker's event loop, which shares the GIL with the engine thread, 18 µs instead
+of 85, and 0.37 ms instead of 2.0 for 8,192 tokens (`python benchmarks/generate_body.py`).
 """
 
 from __future__ import annotations
@@ -130,8 +130,6 @@ def _fast(raw: bytes, charset: str | None, validate: Validate) -> Generate | Non
         return None
     prefill = b.prefill if isinstance(b.prefill, str) else None
     channel = b.channel if isinstance(b.channel, str) else None
-    if not all(s.isascii() for s in (b.request_id, prefill or "", channel or "")):
-        return None  # _general's text checks name a lone surrogate
     try:
         rid = check_request_id(b.request_id)
         timeout = check_timeout(b.timeout_s, "timeout_s")
