@@ -25,19 +25,26 @@ from tests.procs import auth_headers
 from tests.procs import http as call
 
 
-def rooms(url: str) -> list[dict]:
-    return call("GET", url + "/debug/state")[1]["engine"]["role"]["rooms"]
-
-
-def wait_for(pred, timeout_s: float = 20.0, what: str = "condition"):
+def wait_for(pred, timeout_s: float = 20.0, what: str = "condition", show=None):
+    """`show()`: what the failure message adds, read when the wait times out."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            seen = f": {show()}" if show is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{seen}")
         time.sleep(0.05)
+
+
+def role_state(url: str) -> dict:
+    """A worker's PD role as /debug/state shows it (peers, rooms, admitting, counters)."""
+    return call("GET", url + "/debug/state")[1]["engine"]["role"]
+
+
+def rooms(url: str) -> list[dict]:
+    return role_state(url)["rooms"]
 
 
 def open_stream(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
@@ -60,9 +67,20 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
     os.kill(p_pid, signal.SIGSTOP)
     try:
         conn = open_stream(pd, f"stop-{pd.backend}", list(range(10, 90)))
-        threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
+        answer: list[object] = []  # the stream's status and first line, once it answers
+
+        def read() -> None:
+            try:
+                r = conn.getresponse()
+                answer.append((r.status, r.readline()[:300]))
+            except Exception as e:  # noqa: BLE001 - the test hangs up under it: any error
+                answer.append(repr(e))
+
+        threading.Thread(target=read, daemon=True).start()
         wait_for(
-            lambda: [r for r in rooms(pd.d.url) if r["state"] == "pending"], what="a pending room"
+            lambda: [r for r in rooms(pd.d.url) if r["state"] == "pending"],
+            what="a pending room",
+            show=lambda: f"D {role_state(pd.d.url)}, the stream {answer}",
         )
         conn.sock.shutdown(2)
         conn.close()
