@@ -8,6 +8,16 @@ front of the queue, keeping the tokens it generated. A *pinned* request (its pag
 read by a KV transfer still in flight) is never preempted; if only pinned requests could give
 way, the request that needs a page waits a step instead.
 
+Prefill batching (`prefill_wait_steps` N > 0; 0 is the default). A step that carries a prefill
+chunk costs its decodes more than a decode step (on the H200, 128 decodes: 1.74 ms alone, 2.57
+ms with one 256-token prompt), and when requests arrive spread over the steps, each starting
+in the step after it came, most steps are such steps. So while the step has decodes (one-token
+chunks), waiting requests are held until the oldest has been held N steps, or their tokens
+fill what the decodes leave of the budget; then they start together. Mixed steps become rarer
+and larger: more inter-token gaps are a decode step's, a few are a larger mixed step's, and a
+request's first token may come up to N steps later. Nothing is held in a step with no decodes
+(a prefill worker's, or an idle engine's). Measured: benchmarks/RESULTS.md, 2026-12-05 (b).
+
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
 its caller (`hand_over`, adopt). Nothing else here takes or gives back a page.
@@ -95,6 +105,7 @@ class Scheduler:
         # stats when it is admitted (a lookup it must repeat, lacking pages, counts then).
         self._lookups: dict[str, tuple[int, int]] = {}
         self._no_host: set[str] = set()  # its load failed: it computes those tokens
+        self.held_steps = 0  # consecutive steps that held waiting requests (prefill batching)
 
     # -- verbs -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -170,7 +181,7 @@ class Scheduler:
             budget -= n
             i += 1
         self._poll_loads()
-        j = 0
+        j = 0 if self._admit_now(chunks, budget) else len(self.waiting)
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[j]
             self._match(req)
@@ -198,6 +209,24 @@ class Scheduler:
         # Decodes (one token) first, then prefill chunks: the runner's layout.
         plan.chunks.sort(key=lambda c: c.length != 1)
         return plan
+
+    def _admit_now(self, chunks: list[Chunk], budget: int) -> bool:
+        """Prefill batching (module docstring): False holds the waiting requests this step."""
+        wait = self.cfg.prefill_wait_steps
+        if not wait or not self.waiting:
+            self.held_steps = 0
+            return True
+        if self.held_steps >= wait or not any(c.length == 1 for c in chunks):
+            self.held_steps = 0
+            return True
+        tokens = 0
+        for req in self.waiting:  # stops once the budget is filled: O(budget / prompt)
+            tokens += req.num_uncomputed
+            if tokens >= budget:
+                self.held_steps = 0
+                return True
+        self.held_steps += 1
+        return False
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""

@@ -10,9 +10,7 @@ from pdserve.runtime.timing import LATENCY_BUCKETS
 
 def _render_without_created(registry: CollectorRegistry) -> list[str]:
     return [
-        line
-        for line in generate_latest(registry).decode().splitlines()
-        if "_created" not in line
+        line for line in generate_latest(registry).decode().splitlines() if "_created" not in line
     ]
 
 

@@ -1,0 +1,135 @@
+"""Prefill batching (`--prefill-wait-steps`, engine/scheduler.py): while requests decode, new
+requests wait at most N steps and then start together; never in a step without decodes, and at
+once when their tokens fill the budget. The tokens are those of starting at once."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.config import MAX_PREFILL_WAIT_STEPS, SchedulerConfig
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduler import StepPlan
+from pdserve.engine_flags import add_engine_args, engine_config
+from pdserve.launch import engine_flags
+from tests.engine.test_overlap import run
+from tests.engine.test_scheduler import finish_step, req, sched
+from tests.helpers import make_engine
+
+
+def started(plan: StepPlan) -> list[str]:
+    """The requests whose prefill begins in this step."""
+    return [c.request.request_id for c in plan.chunks if c.start == 0 and c.length > 1]
+
+
+def decoding(s, rid: str = "a", prompt: int = 4):
+    """`s` with one request past its prefill, decoding."""
+    s.add(req(rid, prompt))
+    finish_step(s.schedule())
+    return s
+
+
+def test_waiting_requests_start_together_after_n_steps():
+    s = decoding(sched(64, max_batched_tokens=64, max_running=8, prefill_wait_steps=3))
+    s.add(req("b", 5))
+    begun = []
+    for step in range(6):
+        if step == 1:
+            s.add(req("c", 6))
+        plan = s.schedule()
+        assert plan.chunks[0].request.request_id == "a"  # the decode goes on every step
+        begun.append(started(plan))
+        finish_step(plan)
+    assert begun == [[], [], [], ["b", "c"], [], []]
+    assert s.held_steps == 0
+
+
+def test_no_wait_starts_at_once():
+    s = decoding(sched(64, max_batched_tokens=64, max_running=8))
+    s.add(req("b", 5))
+    assert started(s.schedule()) == ["b"]
+
+
+def test_nothing_waits_in_a_step_without_decodes():
+    """An idle engine (or a prefill worker, whose steps carry no decodes) starts at once."""
+    s = sched(64, max_batched_tokens=64, max_running=8, prefill_wait_steps=5)
+    s.add(req("a", 5))
+    assert started(s.schedule()) == ["a"]
+    # a prompt in chunks: its last chunk is no decode, so a new request starts beside it
+    s = sched(64, max_batched_tokens=8, max_running=8, prefill_wait_steps=5)
+    s.add(req("long", 12))
+    finish_step(s.schedule())
+    s.add(req("b", 3))
+    plan = s.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("long", 4), ("b", 3)]
+
+
+def test_a_full_budget_starts_at_once():
+    s = decoding(sched(64, max_batched_tokens=16, max_running=8, prefill_wait_steps=50))
+    s.add(req("b", 8))
+    assert started(s.schedule()) == []  # 8 of the 15 tokens the decode leaves: held
+    s.add(req("c", 7))  # 15 now: the step is full
+    plan = s.schedule()
+    assert started(plan) == ["b", "c"] and plan.num_tokens == 16
+
+
+def test_a_request_never_waits_longer_than_n_steps():
+    """Arrivals every step, each held at most N steps from its own arrival, as they start in
+    groups."""
+    n = 4
+    s = decoding(sched(256, max_batched_tokens=512, max_running=64, prefill_wait_steps=n))
+    arrived: dict[str, int] = {}
+    waited: dict[str, int] = {}
+    for step in range(40):
+        rid = f"r{step}"
+        s.add(req(rid, 3, max_tokens=1000))
+        arrived[rid] = step
+        plan = s.schedule()
+        for r in started(plan):
+            waited[r] = step - arrived[r]
+        finish_step(plan)
+    assert max(waited.values()) == n and min(waited.values()) == 0
+    assert len(waited) >= 40 - n  # every request but the last group's has started
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_PREFILL_WAIT_STEPS + 1])
+def test_the_wait_is_bounded(bad: int):
+    with pytest.raises(ValueError, match="prefill wait"):
+        SchedulerConfig(prefill_wait_steps=bad)
+
+
+def test_the_flag_reaches_the_scheduler_and_launch_passes_it_on():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", "builtin:tiny", "--prefill-wait-steps", "6"])
+    assert engine_config(args).scheduler.prefill_wait_steps == 6
+    flags = engine_flags(args)
+    assert flags[flags.index("--prefill-wait-steps") + 1] == "6"
+
+
+def test_tokens_are_those_of_starting_at_once(tiny_dir):
+    """Greedy and seeded requests arriving one a step: the same tokens with a wait, and fewer
+    steps carry a prompt."""
+    jobs = [
+        (
+            [(7 * i + 3 * j) % 250 + 3 for j in range(4 + 3 * (i % 4))],
+            SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i),
+        )
+        for i in range(12)
+    ]
+    results, prompt_steps = [], []
+    for wait in (0, 3):
+        eng = make_engine(tiny_dir, chunk=64, prefill_wait_steps=wait)
+        plans: list[StepPlan] = []
+        schedule = eng.scheduler.schedule
+
+        def spy(schedule=schedule, plans=plans) -> StepPlan:
+            plans.append(schedule())
+            return plans[-1]
+
+        eng.scheduler.schedule = spy  # type: ignore[method-assign]
+        results.append(run(eng, jobs, stagger=1))
+        prompt_steps.append(sum(1 for p in plans if started(p)))
+    assert results[0] == results[1]
+    assert prompt_steps[1] < prompt_steps[0]
