@@ -239,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="a replacement's delay, at most")
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="as gpu_serving's")
     ap.add_argument("--prefill-wait-steps", type=int, default=0, help="as `serve`'s")
-    ap.add_argument("--kv-budget-mb", type=float, default=4096)
+    ap.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        help="default 4096 on a GPU, 256 on the CPU (zeroing a 4 GiB pool there takes seconds)",
+    )
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=2048, help="0: prefill eager")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument(
@@ -258,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.stub_forward:
         args.model, args.device, args.dtype = "builtin:tiny", "cpu", "float32"
+    if args.kv_budget_mb is None:
+        args.kv_budget_mb = 4096 if args.device == "cuda" else 256
     engine = build_engine(
         resolve_model(args.model),
         dtype=args.dtype,
