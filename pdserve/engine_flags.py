@@ -69,9 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-wait-steps",
         type=int,
         default=0,
-        help="while requests decode, a new request may wait up to this many steps so that new "
-        "prompts are prefilled together: fewer steps carry a prefill (a lower ITL p50), at up "
-        "to this many steps of TTFT (0: each starts at once)",
+        help="while requests decode, new requests wait until the oldest has waited this many "
+        "steps, so that prompts are prefilled together: fewer steps carry a prefill, at up to "
+        "this many steps of TTFT (0: each starts at once; no wait with --host-cache-mb)",
     )
     g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
     g.add_argument(

@@ -12,11 +12,14 @@ Prefill batching (`prefill_wait_steps` N > 0; 0 is the default). A step that car
 chunk costs its decodes more than a decode step (on the H200, 128 decodes: 1.74 ms alone, 2.57
 ms with one 256-token prompt), and when requests arrive spread over the steps, each starting
 in the step after it came, most steps are such steps. So while the step has decodes (one-token
-chunks), waiting requests are held until the oldest has been held N steps, or their tokens
-fill what the decodes leave of the budget; then they start together. Mixed steps become rarer
-and larger: more inter-token gaps are a decode step's, a few are a larger mixed step's, and a
-request's first token may come up to N steps later. Nothing is held in a step with no decodes
-(a prefill worker's, or an idle engine's). Measured: benchmarks/RESULTS.md, 2026-12-05 (b).
+chunks of requests that have output), new requests are held until the oldest of them has
+waited N steps since it arrived, or their tokens fill what the running chunks leave of the
+budget; then they start together, and from then on admission is tried every step until the
+queue is empty. Mixed steps become rarer and larger: more inter-token gaps are a decode
+step's, a few are a larger mixed step's, and a first token may come up to N steps later.
+Nothing is held in a step with no decodes (a prefill worker's, an idle engine's), nor a
+preempted request (it was streaming already), nor anything with a host tier (holding would
+delay the loads that admission starts). Measured: benchmarks/RESULTS.md, 2026-12-05 (b).
 
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
@@ -105,11 +108,15 @@ class Scheduler:
         # stats when it is admitted (a lookup it must repeat, lacking pages, counts then).
         self._lookups: dict[str, tuple[int, int]] = {}
         self._no_host: set[str] = set()  # its load failed: it computes those tokens
-        self.held_steps = 0  # consecutive steps that held waiting requests (prefill batching)
+        # Prefill batching: steps scheduled, and the step each waiting request arrived in.
+        self._steps = 0
+        self._arrived: dict[str, int] = {}
 
     # -- verbs -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.cfg.prefill_wait_steps:
+            self._arrived[req.request_id] = self._steps
 
     def adopt(self, req: Request, lease: Lease) -> None:
         """Add a request whose prompt KV is already in `lease`'s pages (computed elsewhere);
@@ -154,6 +161,7 @@ class Scheduler:
             self.loads.abandon(req.request_id)  # its pages go back once the copy ended
         self._lookups.pop(req.request_id, None)
         self._no_host.discard(req.request_id)
+        self._arrived.pop(req.request_id, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or (self.loads and self.loads.has_work()))
@@ -196,6 +204,7 @@ class Scheduler:
                 self._lookups.pop(req.request_id, None)
                 break  # no preemption to admit new work
             del self.waiting[j]
+            self._arrived.pop(req.request_id, None)
             queried, loaded = self._lookups.pop(req.request_id, (0, 0))
             if self.cache is not None and queried:
                 self.cache.record(queried, req.num_computed, loaded)
@@ -212,20 +221,20 @@ class Scheduler:
 
     def _admit_now(self, chunks: list[Chunk], budget: int) -> bool:
         """Prefill batching (module docstring): False holds the waiting requests this step."""
+        self._steps += 1
         wait = self.cfg.prefill_wait_steps
-        if not wait or not self.waiting:
-            self.held_steps = 0
+        if not wait or not self.waiting or self.loads is not None:
             return True
-        if self.held_steps >= wait or not any(c.length == 1 for c in chunks):
-            self.held_steps = 0
+        since = self._arrived.get(self.waiting[0].request_id)
+        if since is None or self._steps - since > wait:  # preempted, or the oldest is due
+            return True
+        if not any(c.length == 1 and c.request.output_ids for c in chunks):
             return True
         tokens = 0
         for req in self.waiting:  # stops once the budget is filled: O(budget / prompt)
             tokens += req.num_uncomputed
             if tokens >= budget:
-                self.held_steps = 0
                 return True
-        self.held_steps += 1
         return False
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.config import MAX_PREFILL_WAIT_STEPS, SchedulerConfig
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.request import Event
 from pdserve.engine.scheduler import StepPlan
 from pdserve.engine_flags import add_engine_args, engine_config
 from pdserve.launch import engine_flags
@@ -42,7 +43,6 @@ def test_waiting_requests_start_together_after_n_steps():
         begun.append(started(plan))
         finish_step(plan)
     assert begun == [[], [], [], ["b", "c"], [], []]
-    assert s.held_steps == 0
 
 
 def test_no_wait_starts_at_once():
@@ -63,6 +63,13 @@ def test_nothing_waits_in_a_step_without_decodes():
     s.add(req("b", 3))
     plan = s.schedule()
     assert [(c.request.request_id, c.length) for c in plan.chunks] == [("long", 4), ("b", 3)]
+    # nor beside a prompt's last chunk of one token (no output yet: not a decode)
+    s = sched(64, max_batched_tokens=8, max_running=8, prefill_wait_steps=5)
+    s.add(req("nine", 9))
+    finish_step(s.schedule())
+    s.add(req("b", 3))
+    plan = s.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("nine", 1), ("b", 3)]
 
 
 def test_a_full_budget_starts_at_once():
@@ -74,23 +81,47 @@ def test_a_full_budget_starts_at_once():
     assert started(plan) == ["b", "c"] and plan.num_tokens == 16
 
 
-def test_a_request_never_waits_longer_than_n_steps():
-    """Arrivals every step, each held at most N steps from its own arrival, as they start in
-    groups."""
+def test_steady_arrivals_start_in_groups_every_n_plus_one_steps():
+    """One arrival a step: each group waits N steps from its oldest request's arrival, and
+    the pattern repeats (no request waits longer, none starts alone)."""
     n = 4
     s = decoding(sched(256, max_batched_tokens=512, max_running=64, prefill_wait_steps=n))
     arrived: dict[str, int] = {}
-    waited: dict[str, int] = {}
+    groups: list[tuple[int, list[int]]] = []  # (step, how long each of the group waited)
     for step in range(40):
         rid = f"r{step}"
         s.add(req(rid, 3, max_tokens=1000))
         arrived[rid] = step
         plan = s.schedule()
-        for r in started(plan):
-            waited[r] = step - arrived[r]
+        if started(plan):
+            groups.append((step, [step - arrived[r] for r in started(plan)]))
         finish_step(plan)
-    assert max(waited.values()) == n and min(waited.values()) == 0
-    assert len(waited) >= 40 - n  # every request but the last group's has started
+    assert [step for step, _ in groups] == list(range(n, 40, n + 1))
+    assert all(waited == list(range(n, -1, -1)) for _, waited in groups)
+
+
+def test_a_request_due_starts_as_soon_as_it_can():
+    """Held past its N steps because no slot was free: it starts the step one frees, not N
+    steps later."""
+    s = decoding(sched(64, max_batched_tokens=64, max_running=2, prefill_wait_steps=2), "a")
+    s.add(req("b", 3, max_tokens=1000))
+    for _ in range(3):  # b waits 2 steps, then starts
+        plan = s.schedule()
+        finish_step(plan)
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    s.add(req("c", 3))
+    for _ in range(5):  # due after 2 steps, but no slot
+        assert started(s.schedule()) == []
+    s.finish(s.running[0], Event.LENGTH)
+    assert started(s.schedule()) == ["c"]
+
+
+def test_a_preempted_request_is_not_held():
+    s = decoding(sched(64, max_batched_tokens=64, max_running=8, prefill_wait_steps=50))
+    back = req("back", 6)
+    back.num_preemptions = 1
+    s.waiting.appendleft(back)  # where _preempt puts it, with no arrival step
+    assert started(s.schedule()) == ["back"]
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_PREFILL_WAIT_STEPS + 1])
