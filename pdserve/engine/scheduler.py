@@ -14,12 +14,13 @@ ms with one 256-token prompt), and when requests arrive spread over the steps, e
 in the step after it came, most steps are such steps. So while the step has decodes (one-token
 chunks of requests that have output), new requests are held until the oldest of them has
 waited N steps since it arrived, or their tokens fill what the running chunks leave of the
-budget; then they start together, and from then on admission is tried every step until the
-queue is empty. Mixed steps become rarer and larger: more inter-token gaps are a decode
-step's, a few are a larger mixed step's, and a first token may come up to N steps later.
+budget; then they start together (a due request that finds no slot or page is tried again
+every step, not held again). Mixed steps become rarer and larger: more inter-token gaps are
+a decode step's, a few a larger mixed step's, and a first token may come N steps later.
 Nothing is held in a step with no decodes (a prefill worker's, an idle engine's), nor a
 preempted request (it was streaming already), nor anything with a host tier (holding would
-delay the loads that admission starts). Measured: benchmarks/RESULTS.md, 2026-12-05 (b).
+delay the loads that admission starts). On the H200's closed-loop loads it showed no effect
+beyond the host's run-to-run spread (benchmarks/RESULTS.md, 2026-12-05 (b)).
 
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
