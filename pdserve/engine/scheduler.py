@@ -190,6 +190,7 @@ class Scheduler:
             budget -= n
             i += 1
         self._poll_loads()
+        self._steps += 1
         j = 0 if self._admit_now(chunks, budget) else len(self.waiting)
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[j]
@@ -222,7 +223,6 @@ class Scheduler:
 
     def _admit_now(self, chunks: list[Chunk], budget: int) -> bool:
         """Prefill batching (module docstring): False holds the waiting requests this step."""
-        self._steps += 1
         wait = self.cfg.prefill_wait_steps
         if not wait or not self.waiting or self.loads is not None:
             return True

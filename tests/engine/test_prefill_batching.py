@@ -51,25 +51,25 @@ def test_no_wait_starts_at_once():
     assert started(s.schedule()) == ["b"]
 
 
+def beside_a_last_chunk(prompt: int) -> list[tuple[str, int]]:
+    """The step after a `prompt`-token prompt's first 8-token chunk, a new request added
+    meanwhile: (request, tokens) of each chunk."""
+    s = sched(64, max_batched_tokens=8, max_running=8, prefill_wait_steps=5)
+    s.add(req("long", prompt))
+    finish_step(s.schedule())
+    s.add(req("b", 3))
+    return [(c.request.request_id, c.length) for c in s.schedule().chunks]
+
+
 def test_nothing_waits_in_a_step_without_decodes():
-    """An idle engine (or a prefill worker, whose steps carry no decodes) starts at once."""
+    """An idle engine (or a prefill worker, whose steps carry no decodes) starts at once; so
+    does a request beside a prompt's last chunk, even one of one token (no output yet: not a
+    decode)."""
     s = sched(64, max_batched_tokens=64, max_running=8, prefill_wait_steps=5)
     s.add(req("a", 5))
     assert started(s.schedule()) == ["a"]
-    # a prompt in chunks: its last chunk is no decode, so a new request starts beside it
-    s = sched(64, max_batched_tokens=8, max_running=8, prefill_wait_steps=5)
-    s.add(req("long", 12))
-    finish_step(s.schedule())
-    s.add(req("b", 3))
-    plan = s.schedule()
-    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("long", 4), ("b", 3)]
-    # nor beside a prompt's last chunk of one token (no output yet: not a decode)
-    s = sched(64, max_batched_tokens=8, max_running=8, prefill_wait_steps=5)
-    s.add(req("nine", 9))
-    finish_step(s.schedule())
-    s.add(req("b", 3))
-    plan = s.schedule()
-    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("nine", 1), ("b", 3)]
+    assert beside_a_last_chunk(12) == [("long", 4), ("b", 3)]
+    assert beside_a_last_chunk(9) == [("long", 1), ("b", 3)]
 
 
 def test_a_full_budget_starts_at_once():
