@@ -137,12 +137,14 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     load = Load(engine, args)
     # (launched a prefill chunk, seconds, of which polling the GPU), in the window
     ticks: list[tuple[bool, float, float]] = []
-    plans: list[StepPlan] = []
+    # Whether each tick's plan launched a prefill chunk (not the plans: keeping every step's
+    # chunks alive would hand the garbage collector a heap no served engine has).
+    prefill_launched: list[bool] = []
     step = engine.stepper.step
 
     def observed_step() -> StepPlan:  # the plan each tick launched, to label the tick
         plan = step()
-        plans.append(plan)
+        prefill_launched.append(any(c.length > 1 for c in plan.chunks))
         return plan
 
     graphs, pgraphs = engine.runner.graphs, engine.runner.prefill_graphs
@@ -166,14 +168,14 @@ def run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             measuring = load.measuring
             if measuring and not ticks:
                 cpu[0], reps[0], p_reps[0] = time.thread_time(), replays(), p_replays()
-            t0, w0, n = time.perf_counter(), waited_s(), len(plans)
+            t0, w0, n = time.perf_counter(), waited_s(), len(prefill_launched)
             if measuring and prof is not None:
                 prof.runcall(engine.tick)
             else:
                 engine.tick()
             dt, waited = time.perf_counter() - t0, waited_s() - w0
             if measuring:
-                pf = len(plans) > n and any(c.length > 1 for c in plans[-1].chunks)
+                pf = len(prefill_launched) > n and prefill_launched[-1]
                 ticks.append((pf, dt, waited))
                 cpu[1], reps[1], p_reps[1] = time.thread_time(), replays(), p_replays()
     finally:
