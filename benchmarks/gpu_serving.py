@@ -70,6 +70,8 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
+    if args.loop_gate is not None:  # the workers' loop gate (pdserve/runtime/loop_gate.py)
+        env["PDSERVE_LOOP_GATE"] = args.loop_gate
     log = (out / f"{name}-launch.log").open("wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
@@ -208,6 +210,12 @@ def main() -> int:
     ap.add_argument("--kv-budget-mb", type=float, default=16384)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--prefill-wait-steps", type=int, default=0, help="as `serve`'s")
+    ap.add_argument(
+        "--loop-gate",
+        choices=["0", "1"],
+        default=None,
+        help="PDSERVE_LOOP_GATE for the workers (default: as this process has it)",
+    )
     ap.add_argument("--router-processes", type=int, default=1, help="launch --router-processes")
     ap.add_argument("--bench-processes", type=int, default=1, help="pdserve bench --processes")
     ap.add_argument("--startup-timeout", type=float, default=240)
@@ -215,6 +223,7 @@ def main() -> int:
     ap.add_argument("--out", default="gpu_serving")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    gate = os.environ.get("PDSERVE_LOOP_GATE", "0") if args.loop_gate is None else args.loop_gate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -232,7 +241,7 @@ def main() -> int:
             )
             for conc in args.concurrency:
                 row = bench(url, name, conc, args, out, procs, decode_url)
-                rows.append({**row, "placement": where})
+                rows.append({**row, "placement": where, "loop_gate": gate})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop(proc)

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Protocol
 
+from pdserve.runtime.loop_gate import LoopGate
 from pdserve.runtime.timing import GPU_WAIT_TIMEOUT_S
 
 
@@ -18,6 +19,13 @@ class Event(Protocol):
 
 
 _clock = threading.local()  # .waited: seconds this thread spent polling in wait_event
+_gate: LoopGate | None = None  # opened while its owner (the engine thread) polls
+
+
+def open_gate_while_waiting(gate: LoopGate | None) -> None:
+    """The worker's loop gate (runtime/loop_gate.py): its owner's waits here open it."""
+    global _gate
+    _gate = gate
 
 
 def waited_s() -> float:
@@ -38,10 +46,19 @@ def wait_event(event: Event, what: str, timeout_s: float = GPU_WAIT_TIMEOUT_S) -
         return
     start = time.monotonic()
     deadline = start + timeout_s
+    gate = _gate
     try:
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
-            time.sleep(0)
+        if gate is None:
+            _poll(event, what, deadline, timeout_s)
+        else:
+            with gate.waiting():
+                _poll(event, what, deadline, timeout_s)
     finally:
         _clock.waited = waited_s() + time.monotonic() - start
+
+
+def _poll(event: Event, what: str, deadline: float, timeout_s: float) -> None:
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
+        time.sleep(0)

@@ -27,10 +27,11 @@ from pdserve.frontend.api import OpenAIApi, error_response, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg, Send
-from pdserve.runtime import evloop
+from pdserve.runtime import evloop, gpu_wait, loop_gate
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.gc_freeze import freeze_startup_heap
+from pdserve.runtime.loop_gate import GatedSelector, LoopGate
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
@@ -113,6 +114,17 @@ class Server:
         )
         self.admission = Admission(cfg.max_queue)
         self.started = time.monotonic()
+
+    def install_loop_gate(self) -> LoopGate | None:
+        """The gate that starts the loop's turns in the engine's waits (runtime/loop_gate.py),
+        installed; None where it is off (by default; PDSERVE_LOOP_GATE=1 on a GPU)."""
+        if not loop_gate.wanted(self.engine.pool.device.type):
+            return None
+        gate = LoopGate()
+        self.engine.loop_gate = gate
+        gpu_wait.open_gate_while_waiting(gate)
+        log.info("loop gate on: the event loop starts its turns while the engine waits")
+        return gate
 
     def _to_engine(self, inbound: Inbound) -> None:
         self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
@@ -342,7 +354,13 @@ class Server:
 
 
 def run_server(cfg: ServerConfig) -> int:
-    """Bind, load, serve: the process's exit status (2: the port cannot be had)."""
+    """Bind, load, serve: the process's exit status (2: the port cannot be had, or a bad
+    PDSERVE_LOOP_GATE)."""
+    try:
+        loop_gate.wanted("cpu")  # its value is checked before anything binds or loads
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     try:
         sockets = bind(cfg.host, cfg.port)
     except OSError as e:
@@ -363,10 +381,12 @@ def run_server(cfg: ServerConfig) -> int:
             s.close()
         raise
     code = 1
+    gate = server.install_loop_gate()
     try:
         code = evloop.run(
             server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s),
             default="asyncio",  # its loop shares the GIL with the engine thread: evloop.py
+            selector=None if gate is None else lambda: GatedSelector(gate),
         )
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")

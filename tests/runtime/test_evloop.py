@@ -88,3 +88,24 @@ def test_a_uvloop_that_does_not_import_is_asyncio_unless_demanded(
     monkeypatch.setenv(evloop.ENV, "uvloop")
     with pytest.raises(ImportError):
         evloop.loop_factory("uvloop")
+
+
+def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's loop gate (runtime/loop_gate.py) is a selector: asyncio's loop runs on it;
+    uvloop, which has none, ignores it."""
+    import selectors
+
+    made: list[selectors.BaseSelector] = []
+
+    def selector() -> selectors.BaseSelector:
+        made.append(selectors.DefaultSelector())
+        return made[-1]
+
+    async def its_selector() -> object:
+        return getattr(asyncio.get_running_loop(), "_selector", None)
+
+    monkeypatch.setenv(evloop.ENV, "asyncio")
+    assert evloop.run(its_selector(), selector=selector) is made[0]
+    monkeypatch.setenv(evloop.ENV, "uvloop")
+    assert evloop.run(loop_module(), selector=selector).split(".")[0] == "uvloop"
+    assert len(made) == 1

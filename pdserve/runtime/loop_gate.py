@@ -1,0 +1,94 @@
+"""The worker's event loop takes its turns while the engine thread waits: one GIL, two threads.
+
+A worker runs the engine thread and an asyncio loop (HTTP, output channels) in one interpreter.
+The engine thread is the critical path: a served token's gap is its tick. Every torch call it
+makes releases the GIL for a few microseconds, and a loop with I/O ready takes the GIL then and
+keeps it for its whole turn (a drain, an encode, a socket write: ~0.3 ms a tick at concurrency
+128 on the H200), so the engine's tick grows by the loop's turns and the thread switches around
+them. Measured there (benchmarks/RESULTS.md, 2026-12-05 c): the engine alone ticked
+at the step (ITL p50 1.76 ms against a 1.77 ms step), served 2.36 ms, with its thread holding
+the GIL 53% of the time, the loop 12%, and polling the GPU only 3%: host-bound by sharing.
+
+The gate schedules the loop into the engine's waits. The engine thread opens it while it waits
+(for the GPU in `runtime/gpu_wait.wait_event`, or idle for its inbox) and closes it when it
+resumes; the loop's selector (`GatedSelector`), woken from idle by I/O, waits for the gate to
+be open before the loop runs its callbacks, at most `max_wait_s`, so the loop is never starved
+(a host-bound engine that never waits still lets it in after that long). A turn that outlasts
+the engine's wait shares the GIL as before; the gate only decides when a turn starts.
+Other threads (control, dataplane) are not gated: their turns are short and rare.
+
+Off unless PDSERVE_LOOP_GATE=1, and only for an engine on a GPU (on a CPU the engine never
+waits for a device, so the loop would only ever get in at its bound): its effect on the
+served ITL is not measured yet (no GPU was lent after it was written): runs of
+`benchmarks/gpu_serving.py` with the variable at 1 and at 0, alternated, will tell.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# How long a loop with I/O ready waits for the engine to yield, at most: about one decode
+# step, so a reply or a write is late by a step at worst while the engine is host-bound.
+DEFAULT_MAX_WAIT_S = 0.002
+ENV = "PDSERVE_LOOP_GATE"
+
+
+def wanted(device_type: str) -> bool:
+    """Whether a worker whose engine runs on `device_type` gates its loop: PDSERVE_LOOP_GATE=1
+    on a GPU. ValueError for a value other than 0 or 1 (a typo must not pass for off)."""
+    value = os.environ.get(ENV, "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+    return value == "1" and device_type == "cuda"
+
+
+class LoopGate:
+    """Open while the engine thread waits; the event loop starts its turns while it is."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()  # nothing is running yet
+        self.owner: int | None = None  # the engine thread, once it ticks
+
+    def claim(self) -> None:
+        """The calling thread is the engine's: only its waits open the gate; it is busy now."""
+        self.owner = threading.get_ident()
+        self._open.clear()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a wait of the engine thread (no-op on any other thread)."""
+        if threading.get_ident() != self.owner:
+            yield
+            return
+        self._open.set()
+        try:
+            yield
+        finally:
+            self._open.clear()
+
+    def wait_turn(self, max_wait_s: float) -> bool:
+        """Until the engine waits, or `max_wait_s`: whether it was open."""
+        return self._open.wait(max_wait_s)
+
+
+class GatedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The loop's selector: with I/O ready, the loop's turn starts when the gate is open."""
+
+    def __init__(self, gate: LoopGate, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+        super().__init__()
+        self.gate = gate
+        self.max_wait_s = max_wait_s
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        """A loop that was idle (a blocking select) and woke with I/O ready waits for its turn;
+        one in the middle of its callbacks (timeout 0: ready handles queued) goes on, so a
+        turn's chain (a drain, the puts it makes, the writes they wake) is not split."""
+        ready = super().select(timeout)
+        if ready and (timeout is None or timeout > 0):
+            self.gate.wait_turn(self.max_wait_s)
+        return ready  # type: ignore[no-any-return]

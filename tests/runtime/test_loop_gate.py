@@ -1,0 +1,241 @@
+"""runtime/loop_gate.py: the worker's event loop starts its turns while the engine thread waits
+(for the GPU in gpu_wait.wait_event, or idle for its inbox), and never waits past its bound."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.runtime import gpu_wait, loop_gate
+from pdserve.runtime.loop_gate import GatedSelector, LoopGate
+
+
+@pytest.fixture
+def installed() -> Iterator[LoopGate]:
+    """A gate claimed by this (the test's) thread, installed in gpu_wait."""
+    gate = LoopGate()
+    gate.claim()
+    gpu_wait.open_gate_while_waiting(gate)
+    try:
+        yield gate
+    finally:
+        gpu_wait.open_gate_while_waiting(None)
+
+
+def test_the_owner_opens_it_only_while_it_waits() -> None:
+    gate = LoopGate()
+    assert gate.wait_turn(0)  # open until an engine claims it
+    gate.claim()
+    assert not gate.wait_turn(0)
+    with gate.waiting():
+        assert gate.wait_turn(0)
+    assert not gate.wait_turn(0)
+
+
+def test_another_threads_wait_leaves_it_closed() -> None:
+    gate = LoopGate()
+    gate.claim()
+    seen: list[bool] = []
+
+    def other() -> None:  # the dataplane thread, say
+        with gate.waiting():
+            seen.append(gate.wait_turn(0))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(5)
+    assert seen == [False]
+
+
+def test_it_closes_again_when_the_wait_raises() -> None:
+    gate = LoopGate()
+    gate.claim()
+    with pytest.raises(RuntimeError), gate.waiting():
+        raise RuntimeError("the wait failed")
+    assert not gate.wait_turn(0)
+
+
+class Watched:
+    """An event reached after `n` queries that records, at each query, whether the gate was
+    open (the GPU wait polls it)."""
+
+    def __init__(self, gate: LoopGate, n: int) -> None:
+        self.gate, self.n, self.open_at_query = gate, n, []  # type: list[bool]
+
+    def query(self) -> bool:
+        self.open_at_query.append(self.gate.wait_turn(0))
+        return len(self.open_at_query) > self.n
+
+
+def test_a_gpu_wait_opens_it_while_polling(installed: LoopGate) -> None:
+    e = Watched(installed, 3)
+    gpu_wait.wait_event(e, "a step")
+    # the first query is the fast path (reached already?), then it polls with the gate open
+    assert e.open_at_query == [False, True, True, True]
+    assert not installed.wait_turn(0)
+
+
+def test_a_reached_event_does_not_open_it(installed: LoopGate) -> None:
+    e = Watched(installed, 0)
+    gpu_wait.wait_event(e, "a step")
+    assert e.open_at_query == [False]
+
+
+def test_a_gpu_wait_past_its_bound_closes_it(installed: LoopGate) -> None:
+    e = Watched(installed, 10**9)
+    with pytest.raises(gpu_wait.GpuWaitTimeout):
+        gpu_wait.wait_event(e, "a step", timeout_s=0.02)
+    assert not installed.wait_turn(0)
+
+
+def _loop_with(gate: LoopGate, max_wait_s: float) -> asyncio.AbstractEventLoop:
+    return asyncio.SelectorEventLoop(GatedSelector(gate, max_wait_s))
+
+
+def test_ready_io_waits_for_the_engine_to_wait() -> None:
+    """With the gate closed, a readable socket's callback runs only once the engine opens it
+    (the bound here is far longer than the test)."""
+    gate = LoopGate()
+    loop = _loop_with(gate, max_wait_s=30.0)
+    a, b = socket.socketpair()
+    order: list[str] = []
+    opened = threading.Event()
+
+    def engine() -> None:  # writes, works a while with the gate closed, then waits
+        gate.claim()
+        b.send(b"x")
+        time.sleep(0.2)
+        order.append("engine waits")
+        with gate.waiting():
+            opened.set()
+            time.sleep(0.2)
+
+    try:
+        got: asyncio.Future[bytes] = loop.create_future()
+        loop.add_reader(a, lambda: got.done() or got.set_result(a.recv(1)))
+        t = threading.Thread(target=engine)
+        loop.call_later(0.05, t.start)  # the loop is idle, in a blocking select, when it writes
+        assert loop.run_until_complete(asyncio.wait_for(got, 10)) == b"x"
+        order.append("loop ran")
+        t.join(5)
+        assert order == ["engine waits", "loop ran"]
+        assert opened.is_set()
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+
+
+def test_a_loop_in_the_middle_of_its_turn_is_not_held() -> None:
+    """Only a loop woken from idle waits: a select with timeout 0 (callbacks queued) returns
+    its ready I/O at once, however closed the gate."""
+
+    class Counted(LoopGate):
+        asked = 0  # calls of wait_turn
+
+        def wait_turn(self, max_wait_s: float) -> bool:
+            self.asked += 1
+            return super().wait_turn(max_wait_s)
+
+    gate = Counted()
+    gate.claim()
+    sel = GatedSelector(gate, max_wait_s=0.01)
+    a, b = socket.socketpair()
+    try:
+        sel.register(a, selectors.EVENT_READ)
+        b.send(b"z")
+        assert [key.fileobj for key, _ in sel.select(0)] == [a]
+        assert gate.asked == 0
+        assert [key.fileobj for key, _ in sel.select(1.0)] == [a]  # idle, woken: it asks
+        assert gate.asked == 1
+    finally:
+        sel.close()
+        a.close()
+        b.close()
+
+
+def test_a_host_bound_engine_still_lets_the_loop_in() -> None:
+    """The gate never opens (an engine that never waits): the loop's turn starts after its
+    bound, not never."""
+    gate = LoopGate()
+    gate.claim()
+    loop = _loop_with(gate, max_wait_s=0.01)
+    a, b = socket.socketpair()
+    try:
+        got: asyncio.Future[bytes] = loop.create_future()
+        loop.add_reader(a, lambda: got.done() or got.set_result(a.recv(1)))
+        loop.call_later(0.05, b.send, b"y")  # to a loop idle in a blocking select
+        assert loop.run_until_complete(asyncio.wait_for(got, 10)) == b"y"
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+
+
+def test_an_idle_engine_opens_it_and_a_stepping_one_closes_it(tiny_dir: Path) -> None:
+    """The engine's tick: it claims the gate, holds it open while it blocks on its inbox,
+    and has it closed while it handles commands and steps (the device wait on a GPU is
+    gpu_wait's, above)."""
+    from pdserve.engine.params import SamplingParams
+    from tests.helpers import make_engine
+
+    eng = make_engine(tiny_dir)
+    gate = eng.loop_gate = LoopGate()
+    at_get: list[bool] = []  # the gate at each read of the inbox, blocking or not
+    real_get = eng.inbox.get
+
+    def get(*args: object, **kwargs: object) -> object:
+        at_get.append(gate.wait_turn(0))
+        return real_get(*args, **kwargs)  # type: ignore[arg-type]
+
+    eng.inbox.get = get  # type: ignore[method-assign]  # get_nowait reads through it too
+    eng.tick()  # idle: blocks for its inbox, the gate open
+    assert gate.owner == threading.get_ident()
+    assert at_get == [True] and not gate.wait_turn(0)
+    eng.submit("r", [1, 2, 3], SamplingParams(max_tokens=2), lambda _o: None)
+    at_step: list[bool] = []
+    real_step = eng.step
+
+    def step() -> None:
+        at_step.append(gate.wait_turn(0))
+        real_step()
+
+    eng.step = step  # type: ignore[method-assign]
+    eng.tick()  # a blocking read (open) brings the submit; the next read and the step: closed
+    eng.tick()  # work left: a read that does not block, and a step, both closed
+    assert at_get == [True, True, False, False] and at_step == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "on"),
+    [(None, "cuda", False), ("0", "cuda", False), ("1", "cuda", True), ("1", "cpu", False)],
+)
+def test_it_is_off_unless_asked_for_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, device: str, on: bool
+) -> None:
+    if value is None:
+        monkeypatch.delenv(loop_gate.ENV, raising=False)
+    else:
+        monkeypatch.setenv(loop_gate.ENV, value)
+    assert loop_gate.wanted(device) is on
+
+
+def test_a_bad_setting_stops_a_worker_before_it_binds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pdserve.config import EngineConfig, ModelSpec, ServerConfig
+    from pdserve.worker.process import run_server
+
+    monkeypatch.setenv(loop_gate.ENV, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        loop_gate.wanted("cuda")
+    spec = ModelSpec(path=str(tmp_path / "none"), name="none")
+    # port 1: binding it would fail too, but with a different message, after this check
+    assert run_server(ServerConfig(engine=EngineConfig(model=spec), port=1)) == 2
