@@ -49,6 +49,7 @@ from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
+from pdserve.runtime import gpu_wait
 from pdserve.runtime.loop_gate import LoopGate
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
 
@@ -201,6 +202,7 @@ class Engine:
         gate = self.loop_gate
         if gate is not None and gate.owner != threading.get_ident():
             gate.claim()  # this thread's waits open it (runtime/loop_gate.py)
+            gpu_wait.open_while_waiting(gate)
         self._drain_inbox(self._wait_s())
         now = time.monotonic()
         self.role.poll_transfers(now)

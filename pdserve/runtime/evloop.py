@@ -89,7 +89,10 @@ def run(
         raise
     log.info("event loop: %s", "asyncio" if factory is None else "uvloop")
     if factory is None and selector is not None:
-        make = selector
+        if not hasattr(asyncio, "Runner"):
+            main.close()
+            raise ValueError("a loop with its own selector needs Python 3.11 (asyncio.Runner)")
+        make = selector  # (a name the lambda closes over that mypy knows is not None)
         with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(make())) as runner:
             return runner.run(main)
     if factory is None:

@@ -18,14 +18,14 @@ class Event(Protocol):
     def query(self) -> bool: ...
 
 
-_clock = threading.local()  # .waited: seconds this thread spent polling in wait_event
-_gate: LoopGate | None = None  # opened while its owner (the engine thread) polls
+# Per thread: .waited, seconds it spent polling in wait_event; .gate, the loop gate its waits
+# open (runtime/loop_gate.py: the engine thread's, in a worker that gates its loop).
+_clock = threading.local()
 
 
-def open_gate_while_waiting(gate: LoopGate | None) -> None:
-    """The worker's loop gate (runtime/loop_gate.py): its owner's waits here open it."""
-    global _gate
-    _gate = gate
+def open_while_waiting(gate: LoopGate | None) -> None:
+    """The calling thread's waits here open `gate` (None: no gate) while they poll."""
+    _clock.gate = gate
 
 
 def waited_s() -> float:
@@ -41,12 +41,13 @@ class GpuWaitTimeout(TimeoutError):
 
 def wait_event(event: Event, what: str, timeout_s: float = GPU_WAIT_TIMEOUT_S) -> None:
     """Until `event` completed (at once if it has). Between polls the thread yields the GIL,
-    as `synchronize()` spins without it: the same latency, and other threads run."""
+    as `synchronize()` spins without it: the same latency, and other threads run. A thread
+    with a loop gate (`open_while_waiting`) holds it open while it polls."""
     if event.query():
         return
     start = time.monotonic()
     deadline = start + timeout_s
-    gate = _gate
+    gate: LoopGate | None = getattr(_clock, "gate", None)
     try:
         if gate is None:
             _poll(event, what, deadline, timeout_s)

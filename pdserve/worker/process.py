@@ -27,7 +27,7 @@ from pdserve.frontend.api import OpenAIApi, error_response, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Msg, Send
-from pdserve.runtime import evloop, gpu_wait, loop_gate
+from pdserve.runtime import evloop, loop_gate
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.gc_freeze import freeze_startup_heap
@@ -55,6 +55,9 @@ from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.roles import SendFailed
 
 log = logging.getLogger(__name__)
+
+# A worker's event loop by default: it shares the GIL with the engine thread (runtime/evloop.py).
+WORKER_LOOP = "asyncio"
 
 
 class Server:
@@ -117,12 +120,14 @@ class Server:
 
     def install_loop_gate(self) -> LoopGate | None:
         """The gate that starts the loop's turns in the engine's waits (runtime/loop_gate.py),
-        installed; None where it is off (by default; PDSERVE_LOOP_GATE=1 on a GPU)."""
-        if not loop_gate.wanted(self.engine.pool.device.type):
+        installed; None where it is off (by default; PDSERVE_LOOP_GATE=1 on a GPU). The
+        engine thread claims it at its first tick."""
+        if not loop_gate.requested(evloop.chosen(WORKER_LOOP)):
             return None
-        gate = LoopGate()
-        self.engine.loop_gate = gate
-        gpu_wait.open_gate_while_waiting(gate)
+        if self.engine.pool.device.type != "cuda":
+            log.info("loop gate off: the engine is not on a GPU, it never waits for one")
+            return None
+        gate = self.engine.loop_gate = LoopGate()
         log.info("loop gate on: the event loop starts its turns while the engine waits")
         return gate
 
@@ -139,6 +144,9 @@ class Server:
 
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.loop_gate is not None:  # no waiting for a dead engine
+            engine.loop_gate.release()
         loop, stop = getattr(self, "_loop", None), self._stop
         if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.request, f"fatal: {why}")
@@ -301,6 +309,8 @@ class Server:
                 in_thread(lambda: self.supervisor.stop(timeout_s=THREADS_STOP_S)),
                 THREADS_STOP_S + 1.0,
             )
+        if self.engine.loop_gate is not None:  # the engine thread stopped, or never will
+            self.engine.loop_gate.release()
         code = stop.exit_code
         if code is not None:  # forced: leave the threads and sockets to the process's end
             self.forced = True
@@ -356,8 +366,8 @@ class Server:
 def run_server(cfg: ServerConfig) -> int:
     """Bind, load, serve: the process's exit status (2: the port cannot be had, or a bad
     PDSERVE_LOOP_GATE)."""
-    try:
-        loop_gate.wanted("cpu")  # its value is checked before anything binds or loads
+    try:  # the settings, before anything binds or loads
+        loop_gate.requested(evloop.chosen(WORKER_LOOP))
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -385,7 +395,7 @@ def run_server(cfg: ServerConfig) -> int:
     try:
         code = evloop.run(
             server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s),
-            default="asyncio",  # its loop shares the GIL with the engine thread: evloop.py
+            default=WORKER_LOOP,
             selector=None if gate is None else lambda: GatedSelector(gate),
         )
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen

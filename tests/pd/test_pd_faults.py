@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from urllib.parse import urlparse
 
 import msgspec
@@ -61,12 +62,33 @@ def open_stream(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnecti
 
 
 def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
-    """Client gone while the room is PENDING (P frozen): D keeps the pages until P's AbortAck."""
+    """Client gone while the room is PENDING (P frozen): D keeps the pages until P's AbortAck.
+
+    The room is PENDING only until D declares the frozen P dead (PEER_TIMEOUT_S, 5 s) and
+    fences it. On a loaded 2-core machine the test's polls of /debug/state have twice missed
+    that whole window (CI, and a full local run); a missed window is retried, at most twice,
+    with a warning that shows every poll (when, what D's rooms were)."""
     assert tokens(pd.generate(f"warm-{pd.backend}", [1, 2], max_tokens=1))  # D is registered
     p_pid = call("GET", pd.p.url + "/info")[1]["pid"]
+    for attempt in range(3):
+        if attempt:  # the fenced room released, P paired with D again
+            pd.wait_quiet(timeout_s=60.0)
+            assert tokens(pd.generate(f"rewarm-{pd.backend}-{attempt}", [1, 2], max_tokens=1))
+        if _abort_while_stopped(pd, p_pid, f"stop-{pd.backend}-{attempt}", last=attempt == 2):
+            break
+    pd.wait_quiet()
+    stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
+    assert stats["aborted"] >= 1
+    assert tokens(pd.generate(f"after-stop-{pd.backend}", [1, 2, 3], max_tokens=2))
+
+
+def _abort_while_stopped(pd: PD, p_pid: int, rid: str, last: bool) -> bool:
+    """One try: P stopped, a request's room PENDING, its client gone: the room aborts and
+    keeps its pages. False (with a warning, P resumed and the cluster quiet again) if D
+    fenced the room before a poll saw it PENDING, unless `last`: then the test fails."""
     os.kill(p_pid, signal.SIGSTOP)
     try:
-        conn = open_stream(pd, f"stop-{pd.backend}", list(range(10, 90)))
+        conn = open_stream(pd, rid, list(range(10, 90)))
         answer: list[object] = []  # the stream's status and first line, once it answers
 
         def read() -> None:
@@ -77,11 +99,26 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
                 answer.append(repr(e))
 
         threading.Thread(target=read, daemon=True).start()
-        wait_for(
-            lambda: [r for r in rooms(pd.d.url) if r["state"] == "pending"],
+        start = time.monotonic()
+        polls: list[tuple[float, list[str]]] = []  # (seconds since the request, room states)
+
+        def pending_or_fenced() -> list[dict]:
+            mine = [r for r in rooms(pd.d.url) if r["request_id"] == rid]
+            polls.append((round(time.monotonic() - start, 3), [r["state"] for r in mine]))
+            return [r for r in mine if r["state"] in ("pending", "fenced")]
+
+        seen = wait_for(
+            pending_or_fenced,
             what="a pending room",
-            show=lambda: f"D {role_state(pd.d.url)}, the stream {answer}",
+            show=lambda: f"D {role_state(pd.d.url)}, the stream {answer}, polls {polls}",
         )
+        if seen[0]["state"] == "fenced":
+            why = f"D fenced {rid}'s room before a poll saw it pending; polls {polls}"
+            if last:
+                raise AssertionError(why)
+            warnings.warn(why, stacklevel=1)
+            conn.close()
+            return False
         conn.sock.shutdown(2)
         conn.close()
         aborting = wait_for(
@@ -93,10 +130,7 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
         assert not inv["ok"]
     finally:
         os.kill(p_pid, signal.SIGCONT)
-    pd.wait_quiet()
-    stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
-    assert stats["aborted"] >= 1
-    assert tokens(pd.generate(f"after-stop-{pd.backend}", [1, 2, 3], max_tokens=2))
+    return True
 
 
 def test_hostile_frames_into_prefill_control_socket(pd):

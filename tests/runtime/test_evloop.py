@@ -90,9 +90,9 @@ def test_a_uvloop_that_does_not_import_is_asyncio_unless_demanded(
         evloop.loop_factory("uvloop")
 
 
-def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's loop gate (runtime/loop_gate.py) is a selector: asyncio's loop runs on it;
-    uvloop, which has none, ignores it."""
+def test_uvloop_has_no_selector_to_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A selector given for asyncio's loop (tests/runtime/test_loop_gate.py) is not made for
+    uvloop's."""
     import selectors
 
     made: list[selectors.BaseSelector] = []
@@ -101,11 +101,6 @@ def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyP
         made.append(selectors.DefaultSelector())
         return made[-1]
 
-    async def its_selector() -> object:
-        return getattr(asyncio.get_running_loop(), "_selector", None)
-
-    monkeypatch.setenv(evloop.ENV, "asyncio")
-    assert evloop.run(its_selector(), selector=selector) is made[0]
     monkeypatch.setenv(evloop.ENV, "uvloop")
     assert evloop.run(loop_module(), selector=selector).split(".")[0] == "uvloop"
-    assert len(made) == 1
+    assert made == []

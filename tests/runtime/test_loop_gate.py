@@ -19,14 +19,14 @@ from pdserve.runtime.loop_gate import GatedSelector, LoopGate
 
 @pytest.fixture
 def installed() -> Iterator[LoopGate]:
-    """A gate claimed by this (the test's) thread, installed in gpu_wait."""
+    """A gate claimed by this (the test's) thread, whose waits in gpu_wait open it."""
     gate = LoopGate()
     gate.claim()
-    gpu_wait.open_gate_while_waiting(gate)
+    gpu_wait.open_while_waiting(gate)
     try:
         yield gate
     finally:
-        gpu_wait.open_gate_while_waiting(None)
+        gpu_wait.open_while_waiting(None)
 
 
 def test_the_owner_opens_it_only_while_it_waits() -> None:
@@ -67,7 +67,8 @@ class Watched:
     open (the GPU wait polls it)."""
 
     def __init__(self, gate: LoopGate, n: int) -> None:
-        self.gate, self.n, self.open_at_query = gate, n, []  # type: list[bool]
+        self.gate, self.n = gate, n
+        self.open_at_query: list[bool] = []
 
     def query(self) -> bool:
         self.open_at_query.append(self.gate.wait_turn(0))
@@ -95,6 +96,34 @@ def test_a_gpu_wait_past_its_bound_closes_it(installed: LoopGate) -> None:
     assert not installed.wait_turn(0)
 
 
+class Counted(LoopGate):
+    """A gate that records what the selector's waits for it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[bool] = []
+
+    @property
+    def asked(self) -> int:
+        return len(self.answers)
+
+    def wait_turn(self, max_wait_s: float) -> bool:
+        self.answers.append(super().wait_turn(max_wait_s))
+        return self.answers[-1]
+
+
+def _read_one(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> asyncio.Future[bytes]:
+    """A future of the first byte `sock` receives, read by `loop`."""
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    def read() -> None:
+        if not got.done():
+            got.set_result(sock.recv(1))
+
+    loop.add_reader(sock, read)
+    return got
+
+
 def _loop_with(gate: LoopGate, max_wait_s: float) -> asyncio.AbstractEventLoop:
     return asyncio.SelectorEventLoop(GatedSelector(gate, max_wait_s))
 
@@ -118,8 +147,7 @@ def test_ready_io_waits_for_the_engine_to_wait() -> None:
             time.sleep(0.2)
 
     try:
-        got: asyncio.Future[bytes] = loop.create_future()
-        loop.add_reader(a, lambda: got.done() or got.set_result(a.recv(1)))
+        got = _read_one(loop, a)
         t = threading.Thread(target=engine)
         loop.call_later(0.05, t.start)  # the loop is idle, in a blocking select, when it writes
         assert loop.run_until_complete(asyncio.wait_for(got, 10)) == b"x"
@@ -136,13 +164,6 @@ def test_ready_io_waits_for_the_engine_to_wait() -> None:
 def test_a_loop_in_the_middle_of_its_turn_is_not_held() -> None:
     """Only a loop woken from idle waits: a select with timeout 0 (callbacks queued) returns
     its ready I/O at once, however closed the gate."""
-
-    class Counted(LoopGate):
-        asked = 0  # calls of wait_turn
-
-        def wait_turn(self, max_wait_s: float) -> bool:
-            self.asked += 1
-            return super().wait_turn(max_wait_s)
 
     gate = Counted()
     gate.claim()
@@ -164,15 +185,15 @@ def test_a_loop_in_the_middle_of_its_turn_is_not_held() -> None:
 def test_a_host_bound_engine_still_lets_the_loop_in() -> None:
     """The gate never opens (an engine that never waits): the loop's turn starts after its
     bound, not never."""
-    gate = LoopGate()
+    gate = Counted()
     gate.claim()
     loop = _loop_with(gate, max_wait_s=0.01)
     a, b = socket.socketpair()
     try:
-        got: asyncio.Future[bytes] = loop.create_future()
-        loop.add_reader(a, lambda: got.done() or got.set_result(a.recv(1)))
+        got = _read_one(loop, a)
         loop.call_later(0.05, b.send, b"y")  # to a loop idle in a blocking select
         assert loop.run_until_complete(asyncio.wait_for(got, 10)) == b"y"
+        assert gate.answers == [False]  # it waited for the gate, which stayed closed
     finally:
         loop.close()
         a.close()
@@ -214,28 +235,88 @@ def test_an_idle_engine_opens_it_and_a_stepping_one_closes_it(tiny_dir: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("value", "device", "on"),
-    [(None, "cuda", False), ("0", "cuda", False), ("1", "cuda", True), ("1", "cpu", False)],
+    ("value", "event_loop", "answer"),
+    [
+        (None, "asyncio", False),
+        ("0", "uvloop", False),
+        ("1", "asyncio", True),
+        ("yes", "asyncio", "expected 0 or 1"),
+        ("1", "uvloop", "gates asyncio's loop"),
+    ],
 )
-def test_it_is_off_unless_asked_for_on_a_gpu(
-    monkeypatch: pytest.MonkeyPatch, value: str | None, device: str, on: bool
+def test_the_setting(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, event_loop: str, answer: bool | str
 ) -> None:
     if value is None:
         monkeypatch.delenv(loop_gate.ENV, raising=False)
     else:
         monkeypatch.setenv(loop_gate.ENV, value)
-    assert loop_gate.wanted(device) is on
+    if isinstance(answer, str):
+        with pytest.raises(ValueError, match=answer):
+            loop_gate.requested(event_loop)
+    else:
+        assert loop_gate.requested(event_loop) is answer
 
 
 def test_a_bad_setting_stops_a_worker_before_it_binds(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from pdserve.config import EngineConfig, ModelSpec, ServerConfig
-    from pdserve.worker.process import run_server
+    from pdserve.worker import process
 
+    def no_bind(host: str, port: int) -> object:
+        raise AssertionError("bound before the settings were checked")
+
+    monkeypatch.setattr(process, "bind", no_bind)
     monkeypatch.setenv(loop_gate.ENV, "yes")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
-        loop_gate.wanted("cuda")
     spec = ModelSpec(path=str(tmp_path / "none"), name="none")
-    # port 1: binding it would fail too, but with a different message, after this check
-    assert run_server(ServerConfig(engine=EngineConfig(model=spec), port=1)) == 2
+    assert process.run_server(ServerConfig(engine=EngineConfig(model=spec))) == 2
+    assert "expected 0 or 1" in caplog.text
+
+
+def test_a_gpu_worker_installs_it_and_releases_it_when_the_engine_dies(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """The wiring, off a GPU: the server hands the gate to its engine, whose thread claims it
+    (and gpu_wait's waits on that thread open it); a fatal error opens it for good."""
+    import torch
+
+    from pdserve.config import EngineConfig, ModelSpec, ServerConfig
+    from pdserve.worker.process import Server
+
+    monkeypatch.setenv(loop_gate.ENV, "1")
+    monkeypatch.setenv("PDSERVE_EVENT_LOOP", "asyncio")
+    server = Server(ServerConfig(engine=EngineConfig(model=ModelSpec(str(tiny_dir), "tiny"))))
+    assert server.install_loop_gate() is None  # its engine is on the CPU
+    monkeypatch.setattr(server.engine.pool, "device", torch.device("cuda"))
+    gate = server.install_loop_gate()
+    assert gate is not None and server.engine.loop_gate is gate
+    try:
+        server.engine.tick()  # idle: claims it, and its wait for the inbox opened it
+        assert gate.owner == threading.get_ident() and not gate.wait_turn(0)
+        e = Watched(gate, 2)
+        gpu_wait.wait_event(e, "a step")  # this (the engine's) thread's GPU waits open it
+        assert e.open_at_query == [False, True, True]
+        server._on_fatal("the engine thread died")
+        assert gate.wait_turn(0) and gate.owner is None
+        gate.claim()  # a tick after that cannot close it again
+        assert gate.wait_turn(0)
+    finally:
+        gpu_wait.open_while_waiting(None)
+
+
+def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How a worker's loop gets its GatedSelector (runtime/evloop.py)."""
+    from pdserve.runtime import evloop
+
+    made: list[selectors.BaseSelector] = []
+
+    def selector() -> selectors.BaseSelector:
+        made.append(selectors.DefaultSelector())
+        return made[-1]
+
+    async def its_selector() -> object:
+        return getattr(asyncio.get_running_loop(), "_selector", None)
+
+    monkeypatch.setenv(evloop.ENV, "asyncio")
+    assert evloop.run(its_selector(), selector=selector) is made[0]
