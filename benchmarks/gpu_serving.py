@@ -76,17 +76,39 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def engine_itl(url: str) -> tuple[float, float]:
-    """(sum of seconds, count) of a worker's own inter-token gaps, from its /metrics: the
-    engine's side of the ITL, before any HTTP."""
+def worker_counts(url: str) -> dict[str, float]:
+    """A worker's own counters, from its /metrics: its inter-token gaps (`itl_sum` seconds,
+    `itl_count`: the engine's side of the ITL, before any HTTP) and its loop gate's turns
+    (`gate_open`, `gate_bound`, `gate_wait_s`; absent without a gate)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    got = {}
+    names = {
+        "pdserve_inter_token_latency_seconds_sum": "itl_sum",
+        "pdserve_inter_token_latency_seconds_count": "itl_count",
+        'pdserve_loop_gate_turns_total{start="engine_waiting"}': "gate_open",
+        'pdserve_loop_gate_turns_total{start="bound"}': "gate_bound",
+        "pdserve_loop_gate_wait_seconds_total": "gate_wait_s",
+    }
+    got: dict[str, float] = {}
     for line in text.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"pdserve_inter_token_latency_seconds_{part} "):
-                got[part] = float(line.split()[1])
-    return got.get("sum", 0.0), got.get("count", 0.0)
+        name, _, value = line.rpartition(" ")
+        if name in names:
+            got[names[name]] = float(value)
+    return got
+
+
+def gate_turns(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """The loop gate over a run: the loop's turns that waited for it, the share of them that
+    started at their bound (the engine never waited meanwhile), and their mean wait."""
+    if "gate_open" not in after:
+        return None
+    delta = {k: after[k] - before.get(k, 0.0) for k in ("gate_open", "gate_bound", "gate_wait_s")}
+    turns = delta["gate_open"] + delta["gate_bound"]
+    return {
+        "turns": int(turns),
+        "bound_share": round(delta["gate_bound"] / turns, 3) if turns else None,
+        "wait_ms": round(delta["gate_wait_s"] / turns * 1e3, 3) if turns else None,
+    }
 
 
 def bench(
@@ -108,12 +130,12 @@ def bench(
         "--processes", str(min(args.bench_processes, conc)),
     ]  # fmt: skip
     before = {p: read_tree_cpu(pid) for p, pid in procs.items()}
-    itl_before = engine_itl(decode_url)
+    counts_before = worker_counts(decode_url)
     client_before = _children_cpu_s()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
     after = {p: read_tree_cpu(pid) for p, pid in procs.items()}
-    itl_after = engine_itl(decode_url)
-    gaps = itl_after[1] - itl_before[1]
+    counts_after = worker_counts(decode_url)
+    gaps = counts_after.get("itl_count", 0.0) - counts_before.get("itl_count", 0.0)
     client_s = _children_cpu_s() - client_before
     if done.returncode != 0:
         raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -134,12 +156,16 @@ def bench(
         # the client's mean gap beside the engine's own (its /metrics, warm-up included): equal
         # when every gap is the engine's tick, larger when the serving path delays tokens
         "itl_mean_ms": round(s["itl_ms"]["mean"], 3),
-        "engine_itl_mean_ms": round((itl_after[0] - itl_before[0]) / gaps * 1e3, 3)
+        "engine_itl_mean_ms": round(
+            (counts_after.get("itl_sum", 0.0) - counts_before.get("itl_sum", 0.0)) / gaps * 1e3, 3
+        )
         if gaps
         else None,
         # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
         "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
+        # with the loop gate on (pdserve/runtime/loop_gate.py): how the loop's turns started
+        "gate_turns": gate_turns(counts_before, counts_after),
     }
 
 

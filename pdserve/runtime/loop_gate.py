@@ -28,7 +28,8 @@ waits for a device, so the loop would only ever get in at its bound), on asyncio
 (uvloop has no selector to gate) and Python 3.11+ (asyncio.Runner). Its effect on the served
 ITL is not measured yet (no GPU was lent after it was written): runs of
 `benchmarks/gpu_serving.py --loop-gate 1` and `--loop-gate 0`, alternated, will tell, TTFT
-and end-to-end latency included.
+and end-to-end latency included, with each row's `gate_turns` (from the counts on /metrics:
+how many of the loop's turns started in an engine wait, how many at the bound).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ import asyncio
 import os
 import selectors
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 # How long a loop with I/O ready waits for the engine to yield, at most: about one decode
 # step, so a reply or a write is late by a step at worst while the engine is host-bound.
@@ -71,6 +76,12 @@ class LoopGate:
         self._open.set()  # nothing is running yet
         self.owner: int | None = None  # the engine thread, once it ticks
         self._released = False
+        # The loop's turns that waited for the gate (written by the loop's thread only): those
+        # that found it open or saw it open, those that started at their bound, and the
+        # seconds they waited. On /metrics (`register`): whether the gate does what it is for.
+        self.turns_open = 0
+        self.turns_bound = 0
+        self.waited_s = 0.0
 
     def claim(self) -> None:
         """The calling thread is the engine's: only its waits open the gate; it is busy now
@@ -101,8 +112,39 @@ class LoopGate:
                 self._open.clear()
 
     def wait_turn(self, max_wait_s: float) -> bool:
-        """Until the engine waits, or `max_wait_s`: whether it was open."""
-        return self._open.wait(max_wait_s)
+        """Until the engine waits, or `max_wait_s`: whether it was open (counted)."""
+        if self._open.is_set():
+            self.turns_open += 1
+            return True
+        start = time.monotonic()
+        opened = self._open.wait(max_wait_s)
+        self.waited_s += time.monotonic() - start
+        if opened:
+            self.turns_open += 1
+        else:
+            self.turns_bound += 1
+        return opened
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Its counts on `registry` (a worker's /metrics)."""
+        registry.register(self)
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return self.collect()
+
+    def collect(self) -> list[CounterMetricFamily]:
+        turns = CounterMetricFamily(
+            "pdserve_loop_gate_turns",
+            "Event-loop turns that waited for the loop gate, by how they started",
+            labels=["start"],
+        )
+        turns.add_metric(["engine_waiting"], self.turns_open)
+        turns.add_metric(["bound"], self.turns_bound)
+        waited = CounterMetricFamily(
+            "pdserve_loop_gate_wait_seconds", "Seconds the event loop waited for the loop gate"
+        )
+        waited.add_metric([], self.waited_s)
+        return [turns, waited]
 
 
 class GatedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]

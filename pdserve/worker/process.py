@@ -128,6 +128,7 @@ class Server:
             log.info("loop gate off: the engine is not on a GPU, it never waits for one")
             return None
         gate = self.engine.loop_gate = LoopGate()
+        gate.register(self.engine.metrics.registry)  # /metrics: how the loop's turns started
         log.info("loop gate on: the event loop starts its turns while the engine waits")
         return gate
 

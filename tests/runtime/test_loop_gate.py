@@ -291,6 +291,7 @@ def test_a_gpu_worker_installs_it_and_releases_it_when_the_engine_dies(
     monkeypatch.setattr(server.engine.pool, "device", torch.device("cuda"))
     gate = server.install_loop_gate()
     assert gate is not None and server.engine.loop_gate is gate
+    assert b"pdserve_loop_gate_turns_total" in server.engine.metrics.render()
     try:
         server.engine.tick()  # idle: claims it, and its wait for the inbox opened it
         assert gate.owner == threading.get_ident() and not gate.wait_turn(0)
@@ -320,3 +321,22 @@ def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv(evloop.ENV, "asyncio")
     assert evloop.run(its_selector(), selector=selector) is made[0]
+
+
+def test_its_turns_are_counted_on_metrics() -> None:
+    """Whether the loop's turns started while the engine waited or at their bound, and how
+    long they waited: what a served run reads to tell whether the gate does its job."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    gate = LoopGate()
+    gate.claim()
+    assert not gate.wait_turn(0.001)  # the engine never waited: the bound
+    with gate.waiting():
+        assert gate.wait_turn(0.001)
+    registry = CollectorRegistry()
+    gate.register(registry)
+    lines = generate_latest(registry).decode().splitlines()
+    assert 'pdserve_loop_gate_turns_total{start="engine_waiting"} 1.0' in lines
+    assert 'pdserve_loop_gate_turns_total{start="bound"} 1.0' in lines
+    waited = [x for x in lines if x.startswith("pdserve_loop_gate_wait_seconds_total ")]
+    assert len(waited) == 1 and float(waited[0].split()[1]) >= 0.001
