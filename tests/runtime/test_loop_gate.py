@@ -304,6 +304,7 @@ def test_a_gpu_worker_installs_it_and_releases_it_when_the_engine_dies(
         assert gate.wait_turn(0)
     finally:
         gpu_wait.open_while_waiting(None)
+        server.api.close()  # its tokenizer pool
 
 
 def test_asyncios_loop_polls_with_the_selector_given(monkeypatch: pytest.MonkeyPatch) -> None:
