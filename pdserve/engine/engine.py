@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -240,10 +241,9 @@ class Engine:
         try:
             if wait_s <= 0:
                 cmd = self.inbox.get_nowait()
-            elif self.loop_gate is None:
-                cmd = self.inbox.get(timeout=wait_s)
             else:  # the worker's loop may run while this thread blocks (runtime/loop_gate.py)
-                with self.loop_gate.waiting():
+                gate = self.loop_gate
+                with nullcontext() if gate is None else gate.waiting():
                     cmd = self.inbox.get(timeout=wait_s)
         except queue.Empty:
             return

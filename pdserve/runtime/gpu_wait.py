@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Protocol
 
 from pdserve.runtime.loop_gate import LoopGate
@@ -49,17 +50,10 @@ def wait_event(event: Event, what: str, timeout_s: float = GPU_WAIT_TIMEOUT_S) -
     deadline = start + timeout_s
     gate: LoopGate | None = getattr(_clock, "gate", None)
     try:
-        if gate is None:
-            _poll(event, what, deadline, timeout_s)
-        else:
-            with gate.waiting():
-                _poll(event, what, deadline, timeout_s)
+        with nullcontext() if gate is None else gate.waiting():
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
+                time.sleep(0)
     finally:
         _clock.waited = waited_s() + time.monotonic() - start
-
-
-def _poll(event: Event, what: str, deadline: float, timeout_s: float) -> None:
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
-        time.sleep(0)
