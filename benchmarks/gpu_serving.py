@@ -22,6 +22,14 @@ figure includes its own start (interpreter, imports): high on short runs. Writes
     python benchmarks/gpu_serving.py --model builtin:llama3.2-1b-shape --out /tmp/serving
     python benchmarks/gpu_serving.py --device cpu --model builtin:tiny --clusters colocated \
         --concurrency 4 --num-prompts 8 --input-len 16 --output-len 8     # a CPU smoke run
+    python benchmarks/gpu_serving.py --device cpu --dtype float32 --model builtin:tiny \
+        --clusters colocated,colocated-engproc --sim-step-ms 1.5 --concurrency 32 \
+        --num-prompts 512 --kv-budget-mb 256          # a CPU lab: a simulated 1.5 ms step
+
+With --sim-step-ms the workers run no model (benchmarks/sim_device.py): each step "runs" that
+long on a simulated device while the engine thread waits as it waits for a GPU, so the served
+ITL against the simulated step shows what the serving path adds to a tick whose host share
+is the engine's own.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.launched import wait_healthy  # noqa: E402
 from benchmarks.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
+from benchmarks.sim_device import HOST_ENV, SIM_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
@@ -57,6 +66,10 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         topology += ["--gpus", "none"]
     if "-perreq" in name:  # the router's old way: one /generate stream per request
         topology += ["--worker-streams", "per-request"]
+    if "-engproc" in name:  # each worker's engine in a process of its own
+        topology.append("--engine-process")
+    if args.sim_step_ms and "-plain" not in name:  # sim_device.py: the CPU lab overlaps too
+        topology.append("--overlap-schedule")
     cmd = [
         sys.executable, "-m", "pdserve", "launch", *topology,
         "--port", str(port),
@@ -72,6 +85,12 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
     if args.loop_gate is not None:  # the workers' loop gate (pdserve/runtime/loop_gate.py)
         env["PDSERVE_LOOP_GATE"] = args.loop_gate
+    if args.sim_step_ms:
+        env[SIM_ENV] = str(args.sim_step_ms)
+        env[HOST_ENV] = str(args.sim_host_us)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT / "benchmarks" / "simdevice"), env.get("PYTHONPATH")])
+        )
     log = (out / f"{name}-launch.log").open("wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
@@ -225,8 +244,9 @@ def main() -> int:
     ap.add_argument(
         "--clusters",
         default="colocated,1p1d",
-        help="of colocated, 1p1d, either with -plain (no overlapped scheduling) and 1p1d with "
-        "-shared (--gpus none: both workers on one GPU)",
+        help="of colocated, 1p1d, either with -plain (no overlapped scheduling), -perreq (a "
+        "stream per request) or -engproc (--engine-process), and 1p1d with -shared (--gpus "
+        "none: both workers on one GPU)",
     )
     ap.add_argument("--concurrency", default="1,32,128")
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -241,6 +261,19 @@ def main() -> int:
         choices=["0", "1"],
         default=None,
         help="PDSERVE_LOOP_GATE for the workers (default: as this process has it)",
+    )
+    ap.add_argument(
+        "--sim-step-ms",
+        type=float,
+        default=0.0,
+        help="a CPU lab: no model, each step takes this long on a simulated device "
+        "(benchmarks/sim_device.py; with --device cpu)",
+    )
+    ap.add_argument(
+        "--sim-host-us",
+        type=float,
+        default=0.0,
+        help="with --sim-step-ms: extra host work (a GIL-holding spin) per chunk of a step",
     )
     ap.add_argument("--router-processes", type=int, default=1, help="launch --router-processes")
     ap.add_argument("--bench-processes", type=int, default=1, help="pdserve bench --processes")
@@ -267,7 +300,9 @@ def main() -> int:
             )
             for conc in args.concurrency:
                 row = bench(url, name, conc, args, out, procs, decode_url)
-                rows.append({**row, "placement": where, "loop_gate": gate})
+                sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
+                row.update(placement=where, loop_gate=gate, sim=sim if args.sim_step_ms else None)
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop(proc)

@@ -2,6 +2,7 @@
 in-process engine on the same device, 64 concurrent mixed-length greedy requests.
 
     python benchmarks/pd_cuda.py --model builtin:tiny --device cuda --dtype float32
+    python benchmarks/pd_cuda.py --engine-process     # each worker's engine in its own process
 
 Prints how many of the 64 texts match exactly, the cluster's wall time for the batch and the
 KV bytes moved; exits non-zero on any mismatch.
@@ -47,6 +48,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--backend", default="tcp", choices=["tcp", "nixl"])
+    ap.add_argument("--engine-process", action="store_true", help="as `serve`'s, for both workers")
     args = ap.parse_args()
     path = resolve_model(args.model)
     g = torch.Generator().manual_seed(5)
@@ -71,7 +74,7 @@ def main() -> int:
             "--decode",
             "1",
             "--backend",
-            "tcp",
+            args.backend,
             "--model",
             str(path),
             "--served-model-name",
@@ -88,6 +91,7 @@ def main() -> int:
             "1024",
             "--log-dir",
             str(log_dir),
+            *(["--engine-process"] if args.engine_process else []),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -140,6 +144,8 @@ def main() -> int:
                     "model": args.model,
                     "device": args.device,
                     "dtype": args.dtype,
+                    "backend": args.backend,
+                    "engine_process": args.engine_process,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",
                     "batch_wall_s": round(wall, 2),

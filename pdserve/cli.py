@@ -156,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
+        engine_process=args.engine_process,
     )
     from pdserve.transfer.nixl import BackendUnavailable
 

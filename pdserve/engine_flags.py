@@ -93,6 +93,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "for CUDA, off on a CPU)",
     )
     g.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine, its role and their threads in a process of their own, apart "
+        "from the HTTP server's event loop (no GIL shared between them)",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=256,

@@ -15,21 +15,17 @@ import os
 import socket
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from pdserve.config import ServerConfig
-from pdserve.engine.engine import Engine
 from pdserve.frontend.api import OpenAIApi, error_response, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.messages import Msg, Send
 from pdserve.runtime import evloop, loop_gate
-from pdserve.runtime.cluster_key import ClusterKey
-from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.loop_gate import GatedSelector, LoopGate
 from pdserve.runtime.ready import announce_ready
@@ -37,7 +33,6 @@ from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
     ABORT_GRACE_S,
     DRAIN_S,
-    ENGINE_HEARTBEAT_S,
     HANDLERS_STOP_S,
     THREADS_STOP_S,
 )
@@ -46,13 +41,9 @@ from pdserve.server.auth import Gate
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import Listener, bind, bind_error
 from pdserve.server.stopping import Stop, in_thread
-from pdserve.transfer.control import Control, Inbound
-from pdserve.transfer.copier import Copier
-from pdserve.transfer.receiver import needs_shared_pool
 from pdserve.worker.api import WorkerApi
-from pdserve.worker.decode import DecodeRole
-from pdserve.worker.prefill import PrefillRole
-from pdserve.worker.roles import SendFailed
+from pdserve.worker.engine_client import CLOSE_TIMEOUT_S, EngineClient, EngineStartFailed
+from pdserve.worker.engine_host import LocalEngine, require_key
 
 log = logging.getLogger(__name__)
 
@@ -69,52 +60,23 @@ class Server:
         self.listener: Listener | None = None
         self.supervisor = Supervisor(on_fatal=self._on_fatal)
         # First, before any model is loaded: a worker without its key cannot serve.
-        self.key = ClusterKey.from_env(cfg.cluster_key_file)
-        if self.key is None and cfg.role != "colocated":
-            raise ValueError(
-                f"a {cfg.role} worker needs the cluster key: --cluster-key-file FILE or "
-                "$PDSERVE_CLUSTER_KEY_FILE (`pdserve keygen --out FILE` makes one; "
-                "`pdserve launch` makes one per cluster)"
-            )
+        self.key = require_key(cfg)
         self.tokenizer = Tokenizer.from_dir(Path(cfg.engine.model.path))
         eos = self.tokenizer.eos_token_ids
-        self.control: Control | None = None
-        self.copier: Copier | None = None
-        info: dict[str, Any] = {"pid": os.getpid()}
-        self.engine: Engine
-        if cfg.role == "colocated":
-            self.engine = Engine.build(cfg.engine, eos)
+        self.host: LocalEngine | EngineClient
+        if cfg.engine_process:  # the model loads there; this waits until it is ready
+            self.host = EngineClient(cfg, eos, torch.get_num_threads())
         else:
-            identity = f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            assert self.key is not None  # checked above for every role but colocated
-            self.control = Control(identity, self._to_engine, self._send_failed, self.key)
-            if cfg.role == "prefill":
-                self.engine = Engine.build(cfg.engine, eos)
-                info["control"] = self.control.bind(cfg.host, cfg.control_port)
-                self.copier = Copier()
-                role = PrefillRole(self.engine, identity, self.control, self.copier)
-                self.engine.attach(role, self._send)
-            else:
-                shared = needs_shared_pool(cfg.backend)
-                self.engine = Engine.build(cfg.engine, eos, shared_pool=shared)
-                d_role = DecodeRole(
-                    self.engine, identity, cfg.backend, self.control, self.control.forget
-                )
-                self.engine.attach(d_role, self._send)
-            info.update(identity=identity, backend=cfg.backend)
+            self.host = LocalEngine(cfg, eos)
+        engine = self.host.frontend
         self.api = OpenAIApi(
-            self.engine,
+            engine,
             self.tokenizer,
             cfg.engine.model.name,
-            self.engine.max_model_len,
+            engine.max_model_len,
             cfg.engine.request_timeout_s,
         )
-        self.worker_api = WorkerApi(
-            self.engine,
-            cfg.role,
-            cfg.engine.model.name,
-            {"layout": self.engine.pool.layout.to_dict(), **info},
-        )
+        self.worker_api = WorkerApi(engine, cfg.role, cfg.engine.model.name, self.host.info)
         self.admission = Admission(cfg.max_queue)
         self.started = time.monotonic()
 
@@ -124,45 +86,34 @@ class Server:
         engine thread claims it at its first tick."""
         if not loop_gate.requested(evloop.chosen(WORKER_LOOP)):
             return None
-        if self.engine.pool.device.type != "cuda":
+        if not isinstance(self.host, LocalEngine):
+            log.info("loop gate off: the engine runs in a process of its own")
+            return None
+        engine = self.host.engine
+        if engine.pool.device.type != "cuda":
             log.info("loop gate off: the engine is not on a GPU, it never waits for one")
             return None
-        gate = self.engine.loop_gate = LoopGate()
-        gate.register(self.engine.metrics.registry)  # /metrics: how the loop's turns started
+        gate = engine.loop_gate = LoopGate()
+        gate.register(engine.metrics.registry)  # /metrics: how the loop's turns started
         log.info("loop gate on: the event loop starts its turns while the engine waits")
         return gate
 
-    def _to_engine(self, inbound: Inbound) -> None:
-        self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
-        self.engine.inbox.put(inbound)
-
-    def _send(self, out: Send) -> None:
-        assert self.control is not None  # only a prefill or decode role sends
-        self.control.send(out.peer, out.msg, out.frames)
-
-    def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
-        self.engine.inbox.put(SendFailed(peer, msg, why))
-
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
-        engine = getattr(self, "engine", None)
-        if engine is not None and engine.loop_gate is not None:  # no waiting for a dead engine
-            engine.loop_gate.release()
+        self._release_gate()
         loop, stop = getattr(self, "_loop", None), self._stop
         if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.request, f"fatal: {why}")
 
+    def _release_gate(self) -> None:
+        """No waiting for an engine that stopped or died (runtime/loop_gate.py)."""
+        host = getattr(self, "host", None)
+        if isinstance(host, LocalEngine) and host.engine.loop_gate is not None:
+            host.engine.loop_gate.release()
+
     # -- endpoints ------------------------------------------------------------------------
     def problems(self) -> list[str]:
-        out = self.supervisor.problems()
-        stale = time.monotonic() - self.engine.last_tick
-        if stale > ENGINE_HEARTBEAT_S:
-            out.append(f"engine loop has not ticked for {stale:.1f}s")
-        overdue = self.engine.overdue
-        if overdue:
-            more = f" (and {len(overdue) - 1} more)" if len(overdue) > 1 else ""
-            out.append(f"past its deadline and not ended: {overdue[0]}{more}")
-        return out
+        return self.supervisor.problems() + self.host.problems()
 
     async def health(self, request: web.Request) -> web.Response:
         problems = self.problems()
@@ -172,9 +123,11 @@ class Server:
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.engine.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
-        )
+        try:
+            body = await self.host.metrics_text()
+        except (TimeoutError, ConnectionError) as e:
+            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def debug_state(self, request: web.Request) -> web.Response:
         state: dict[str, Any] = {
@@ -187,8 +140,9 @@ class Server:
             "output_channels": self.worker_api.channels.snapshot(),
         }
         try:
-            state["engine"] = await asyncio.to_thread(self.engine.snapshot, 2.0)
-        except TimeoutError:
+            state["engine"], engine_threads = await self.host.state()
+            state["threads"] += engine_threads  # the engine process's, if it has its own
+        except (TimeoutError, ConnectionError):
             state["engine"] = {"error": "the engine thread did not answer within 2 s"}
         return web.json_response(state)
 
@@ -196,8 +150,8 @@ class Server:
         """At quiescence: no live request, every page free, every thread alive and fresh. At any
         time: every page's reference count equals the number of live leases holding it."""
         try:
-            eng = await asyncio.to_thread(self.engine.snapshot, 2.0)
-        except TimeoutError:
+            eng, _ = await self.host.state()
+        except (TimeoutError, ConnectionError):
             return web.json_response({"ok": False, "violations": ["engine not answering"]})
         violations = list(self.problems())
         pool = eng["pool"]
@@ -227,7 +181,10 @@ class Server:
         return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
 
     async def debug_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(FAULTS.snapshot())
+        try:
+            return web.json_response(await self.host.faults())
+        except (TimeoutError, ConnectionError) as e:
+            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
 
     async def set_faults(self, request: web.Request) -> web.Response:
         """{"spec": "point=action...", "seed": 0} replaces every fault point; "" clears them."""
@@ -250,10 +207,11 @@ class Server:
                 ApiError(400, 'expected {"spec": str, "seed": int}', code="bad_fault_request")
             )
         try:
-            FAULTS.configure(spec, seed)
+            return web.json_response(await self.host.faults(spec, seed))
         except ValueError as e:
             return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
-        return web.json_response(FAULTS.snapshot())
+        except (TimeoutError, ConnectionError) as e:
+            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
 
     def app(self, listener: Listener | None = None) -> web.Application:
         # The listener's middleware is the outermost (a connection is busy for all of a
@@ -288,11 +246,10 @@ class Server:
         stop = self._stop = Stop()
         stop.install(self._loop)
         self.listener = listener
-        self.supervisor.spawn("engine", self.engine.tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
-        if self.control is not None:
-            self.supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
-        if self.copier is not None:
-            self.supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
+        if isinstance(self.host, EngineClient):
+            self.host.attach(self._loop, self._on_fatal)
+        else:
+            self.host.start(self.supervisor)
         runner = await listener.serve(self.app(listener))
         url = f"http://{self.cfg.host}:{listener.port}"
         freeze_startup_heap()  # no full GC pass over the model and libraries while serving
@@ -310,18 +267,17 @@ class Server:
                 in_thread(lambda: self.supervisor.stop(timeout_s=THREADS_STOP_S)),
                 THREADS_STOP_S + 1.0,
             )
-        if self.engine.loop_gate is not None:  # the engine thread stopped, or never will
-            self.engine.loop_gate.release()
+        self._release_gate()  # the engine thread stopped, or never will
         code = stop.exit_code
         if code is not None:  # forced: leave the threads and sockets to the process's end
             self.forced = True
             log.warning("stopped at once: %d connections dropped", len(listener.connections))
             return code
-        if stuck == []:  # the engine thread no longer touches the transfer agents
-            self.engine.role.settle()
-        if self.control is not None:
-            self.control.close()
-        self.engine.pool.close()
+        # The engine process's threads stop now, behind this process's (it has none of them).
+        stuck = await stop.unless_forced(self.host.close(stuck), CLOSE_TIMEOUT_S)
+        if stop.exit_code is not None:
+            self.forced = True
+            return stop.exit_code
         if stuck is None or stuck:
             log.error("threads did not stop in time: %s", stuck or "the supervisor did not answer")
         return 1 if self.fatal or stuck is None or stuck else 0
@@ -346,7 +302,7 @@ class Server:
         )
 
         def idle() -> bool:
-            return listener.busy == 0 and not self.engine.has_work()
+            return listener.busy == 0 and not self.host.has_work()
 
         if await stop.drain(idle, drain_timeout_s) or stop.forced.is_set():
             return
@@ -387,6 +343,11 @@ def run_server(cfg: ServerConfig) -> int:
         return 2
     try:
         server = Server(cfg)
+    except EngineStartFailed as e:  # it said why in the log we share
+        log.error("%s", e)
+        for s in sockets:
+            s.close()
+        return e.code
     except BaseException:
         for s in sockets:
             s.close()
@@ -402,7 +363,7 @@ def run_server(cfg: ServerConfig) -> int:
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")
     sys.stdout.flush()
-    if server.forced or server.engine.role.hard_exit:
+    if server.forced or server.host.hard_exit:
         # Forced: stop now, without joining threads (the engine may be mid-step). NIXL: do
         # not let the interpreter destroy the agent: UCX aborts the process (an assertion)
         # when it tears down an endpoint that still has requests queued for a peer that is

@@ -288,12 +288,12 @@ def test_a_gpu_worker_installs_it_and_releases_it_when_the_engine_dies(
     monkeypatch.setenv("PDSERVE_EVENT_LOOP", "asyncio")
     server = Server(ServerConfig(engine=EngineConfig(model=ModelSpec(str(tiny_dir), "tiny"))))
     assert server.install_loop_gate() is None  # its engine is on the CPU
-    monkeypatch.setattr(server.engine.pool, "device", torch.device("cuda"))
+    monkeypatch.setattr(server.host.engine.pool, "device", torch.device("cuda"))
     gate = server.install_loop_gate()
-    assert gate is not None and server.engine.loop_gate is gate
-    assert b"pdserve_loop_gate_turns_total" in server.engine.metrics.render()
+    assert gate is not None and server.host.engine.loop_gate is gate
+    assert b"pdserve_loop_gate_turns_total" in server.host.engine.metrics.render()
     try:
-        server.engine.tick()  # idle: claims it, and its wait for the inbox opened it
+        server.host.engine.tick()  # idle: claims it, and its wait for the inbox opened it
         assert gate.owner == threading.get_ident() and not gate.wait_turn(0)
         e = Watched(gate, 2)
         gpu_wait.wait_event(e, "a step")  # this (the engine's) thread's GPU waits open it

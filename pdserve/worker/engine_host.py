@@ -1,0 +1,202 @@
+"""The engine of a worker with its role: built, its threads started, watched and closed.
+
+`LocalEngine` is what runs the requests of one worker: the `Engine` and, for a prefill or
+decode worker, its role (worker/prefill.py, worker/decode.py), the ZMQ control socket and the
+data-plane copier. It runs either inside the worker process, beside the event loop, or alone
+in the engine process (`serve --engine-process`, worker/engine_process.py); the worker's
+server (worker/process.py) reaches it directly or through `EngineClient`
+(worker/engine_client.py), which offer it the same `EngineHost` surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pdserve.config import ServerConfig
+from pdserve.engine.engine import Engine
+from pdserve.protocol.messages import Msg, Send
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.faults import FAULTS
+from pdserve.runtime.supervisor import Supervisor
+from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
+from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.copier import Copier
+from pdserve.transfer.receiver import needs_shared_pool
+from pdserve.worker.decode import DecodeRole
+from pdserve.worker.prefill import PrefillRole
+from pdserve.worker.roles import SendFailed
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost(Protocol):
+    """What the worker's server needs of its engine, wherever it runs."""
+
+    info: dict[str, Any]  # what /info adds: the KV layout, the role's identity and address
+    hard_exit: bool  # the process must leave with os._exit (worker/process.py says why)
+
+    @property
+    def frontend(self) -> Any:
+        """validate/submit/abort, cfg, max_model_len, vocab_size: the APIs' backend."""
+
+    @property
+    def device_type(self) -> str: ...
+
+    def problems(self) -> list[str]: ...
+
+    def has_work(self) -> bool: ...
+
+    async def state(self) -> tuple[dict[str, Any], list[dict[str, object]]]:
+        """The engine's snapshot (TimeoutError if it does not answer) and the threads of the
+        engine's process, if it has its own."""
+
+    async def metrics_text(self) -> bytes: ...
+
+    async def faults(self, spec: str | None = None, seed: int = 0) -> dict[str, object]:
+        """The fault points; with `spec`, set first (ValueError: a bad spec, nothing set)."""
+
+    async def close(self, stuck: list[str] | None) -> list[str] | None:
+        """After the worker's own threads stopped (`stuck`: those that did not, None if
+        unknown): the engine's threads stopped too and its pool closed; all that did not stop."""
+
+
+def require_key(cfg: ServerConfig) -> ClusterKey | None:
+    """The cluster key; a prefill or decode worker without one cannot serve (ValueError)."""
+    key = ClusterKey.from_env(cfg.cluster_key_file)
+    if key is None and cfg.role != "colocated":
+        raise ValueError(
+            f"a {cfg.role} worker needs the cluster key: --cluster-key-file FILE or "
+            "$PDSERVE_CLUSTER_KEY_FILE (`pdserve keygen --out FILE` makes one; "
+            "`pdserve launch` makes one per cluster)"
+        )
+    return key
+
+
+class LocalEngine:
+    """The engine and its role in this process; `start` runs their threads under a supervisor."""
+
+    def __init__(self, cfg: ServerConfig, eos_token_ids: frozenset[int]) -> None:
+        key = require_key(cfg)
+        self.cfg = cfg
+        self.control: Control | None = None
+        self.copier: Copier | None = None
+        self.info: dict[str, Any] = {"pid": os.getpid()}
+        self.engine: Engine
+        if cfg.role == "colocated":
+            self.engine = Engine.build(cfg.engine, eos_token_ids)
+        else:
+            identity = f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            assert key is not None  # require_key refuses a worker without one
+            self.control = Control(identity, self._to_engine, self._send_failed, key)
+            if cfg.role == "prefill":
+                self.engine = Engine.build(cfg.engine, eos_token_ids)
+                self.info["control"] = self.control.bind(cfg.host, cfg.control_port)
+                self.copier = Copier()
+                role = PrefillRole(self.engine, identity, self.control, self.copier)
+                self.engine.attach(role, self._send)
+            else:
+                shared = needs_shared_pool(cfg.backend)
+                self.engine = Engine.build(cfg.engine, eos_token_ids, shared_pool=shared)
+                d_role = DecodeRole(
+                    self.engine, identity, cfg.backend, self.control, self.control.forget
+                )
+                self.engine.attach(d_role, self._send)
+            self.info.update(identity=identity, backend=cfg.backend)
+        self.info["layout"] = self.engine.pool.layout.to_dict()
+
+    @property
+    def frontend(self) -> Engine:
+        return self.engine
+
+    @property
+    def device_type(self) -> str:
+        return self.engine.pool.device.type
+
+    @property
+    def hard_exit(self) -> bool:
+        return self.engine.role.hard_exit
+
+    def _to_engine(self, inbound: Inbound) -> None:
+        self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
+        self.engine.inbox.put(inbound)
+
+    def _send(self, out: Send) -> None:
+        assert self.control is not None  # only a prefill or decode role sends
+        self.control.send(out.peer, out.msg, out.frames)
+
+    def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
+        self.engine.inbox.put(SendFailed(peer, msg, why))
+
+    def start(self, supervisor: Supervisor, after_tick: Callable[[], None] | None = None) -> None:
+        """The engine, control and data-plane threads; `after_tick` runs after each of the
+        engine's ticks, on its thread (the engine process sends the tick's outputs there)."""
+        tick = self.engine.tick
+        if after_tick is not None:
+            engine_tick = tick
+
+            def tick() -> None:
+                try:
+                    engine_tick()
+                finally:
+                    after_tick()
+
+        supervisor.spawn("engine", tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
+        if self.control is not None:
+            supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
+        if self.copier is not None:
+            supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
+
+    def problems(self) -> list[str]:
+        """The engine's own: a loop that stopped ticking, requests past their deadline."""
+        out = []
+        stale = time.monotonic() - self.engine.last_tick
+        if stale > ENGINE_HEARTBEAT_S:
+            out.append(f"engine loop has not ticked for {stale:.1f}s")
+        overdue = self.engine.overdue
+        if overdue:
+            more = f" (and {len(overdue) - 1} more)" if len(overdue) > 1 else ""
+            out.append(f"past its deadline and not ended: {overdue[0]}{more}")
+        return out
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any]:
+        return self.engine.snapshot(timeout_s)
+
+    def metrics_bytes(self) -> bytes:
+        return self.engine.metrics.render()
+
+    def set_faults(self, spec: str | None, seed: int) -> dict[str, object]:
+        if spec is not None:
+            FAULTS.configure(spec, seed)
+        return FAULTS.snapshot()
+
+    async def state(self) -> tuple[dict[str, Any], list[dict[str, object]]]:
+        return await asyncio.to_thread(self.snapshot, 2.0), []
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics_bytes()
+
+    async def faults(self, spec: str | None = None, seed: int = 0) -> dict[str, object]:
+        return self.set_faults(spec, seed)
+
+    async def close(self, stuck: list[str] | None) -> list[str] | None:
+        """`close_now` (EngineHost's surface): the threads that did not stop in time."""
+        self.close_now(stuck)
+        return stuck
+
+    def close_now(self, stuck: list[str] | None) -> None:
+        """After the threads were stopped (`stuck`: those that did not stop in time, None if
+        unknown): settle the role, close the control socket and the pool."""
+        if stuck == []:  # the engine thread no longer touches the transfer agents
+            self.engine.role.settle()
+        if self.control is not None:
+            self.control.close()
+        self.engine.pool.close()
