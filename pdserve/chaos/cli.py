@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,11 @@ def add_chaos_command(sub: Any) -> None:
     )
     p.add_argument("--model", default=d.model, help="model of a launched cluster")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="launch every worker with --engine-process (its engine in a process of its own)",
+    )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per chat turn")
     p.add_argument("--abandon", type=float, default=d.abandon, help="chance to drop a stream")
     p.add_argument(
@@ -164,6 +169,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         backend=args.backend,
         model=args.model,
         threads=args.threads,
+        engine_process=args.engine_process,
         max_tokens=args.max_tokens,
         abandon=args.abandon,
         min_throughput_ratio=args.min_throughput_ratio,
@@ -288,6 +294,7 @@ class Runner:
         """Start a cluster for `spec`; whoever asked for it closes it."""
         self.launches += 1
         t0 = time.monotonic()
+        spec = replace(spec, engine_process=self.opts.engine_process)
         say(f"launching {spec.describe()}")
         log_dir = self.work / f"cluster-{self.launches}"
         cluster: Cluster

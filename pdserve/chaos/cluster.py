@@ -49,12 +49,14 @@ class ClusterSpec:
     worker_env: tuple[tuple[str, str, str], ...] = ()
     startup_timeout_s: float = 180.0
     debug_faults: bool = False  # workers take fault points at run time (POST /debug/faults)
+    engine_process: bool = False  # every worker's engine in a process of its own
 
     def describe(self) -> str:
         faults = dict(self.env).get("PDSERVE_FAULTS")
         extra = f", faults {faults}" if faults else ""
         extra += "".join(f", {n}: {k}={v}" for n, k, v in self.worker_env)
         extra += ", run-time faults" if self.debug_faults else ""
+        extra += ", engine processes" if self.engine_process else ""
         return f"{self.prefill}P+{self.decode}D {self.backend} {self.model}{extra}"
 
 
@@ -66,6 +68,7 @@ class WorkerRef:
     identity: str | None  # the control-plane identity (peers name each other by it)
     control: str | None  # a prefill worker's control address
     healthy: bool = True  # the router's last liveness check passed
+    engine_pid: int | None = None  # its engine process (`serve --engine-process`), if any
 
 
 class Cluster:
@@ -92,19 +95,25 @@ class Cluster:
                     info.get("identity"),
                     info.get("control"),
                     bool(w.get("healthy")),
+                    info.get("engine_pid"),
                 )
             )
         return out
 
     def send_signal(self, w: WorkerRef, sig: signal.Signals) -> float:
-        """Send `sig` to a worker by its pid (checked to be ours); the monotonic time sent."""
+        """Send `sig` to a worker by its pid (checked to be ours); the monotonic time sent. A
+        worker stopped or resumed is both of its processes: its engine process too."""
         t = time.monotonic()
-        try:
-            sent = w.pid is not None and signal_pdserve(w.pid, sig)
-        except ValueError:  # the router reported something that is not a pid
-            sent = False
-        if not sent:
-            raise ClusterError(f"worker {w.url}: pid {w.pid} is not a pdserve process here")
+        pids = [w.pid]
+        if sig in (signal.SIGSTOP, signal.SIGCONT) and w.engine_pid is not None:
+            pids.append(w.engine_pid)
+        for pid in pids:
+            try:
+                sent = pid is not None and signal_pdserve(pid, sig)
+            except ValueError:  # the router reported something that is not a pid
+                sent = False
+            if not sent:
+                raise ClusterError(f"worker {w.url}: pid {pid} is not a pdserve process here")
         return t
 
     def kill(self, w: WorkerRef) -> float:
@@ -113,6 +122,8 @@ class Cluster:
         assert w.pid is not None  # send_signal() checked it
         if wait_gone([w.pid], 10.0):
             raise ClusterError(f"worker {w.url} (pid {w.pid}) survived SIGKILL for 10 s")
+        if w.engine_pid is not None and wait_gone([w.engine_pid], 10.0):
+            raise ClusterError(f"worker {w.url}'s engine process outlived it for 10 s")
         return t
 
     def close(self) -> None:
@@ -168,6 +179,8 @@ class LaunchedCluster(Cluster):
         argv += ["--cluster-key-file", str(new_cluster_key(self.log_dir))]
         if s.debug_faults:
             argv.append("--debug-faults")
+        if s.engine_process:
+            argv.append("--engine-process")
         env = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

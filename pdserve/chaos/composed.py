@@ -95,6 +95,7 @@ class ComposedCluster(Cluster):
             argv += ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", s.model]
             argv += ["--backend", s.backend, "--threads", str(s.threads), *key]
             argv += ["--control-port", "0"] if role == "prefill" else []
+            argv += ["--engine-process"] if s.engine_process else []
             self.procs.append(_Proc(name, argv, {**base, **own}, self.log_dir / f"{name}.log"))
         self._barrier(self.procs, deadline)
         workers = list(self.procs)
