@@ -2,7 +2,7 @@
 
     python benchmarks/serving_overhead.py [--num-prompts 64] [--concurrency 16]
         [--output-len 256] [--repeats 2] [--topology colocated|1p1d]
-        [--worker-streams shared|per-request]
+        [--worker-streams shared|per-request] [--engine-process]
         [--profile worker|router --py-spy PATH]
 
 Starts `pdserve launch --prefill 0 --decode 1 --model builtin:tiny --device cpu` (with
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,7 @@ from pdserve.bench.config import ArrivalConfig, ClientConfig  # noqa: E402
 from pdserve.bench.dataset import BenchRequest  # noqa: E402
 from pdserve.bench.runner import Workload, run_workloads  # noqa: E402
 from pdserve.runtime import evloop  # noqa: E402
+from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 
 PROFILE_TOP = 25
 
@@ -141,10 +143,17 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
         str(max(args.concurrency, 1)),
         "--worker-streams",
         args.worker_streams,
+        *(["--engine-process"] if args.engine_process else []),
     ]
     runs: list[dict[str, object]] = []
     with Pdserve(argv, log_dir) as cluster:
         procs = {p["name"]: int(p["pid"]) for p in cluster.table()}
+        for p in cluster.table():  # each worker's engine process, a row of its own
+            if args.engine_process and p["name"] != "router":
+                key = ClusterKey.load(log_dir / "cluster.key")  # launch made it: /info asks
+                info = urllib.request.Request(p["url"] + "/info", headers=key.http_headers)
+                with urllib.request.urlopen(info, timeout=10) as r:
+                    procs[p["name"] + "-engine"] = int(json.loads(r.read())["engine_pid"])
         stream(cluster.url, args, min(args.concurrency, args.num_prompts))  # warm up
         for rep in range(args.repeats):
             profiler = None
@@ -231,6 +240,11 @@ def main() -> int:
         choices=["shared", "per-request"],
         default="shared",
         help="the router's --worker-streams: one output stream per worker, or per request",
+    )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="workers with --engine-process: each one's engine process is a row of its own",
     )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument(
