@@ -51,14 +51,14 @@ def faulty(request, tiny_dir, tmp_path_factory) -> Iterator[PD]:
         p.stop()
 
 
-def start(pd: PD, rid: str, prompt: list[int]) -> http.client.HTTPConnection:
+def start(pd: PD, rid: str, prompt: list[int], max_tokens: int = 200) -> http.client.HTTPConnection:
     u = urlparse(pd.d.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     body = {
         "request_id": rid,
         "prompt_ids": prompt,
         "prefill": pd.control,
-        "params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True},
+        "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
     }
     conn.request("POST", "/generate", json.dumps(body), auth_headers())
     threading.Thread(target=lambda: conn.getresponse(), daemon=True).start()
@@ -110,9 +110,15 @@ def test_abort_after_prefill_done_before_decoding(faulty):
 
 
 def test_abort_while_decoding(faulty):
-    conn = start(faulty, "decoding", [9, 8, 7])
-    time.sleep(2 * STALL_S + 0.5)  # past the write stall and the start-decode stall
-    state = call("GET", faulty.d.url + "/debug/state", timeout=10)[1]["engine"]
-    assert [r["state"] for r in state["requests"]] == ["running"]
+    # Past the write stall and the start-decode stall, until D decodes it: polled, not slept
+    # (200 tokens of the tiny model took under half a second once the stalls were over, so a
+    # fixed sleep could find it done). Long enough to be still decoding when the client goes.
+    conn = start(faulty, "decoding", [9, 8, 7], max_tokens=900)
+
+    def decoding() -> list[dict]:
+        reqs = call("GET", faulty.d.url + "/debug/state", timeout=10)[1]["engine"]["requests"]
+        return [r for r in reqs if r["state"] == "running" and r["output_tokens"] > 0]
+
+    assert [r["request_id"] for r in wait_for(decoding)] == ["decoding"]
     disconnect(conn)
     check_recovered(faulty)

@@ -21,6 +21,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.pids import signal_pdserve, wait_gone
 from pdserve.worker import engine_frames as f
 from pdserve.worker import engine_process
+from pdserve.worker.engine_client import STATUS_STALE_S
 from tests.helpers import hf_greedy
 from tests.procs import LaunchedCluster, ServerProcess, http, worker_args
 
@@ -225,6 +226,30 @@ def test_a_client_gone_mid_stream_ends_its_request_in_the_engine(split) -> None:
         assert time.monotonic() < deadline, "the request outlived its client"
         time.sleep(0.1)
     assert http("GET", split.url + "/debug/invariants")[1]["ok"] is True
+
+
+def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
+    """SIGSTOP: no Status comes, and /health says so once STATUS_STALE_S passed; the debug
+    endpoints answer within their own bound meanwhile. SIGCONT: green again."""
+    pid = _engine_pid(split)
+    assert signal_pdserve(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        status, state = http("GET", split.url + "/debug/state", timeout=10)
+        assert status == 200 and "did not answer" in state["engine"]["error"]
+        assert time.monotonic() - t0 < STATUS_STALE_S  # its 2 s bound, not a hang
+        deadline = time.monotonic() + STATUS_STALE_S + 10
+        while (health := http("GET", split.url + "/health"))[0] == 200:
+            assert time.monotonic() < deadline, "health stayed green"
+            time.sleep(0.2)
+        assert health[0] == 503 and "has not reported" in health[1]["problems"][0]
+    finally:
+        signal_pdserve(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while http("GET", split.url + "/health")[0] != 200:
+        assert time.monotonic() < deadline, "health did not come back"
+        time.sleep(0.1)
+    assert _complete(split.url, PROMPTS[2])["choices"][0]["finish_reason"] == "length"
 
 
 def test_sigterm_stops_the_worker_and_its_engine_process_cleanly(tiny_dir, tmp_path) -> None:
