@@ -34,6 +34,7 @@ from typing import Any
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
+from pdserve.server.stopping import in_thread
 from pdserve.worker import engine_frames as f
 
 log = logging.getLogger(__name__)
@@ -218,11 +219,11 @@ class EngineClient:
             except (asyncio.TimeoutError, ConnectionError) as e:  # asyncio's: Python 3.10
                 log.error("the engine process did not stop: %s", e or "no answer in time")
         self._close_link()
-        try:
-            code = await asyncio.to_thread(self.proc.wait, EXIT_TIMEOUT_S)
+        try:  # a daemon thread: a second signal's stop-now need not wait for it
+            code = await in_thread(lambda: self.proc.wait(EXIT_TIMEOUT_S))
         except subprocess.TimeoutExpired:
             log.error("the engine process (pid %d) did not exit: killing it", self.proc.pid)
-            await asyncio.to_thread(self.kill)
+            await in_thread(self.kill)
             return None
         if code != 0:
             log.error("the engine process exited with status %d", code)
