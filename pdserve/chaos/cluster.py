@@ -30,6 +30,7 @@ from pdserve.runtime.pids import signal_pdserve, wait_gone
 
 DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
 STOP_S = 45.0  # the launcher stops its router, then its workers, 30 s each at worst
+ENGINE_GONE_S = 10.0  # a killed worker's engine process dies with it (PR_SET_PDEATHSIG)
 
 
 class ClusterError(RuntimeError):
@@ -122,8 +123,10 @@ class Cluster:
         assert w.pid is not None  # send_signal() checked it
         if wait_gone([w.pid], 10.0):
             raise ClusterError(f"worker {w.url} (pid {w.pid}) survived SIGKILL for 10 s")
-        if w.engine_pid is not None and wait_gone([w.engine_pid], 10.0):
-            raise ClusterError(f"worker {w.url}'s engine process outlived it for 10 s")
+        if w.engine_pid is not None and wait_gone([w.engine_pid], ENGINE_GONE_S):
+            raise ClusterError(
+                f"worker {w.url}'s engine process outlived it for {ENGINE_GONE_S:.0f} s"
+            )
         return t
 
     def close(self) -> None:
