@@ -148,9 +148,9 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
     runs: list[dict[str, object]] = []
     with Pdserve(argv, log_dir) as cluster:
         procs = {p["name"]: int(p["pid"]) for p in cluster.table()}
+        key = ClusterKey.load(log_dir / "cluster.key")  # launch made it: /info asks for it
         for p in cluster.table():  # each worker's engine process, a row of its own
             if args.engine_process and p["name"] != "router":
-                key = ClusterKey.load(log_dir / "cluster.key")  # launch made it: /info asks
                 info = urllib.request.Request(p["url"] + "/info", headers=key.http_headers)
                 with urllib.request.urlopen(info, timeout=10) as r:
                     procs[p["name"] + "-engine"] = int(json.loads(r.read())["engine_pid"])
@@ -159,7 +159,9 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
             profiler = None
             prof_out = log_dir / f"profile-{rep}.txt"
             if args.profile and rep == args.repeats - 1:
-                profiler = start_profile(args.py_spy, pid_of(procs, args.profile), prof_out)
+                profiler = start_profile(
+                    args.py_spy, pid_of(procs, args.profile, args.profile_thread), prof_out
+                )
                 time.sleep(1.0)  # py-spy attaches
             before = {name: read_cpu(pid) for name, pid in procs.items()}
             me = read_cpu(os.getpid())
@@ -191,20 +193,26 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
                     profiler.kill()
                     _, err = profiler.communicate(timeout=10)
                 if prof_out.exists():
-                    summarize_profile(prof_out, pid_of(procs, args.profile), args.profile_thread)
+                    summarize_profile(
+                        prof_out,
+                        pid_of(procs, args.profile, args.profile_thread),
+                        args.profile_thread,
+                    )
                 else:
                     print(f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}")
     return runs
 
 
-def pid_of(procs: dict[str, int], which: str) -> int:
-    """The router's pid, or the worker's: the decode worker in 1P+1D, else the co-located one."""
+def pid_of(procs: dict[str, int], which: str, thread: str = "main") -> int:
+    """The router's pid, or the worker's: the decode worker in 1P+1D, else the co-located one;
+    for a thread other than main, the worker's engine process where it has one."""
     if which == "router":
         return procs["router"]
-    workers = {name: pid for name, pid in procs.items() if name != "router"}
-    return next((pid for name, pid in workers.items() if name.startswith("decode")), None) or next(
-        iter(workers.values())
-    )
+    workers = [n for n in procs if n != "router" and not n.endswith("-engine")]
+    name = next((n for n in workers if n.startswith("decode")), workers[0])
+    if thread != "main" and f"{name}-engine" in procs:
+        return procs[f"{name}-engine"]
+    return procs[name]
 
 
 def report(rep: int, tokens: int, seconds: float, rows: dict[str, Cpu]) -> None:

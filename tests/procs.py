@@ -203,3 +203,17 @@ def http(
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+def all_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (T in /proc/PID/task/TID/stat): a SIGSTOP reaches each
+    thread as it next leaves the kernel, not all at once, so a test that needs the process
+    frozen waits for this."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] != "T":
+                    return False
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+    return True

@@ -180,6 +180,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     say("chaos", f"work directory {work}")
+    if args.url and args.engine_process:
+        say("chaos", "--engine-process is for clusters chaos launches; --url's is as it is")
     previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` stops our children
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -283,6 +285,8 @@ class Runner:
             self.current = self.current or AttachedCluster(self.url)
             return self.current
         spec = sc.spec(self.opts)
+        if spec is not None:  # as launched, so the report names it whole
+            spec = replace(spec, engine_process=self.opts.engine_process)
         if self.current is not None and self.reusable and spec == self.current_spec:
             return self.current
         self.drop(progress)

@@ -26,7 +26,7 @@ from typing import Any
 from pdserve.runtime import httpcall
 from pdserve.runtime.child import _die_with_parent
 from pdserve.runtime.cluster_key import generate as generate_key
-from pdserve.runtime.pids import signal_pdserve, wait_gone
+from pdserve.runtime.pids import is_pdserve, signal_pdserve, wait_gone
 
 DEBUG_TIMEOUT_S = 10.0  # /debug/cluster asks every worker, each bounded by 3 s
 STOP_S = 45.0  # the launcher stops its router, then its workers, 30 s each at worst
@@ -108,13 +108,18 @@ class Cluster:
         pids = [w.pid]
         if sig in (signal.SIGSTOP, signal.SIGCONT) and w.engine_pid is not None:
             pids.append(w.engine_pid)
-        for pid in pids:
-            try:
-                sent = pid is not None and signal_pdserve(pid, sig)
-            except ValueError:  # the router reported something that is not a pid
-                sent = False
-            if not sent:
+        for pid in pids:  # every one checked before any is signalled
+            if not (isinstance(pid, int) and pid > 0 and is_pdserve(pid)):
                 raise ClusterError(f"worker {w.url}: pid {pid} is not a pdserve process here")
+        sent: list[int] = []
+        for pid in pids:
+            assert pid is not None  # checked above
+            if not signal_pdserve(pid, sig):  # gone since the check
+                if sig == signal.SIGSTOP:  # leave nothing of the worker half stopped
+                    for done in sent:
+                        signal_pdserve(done, signal.SIGCONT)
+                raise ClusterError(f"worker {w.url}: pid {pid} exited before {sig.name}")
+            sent.append(pid)
         return t
 
     def kill(self, w: WorkerRef) -> float:

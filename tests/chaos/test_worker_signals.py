@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.chaos import cluster as chaos_cluster
 from pdserve.chaos.cluster import Cluster, ClusterError, WorkerRef
-from pdserve.runtime.pids import is_pdserve, wait_gone
+from pdserve.runtime.pids import is_pdserve
 
 # A process that `pids.is_pdserve` takes for ours: an argument named pdserve-*.
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)", "pdserve-test-sleeper"]
@@ -68,5 +68,18 @@ def test_a_kill_that_leaves_the_engine_process_is_a_cluster_error(pair, monkeypa
     with pytest.raises(ClusterError, match="engine process outlived it"):
         cluster.kill(ref)
     assert time.monotonic() - t0 >= 1.0  # it waited its bound first
-    worker.wait(10)
-    assert wait_gone([worker.pid], 1.0) == []
+    assert worker.poll() is not None and engine.poll() is None  # the kill went to the worker
+
+
+def test_nothing_is_stopped_when_the_engine_pid_is_not_ours(pair) -> None:
+    """Every pid is checked before any is signalled: a worker is never left half stopped."""
+    worker, _ = pair
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ref = WorkerRef("http://w", "prefill", worker.pid, None, None, True, stranger.pid)
+        with pytest.raises(ClusterError, match="not a pdserve process"):
+            Cluster().send_signal(ref, signal.SIGSTOP)
+        assert _state(worker.pid) != "T" and _state(stranger.pid) != "T"
+    finally:
+        stranger.kill()
+        stranger.wait(10)
