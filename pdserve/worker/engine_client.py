@@ -81,8 +81,6 @@ class EngineClient:
             raise
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.device_type = ready.device
-        self.engine_pid = ready.pid
         self.info: dict[str, Any] = {**ready.info, "pid": os.getpid(), "engine_pid": ready.pid}
         self._sinks: dict[str, Sink] = {}
         self._queries: dict[int, asyncio.Future[Any]] = {}

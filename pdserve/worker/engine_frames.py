@@ -78,12 +78,11 @@ class Stop(Frame, frozen=True):
 # -- up: engine process -> worker -----------------------------------------------------------
 class Ready(Frame, frozen=True):
     """The engine is built and its threads run. `info`: what the worker's /info adds (the
-    layout, the role's identity and control address); `device`: the pool's device type."""
+    layout, the role's identity and control address)."""
 
     info: dict[str, Any]
     max_model_len: int
     vocab_size: int
-    device: str
     pid: int
 
 

@@ -45,9 +45,6 @@ class EngineHost(Protocol):
     def frontend(self) -> Any:
         """validate/submit/abort, cfg, max_model_len, vocab_size: the APIs' backend."""
 
-    @property
-    def device_type(self) -> str: ...
-
     def problems(self) -> list[str]: ...
 
     def has_work(self) -> bool: ...
@@ -115,10 +112,6 @@ class LocalEngine:
         return self.engine
 
     @property
-    def device_type(self) -> str:
-        return self.engine.pool.device.type
-
-    @property
     def hard_exit(self) -> bool:
         return self.engine.role.hard_exit
 
@@ -167,9 +160,6 @@ class LocalEngine:
     def has_work(self) -> bool:
         return self.engine.has_work()
 
-    def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any]:
-        return self.engine.snapshot(timeout_s)
-
     def metrics_bytes(self) -> bytes:
         return self.engine.metrics.render()
 
@@ -179,7 +169,7 @@ class LocalEngine:
         return FAULTS.snapshot()
 
     async def state(self) -> tuple[dict[str, Any], list[dict[str, object]]]:
-        return await asyncio.to_thread(self.snapshot, 2.0), []
+        return await asyncio.to_thread(self.engine.snapshot, 2.0), []
 
     async def metrics_text(self) -> bytes:
         return self.metrics_bytes()

@@ -38,7 +38,6 @@ from typing import Any
 from pdserve.engine.commands import SnapshotQuery
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.runtime import logs
-from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import THREADS_STOP_S
@@ -201,7 +200,7 @@ class EngineProcess:
             case f.Query(what="metrics"):
                 self.uplink.send(f.Reply(frame.qid, self.host.metrics_bytes()))
             case f.Query(what="faults"):
-                self.uplink.send(f.Reply(frame.qid, FAULTS.snapshot()))
+                self.uplink.send(f.Reply(frame.qid, self.host.set_faults(None, 0)))
             case f.SetFaults():
                 try:
                     value = self.host.set_faults(frame.spec, frame.seed)
@@ -253,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     host.start(proc.supervisor, after_tick=uplink.flush)
     sock.settimeout(SEND_TIMEOUT_S)  # sends; the reads below wait in select
     engine = host.engine
-    uplink.send(
-        f.Ready(host.info, engine.max_model_len, engine.vocab_size, host.device_type, os.getpid())
-    )
+    uplink.send(f.Ready(host.info, engine.max_model_len, engine.vocab_size, os.getpid()))
     freeze_startup_heap()  # as the worker does: no full GC pass over the model mid-decode
     code = 1
     try:
