@@ -31,9 +31,16 @@ FAULTS = (
     f"d.start_decode=delay:{HOLD_S}"
 )
 SEE_S = 20.0  # a request reaches each state well within this
-# Token ids: three prefill chunks of the default 512-token step. The engine is asleep inside a
-# held write, so a *prefilling* room is visible only between two writes of one prompt.
-PROMPT = [40 + i % 3000 for i in range(1300)]
+PROMPT_LEN = 1300  # three prefill chunks of the default 512-token step
+
+
+def prompt(n: int) -> list[int]:
+    """The n-th disconnect's prompt. The engine is asleep inside a held write, so a
+    *prefilling* room is visible only between two writes of one prompt: every prompt starts
+    with its own token, so no earlier one's pages are in the prefix cache (a cached prefix
+    leaves P one chunk to compute and write, and no such window)."""
+    return [40 + (i + n) % 3000 for i in range(PROMPT_LEN)]
+
 
 Roles = dict[str, dict[str, Any]]  # "prefill" / "decode" -> that worker's engine snapshot
 
@@ -74,9 +81,11 @@ class ClientDisconnect:
     def run(self, ctx: Context, out: Outcome) -> None:
         router = ctx.cluster.url
         workers = {w.role: w for w in ctx.workers()}
+        n = 0  # disconnects so far: each its own prompt
         for rnd in range(ctx.opts.rounds):
             for state, reached in STATES.items():
-                rec = self.one(ctx, out, router, workers, state, reached)
+                rec = self.one(ctx, out, router, workers, state, reached, prompt(n))
+                n += 1
                 rec["round"] = rnd + 1
                 out.rounds.append(rec)
                 ctx.say(
@@ -105,10 +114,11 @@ class ClientDisconnect:
         workers: dict[str, WorkerRef],
         state: str,
         reached: Callable[[Roles, int], bool],
+        prompt_ids: list[int],
     ) -> dict[str, Any]:
         rec: dict[str, Any] = {"state": state}
         done0 = _prefill_done(snapshot(workers))
-        conn = open_stream(router)
+        conn = open_stream(router, prompt_ids)
         try:
             t0 = time.monotonic()
             while not (seen := reached(snapshot(workers), done0)):
@@ -145,12 +155,12 @@ def snapshot(workers: dict[str, WorkerRef]) -> Roles:
     return out
 
 
-def open_stream(router: str) -> http.client.HTTPConnection:
+def open_stream(router: str, prompt_ids: list[int]) -> http.client.HTTPConnection:
     """Start a streaming completion and leave it open (the response is never read)."""
     u = urlparse(router)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=30)
     body = {
-        "prompt": PROMPT,
+        "prompt": prompt_ids,
         "max_tokens": 200,
         "temperature": 0,
         "ignore_eos": True,

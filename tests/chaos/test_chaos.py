@@ -206,3 +206,19 @@ def test_every_other_scenario_bounded_on_nixl(tiny_dir: Path, tmp_path: Path):
     faults = by_name["message-faults"]["rounds"]
     assert [r["message"] for r in faults] == ["KVChunk"]
     assert [r["backend"] for r in faults] == ["tcp"]
+
+
+def test_no_disconnect_prompt_shares_a_cached_page_with_another() -> None:
+    """client-disconnect's *prefilling* needs P to compute and write every chunk of its
+    prompt: with a page of an earlier disconnect's prompt in the prefix cache, round 2 found
+    P writing once and never saw the state (`chaos --rounds 2` failed). Each disconnect's
+    prompt spans three prefill chunks and shares no page key with any other's."""
+    from pdserve.chaos.disconnects import PROMPT_LEN, prompt
+    from pdserve.protocol.page_keys import page_keys
+
+    assert PROMPT_LEN > 2 * 512  # three chunks of the default step budget
+    seen: set[int] = set()
+    for n in range(4 * 5):  # five rounds over the four states
+        keys = set(page_keys(prompt(n), 1))  # page size 1: no shared first token either
+        assert len(prompt(n)) == PROMPT_LEN and not keys & seen, n
+        seen |= keys
