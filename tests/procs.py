@@ -205,10 +205,18 @@ def http(
         return status, text
 
 
-def all_stopped(pid: int) -> bool:
-    """Every thread of `pid` is stopped (T in /proc/PID/task/TID/stat): a SIGSTOP reaches each
-    thread as it next leaves the kernel, not all at once, so a test that needs the process
-    frozen waits for this."""
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until every thread of `pid` is stopped (AssertionError after `timeout_s`): a
+    SIGSTOP reaches each thread as it next leaves the kernel, not all at once, so a test that
+    needs the process frozen waits for this."""
+    deadline = time.monotonic() + timeout_s
+    while not _all_stopped(pid):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop within {timeout_s} s"
+        time.sleep(0.005)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (T in /proc/PID/task/TID/stat)."""
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/stat") as stat:

@@ -105,15 +105,16 @@ class Cluster:
         """Send `sig` to a worker by its pid (checked to be ours); the monotonic time sent. A
         worker stopped or resumed is both of its processes: its engine process too."""
         t = time.monotonic()
-        pids = [w.pid]
+        given = [w.pid]
         if sig in (signal.SIGSTOP, signal.SIGCONT) and w.engine_pid is not None:
-            pids.append(w.engine_pid)
-        for pid in pids:  # every one checked before any is signalled
+            given.append(w.engine_pid)
+        pids: list[int] = []
+        for pid in given:  # every one checked before any is signalled
             if not (isinstance(pid, int) and pid > 0 and is_pdserve(pid)):
                 raise ClusterError(f"worker {w.url}: pid {pid} is not a pdserve process here")
+            pids.append(pid)
         sent: list[int] = []
         for pid in pids:
-            assert pid is not None  # checked above
             if not signal_pdserve(pid, sig):  # gone since the check
                 if sig == signal.SIGSTOP:  # leave nothing of the worker half stopped
                     for done in sent:

@@ -164,6 +164,7 @@ class LocalEngine:
         return self.engine.metrics.render()
 
     def set_faults(self, spec: str | None, seed: int) -> dict[str, object]:
+        """Configure the fault points from `spec` (None: leave them), then their state."""
         if spec is not None:
             FAULTS.configure(spec, seed)
         return FAULTS.snapshot()

@@ -22,7 +22,7 @@ import zmq
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
 from tests.pd.conftest import PD, KeyedSocket, tokens
-from tests.procs import all_stopped, auth_headers
+from tests.procs import auth_headers, wait_stopped
 from tests.procs import http as call
 
 
@@ -91,10 +91,7 @@ def _abort_while_stopped(pd: PD, p_pid: int, rid: str, last: bool) -> bool:
         # Stopped for sure before the request: a process busy in the kernel (a loaded
         # machine) takes the signal late, and a P still running then accepts the room, which
         # D shows as prefilling from its first poll until it fences it (seen in a full run).
-        deadline = time.monotonic() + 5.0
-        while not all_stopped(p_pid):
-            assert time.monotonic() < deadline, "P did not stop within 5 s of SIGSTOP"
-            time.sleep(0.005)
+        wait_stopped(p_pid)
         conn = open_stream(pd, rid, list(range(10, 90)))
         answer: list[object] = []  # the stream's status and first line, once it answers
 

@@ -23,7 +23,7 @@ from pdserve.worker import engine_frames as f
 from pdserve.worker import engine_process
 from pdserve.worker.engine_client import STATUS_STALE_S
 from tests.helpers import hf_greedy
-from tests.procs import LaunchedCluster, ServerProcess, all_stopped, http, worker_args
+from tests.procs import LaunchedCluster, ServerProcess, http, wait_stopped, worker_args
 
 PROMPTS = [[5, 9, 14, 2, 33], [7, 7, 7], [100, 200, 300, 400, 500, 600, 700, 800, 900]]
 NEW = 12
@@ -234,10 +234,7 @@ def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
     pid = _engine_pid(split)
     assert signal_pdserve(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 5
-        while not all_stopped(pid):  # stopped for sure before the queries
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_stopped(pid)  # stopped for sure before the queries
         t0 = time.monotonic()
         status, state = http("GET", split.url + "/debug/state", timeout=10)
         assert status == 200 and "did not answer" in state["engine"]["error"]
