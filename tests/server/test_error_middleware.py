@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from pdserve.server.errors import INTERNAL_ERROR, error_middleware
-from tests.server.test_validation import Call, exchange
+from tests.server.validation_app import Call, exchange
 
 
 async def _boom(request: web.Request) -> web.Response:
