@@ -66,8 +66,9 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         topology += ["--gpus", "none"]
     if "-perreq" in name:  # the router's old way: one /generate stream per request
         topology += ["--worker-streams", "per-request"]
-    if "-engproc" in name:  # each worker's engine in a process of its own
-        topology.append("--engine-process")
+    # each worker's engine in a process of its own, or in the worker's (named: the default
+    # differs between CUDA and the CPU)
+    topology.append("--engine-process" if "-engproc" in name else "--no-engine-process")
     if args.sim_step_ms and "-plain" not in name:  # sim_device.py: the CPU lab overlaps too
         topology.append("--overlap-schedule")
     cmd = [
@@ -83,8 +84,6 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
-    if args.loop_gate is not None:  # the workers' loop gate (pdserve/runtime/loop_gate.py)
-        env["PDSERVE_LOOP_GATE"] = args.loop_gate
     if args.sim_step_ms:
         env[SIM_ENV] = str(args.sim_step_ms)
         env[HOST_ENV] = str(args.sim_host_us)
@@ -97,16 +96,12 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
 
 def worker_counts(url: str) -> dict[str, float]:
     """A worker's own counters, from its /metrics: its inter-token gaps (`itl_sum` seconds,
-    `itl_count`: the engine's side of the ITL, before any HTTP) and its loop gate's turns
-    (`gate_open`, `gate_bound`, `gate_wait_s`; absent without a gate)."""
+    `itl_count`: the engine's side of the ITL, before any HTTP)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     names = {
         "pdserve_inter_token_latency_seconds_sum": "itl_sum",
         "pdserve_inter_token_latency_seconds_count": "itl_count",
-        'pdserve_loop_gate_turns_total{start="engine_waiting"}': "gate_open",
-        'pdserve_loop_gate_turns_total{start="bound"}': "gate_bound",
-        "pdserve_loop_gate_wait_seconds_total": "gate_wait_s",
     }
     got: dict[str, float] = {}
     for line in text.splitlines():
@@ -114,20 +109,6 @@ def worker_counts(url: str) -> dict[str, float]:
         if name in names:
             got[names[name]] = float(value)
     return got
-
-
-def gate_turns(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
-    """The loop gate over a run: the loop's turns that waited for it, the share of them that
-    started at their bound (the engine never waited meanwhile), and their mean wait."""
-    if "gate_open" not in after:
-        return None
-    delta = {k: after[k] - before.get(k, 0.0) for k in ("gate_open", "gate_bound", "gate_wait_s")}
-    turns = delta["gate_open"] + delta["gate_bound"]
-    return {
-        "turns": int(turns),
-        "bound_share": round(delta["gate_bound"] / turns, 3) if turns else None,
-        "wait_ms": round(delta["gate_wait_s"] / turns * 1e3, 3) if turns else None,
-    }
 
 
 def bench(
@@ -183,8 +164,6 @@ def bench(
         # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
         "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
-        # with the loop gate on (pdserve/runtime/loop_gate.py): how the loop's turns started
-        "gate_turns": gate_turns(counts_before, counts_after),
     }
 
 
@@ -257,12 +236,6 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--prefill-wait-steps", type=int, default=0, help="as `serve`'s")
     ap.add_argument(
-        "--loop-gate",
-        choices=["0", "1"],
-        default=None,
-        help="PDSERVE_LOOP_GATE for the workers (default: as this process has it)",
-    )
-    ap.add_argument(
         "--sim-step-ms",
         type=float,
         default=0.0,
@@ -282,7 +255,6 @@ def main() -> int:
     ap.add_argument("--out", default="gpu_serving")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    gate = os.environ.get("PDSERVE_LOOP_GATE", "0") if args.loop_gate is None else args.loop_gate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -301,7 +273,7 @@ def main() -> int:
             for conc in args.concurrency:
                 row = bench(url, name, conc, args, out, procs, decode_url)
                 sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
-                row.update(placement=where, loop_gate=gate, sim=sim if args.sim_step_ms else None)
+                row.update(placement=where, sim=sim if args.sim_step_ms else None)
                 rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
         finally:

@@ -2,7 +2,8 @@
 in-process engine on the same device, 64 concurrent mixed-length greedy requests.
 
     python benchmarks/pd_cuda.py --model builtin:tiny --device cuda --dtype float32
-    python benchmarks/pd_cuda.py --engine-process     # each worker's engine in its own process
+    python benchmarks/pd_cuda.py --no-engine-process  # engines in the workers (serve's default
+                                                      # on CUDA: each in a process of its own)
 
 Prints how many of the 64 texts match exactly, the cluster's wall time for the batch and the
 KV bytes moved; exits non-zero on any mismatch.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
+from pdserve.engine_flags import engine_process, engine_process_argv  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.tokenizer import Tokenizer  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
@@ -49,7 +51,12 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--backend", default="tcp", choices=["tcp", "nixl"])
-    ap.add_argument("--engine-process", action="store_true", help="as `serve`'s, for both workers")
+    ap.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="as `serve`'s, for both workers (default: serve's, on for CUDA)",
+    )
     args = ap.parse_args()
     path = resolve_model(args.model)
     g = torch.Generator().manual_seed(5)
@@ -91,7 +98,7 @@ def main() -> int:
             "1024",
             "--log-dir",
             str(log_dir),
-            *(["--engine-process"] if args.engine_process else []),
+            *engine_process_argv(args.engine_process),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -145,7 +152,7 @@ def main() -> int:
                     "device": args.device,
                     "dtype": args.dtype,
                     "backend": args.backend,
-                    "engine_process": args.engine_process,
+                    "engine_process": engine_process(args.engine_process, args.device),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",
                     "batch_wall_s": round(wall, 2),

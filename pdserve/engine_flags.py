@@ -94,9 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run the engine, its role and their threads in a process of their own, apart "
-        "from the HTTP server's event loop (no GIL shared between them)",
+        "from the HTTP server's event loop, so the two share no GIL (default: on for CUDA, "
+        "off on a CPU)",
     )
     g.add_argument(
         "--cuda-graph-max-bs",
@@ -128,6 +130,18 @@ def host_cache_bytes(args: argparse.Namespace) -> int:
             log.warning("--host-cache-mb is ignored on a decode worker")
         return 0
     return int(args.host_cache_mb * 2**20)
+
+
+def engine_process(flag: bool | None, device: str) -> bool:
+    """`--engine-process` as given, else on for CUDA: there a served engine thread is
+    host-bound, and in one process the worker's event loop takes the GIL inside its tick
+    (docs/architecture.md §Threads "Engine process"; benchmarks/RESULTS.md)."""
+    return device.startswith("cuda") if flag is None else flag
+
+
+def engine_process_argv(flag: bool | None) -> list[str]:
+    """`serve`'s argv for `flag`: nothing for None (serve's default)."""
+    return [] if flag is None else ["--engine-process" if flag else "--no-engine-process"]
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -114,8 +114,10 @@ def add_chaos_command(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument(
         "--engine-process",
-        action="store_true",
-        help="launch every worker with --engine-process (its engine in a process of its own)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch every worker with --engine-process or --no-engine-process (its engine in "
+        "a process of its own or not; default: serve's, on for CUDA)",
     )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per chat turn")
     p.add_argument("--abandon", type=float, default=d.abandon, help="chance to drop a stream")
@@ -180,7 +182,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     say("chaos", f"work directory {work}")
-    if args.url and args.engine_process:
+    if args.url and args.engine_process is not None:
         say("chaos", "--engine-process is for clusters chaos launches; --url's is as it is")
     previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` stops our children
     t0 = time.monotonic()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine_flags import engine_process_argv
 from pdserve.runtime import httpcall
 from pdserve.runtime.child import _die_with_parent
 from pdserve.runtime.cluster_key import generate as generate_key
@@ -50,14 +51,17 @@ class ClusterSpec:
     worker_env: tuple[tuple[str, str, str], ...] = ()
     startup_timeout_s: float = 180.0
     debug_faults: bool = False  # workers take fault points at run time (POST /debug/faults)
-    engine_process: bool = False  # every worker's engine in a process of its own
+    engine_process: bool | None = None  # every worker's engine in a process of its own (None:
+    # serve's default, on for CUDA)
 
     def describe(self) -> str:
         faults = dict(self.env).get("PDSERVE_FAULTS")
         extra = f", faults {faults}" if faults else ""
         extra += "".join(f", {n}: {k}={v}" for n, k, v in self.worker_env)
         extra += ", run-time faults" if self.debug_faults else ""
-        extra += ", engine processes" if self.engine_process else ""
+        extra += {None: "", True: ", engine processes", False: ", engines in-process"}[
+            self.engine_process
+        ]
         return f"{self.prefill}P+{self.decode}D {self.backend} {self.model}{extra}"
 
 
@@ -188,8 +192,7 @@ class LaunchedCluster(Cluster):
         argv += ["--cluster-key-file", str(new_cluster_key(self.log_dir))]
         if s.debug_faults:
             argv.append("--debug-faults")
-        if s.engine_process:
-            argv.append("--engine-process")
+        argv += engine_process_argv(s.engine_process)
         env = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from pdserve.chaos.cluster import Cluster, ClusterError, ClusterSpec, new_cluster_key
+from pdserve.engine_flags import engine_process_argv
 from pdserve.runtime.child import _die_with_parent
 
 STOP_S = 15.0  # per group: a worker's drain and its supervisor's 5 s thread bound fit in it
@@ -95,7 +96,7 @@ class ComposedCluster(Cluster):
             argv += ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", s.model]
             argv += ["--backend", s.backend, "--threads", str(s.threads), *key]
             argv += ["--control-port", "0"] if role == "prefill" else []
-            argv += ["--engine-process"] if s.engine_process else []
+            argv += engine_process_argv(s.engine_process)
             self.procs.append(_Proc(name, argv, {**base, **own}, self.log_dir / f"{name}.log"))
         self._barrier(self.procs, deadline)
         workers = list(self.procs)

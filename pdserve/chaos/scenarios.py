@@ -36,7 +36,7 @@ class ChaosOptions:
     backend: str = "shm"
     model: str = "builtin:tiny"
     threads: int = 1
-    engine_process: bool = False  # every launched worker with --engine-process
+    engine_process: bool | None = None  # every launched worker's --engine-process (None: serve's)
     max_tokens: int = 16  # per chat turn: small, so that sessions take many turns
     abandon: float = 0.1  # chance a client closes a stream mid-way (aborts during the load)
     request_timeout_s: float = 15.0  # each load request's own timeout: bounds fences too

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +48,6 @@ from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
-from pdserve.runtime import gpu_wait
-from pdserve.runtime.loop_gate import LoopGate
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
 
 log = logging.getLogger(__name__)
@@ -105,8 +101,6 @@ class Engine:
         self.transport: Callable[[Send], None] = _unsent  # where the role's messages go
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
         self.last_tick = time.monotonic()
-        # The worker's loop gate (runtime/loop_gate.py): open while this engine's thread waits.
-        self.loop_gate: LoopGate | None = None
         self.steps = 0
         # Requests and rooms still here past deadline + OVERDUE_GRACE_S, refreshed each tick
         # after the deadlines were applied: non-empty means a deadline did not end something
@@ -200,10 +194,6 @@ class Engine:
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
         self.last_tick = time.monotonic()
-        gate = self.loop_gate
-        if gate is not None and gate.owner != threading.get_ident():
-            gate.claim()  # this thread's waits open it (runtime/loop_gate.py)
-            gpu_wait.open_while_waiting(gate)
         self._drain_inbox(self._wait_s())
         now = time.monotonic()
         self.role.poll_transfers(now)
@@ -239,12 +229,7 @@ class Engine:
     def _drain_inbox(self, wait_s: float) -> None:
         """Handle every queued command, first waiting up to `wait_s` for one (any wakes us)."""
         try:
-            if wait_s <= 0:
-                cmd = self.inbox.get_nowait()
-            else:  # the worker's loop may run while this thread blocks (runtime/loop_gate.py)
-                gate = self.loop_gate
-                with nullcontext() if gate is None else gate.waiting():
-                    cmd = self.inbox.get(timeout=wait_s)
+            cmd = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:

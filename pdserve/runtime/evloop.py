@@ -27,7 +27,6 @@ import asyncio
 import importlib.util
 import logging
 import os
-import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -73,28 +72,15 @@ def loop_factory(default: str = "uvloop") -> Callable[[], asyncio.AbstractEventL
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def run(
-    main: Coroutine[Any, Any, T],
-    default: str = "uvloop",
-    selector: Callable[[], selectors.BaseSelector] | None = None,
-) -> T:
+def run(main: Coroutine[Any, Any, T], default: str = "uvloop") -> T:
     """`asyncio.run(main)` on the chosen loop, `default` standing for `auto` (ValueError or
-    ImportError, `main` not started, for a setting that cannot be had). `selector`: the
-    selector asyncio's loop polls with (a worker's loop gate, runtime/loop_gate.py); uvloop
-    has none."""
+    ImportError, `main` not started, for a setting that cannot be had)."""
     try:
         factory = loop_factory(default)
     except (ValueError, ImportError):
         main.close()  # never awaited: no "coroutine was never awaited" warning on the way out
         raise
     log.info("event loop: %s", "asyncio" if factory is None else "uvloop")
-    if factory is None and selector is not None:
-        if not hasattr(asyncio, "Runner"):
-            main.close()
-            raise ValueError("a loop with its own selector needs Python 3.11 (asyncio.Runner)")
-        make = selector  # (a name the lambda closes over that mypy knows is not None)
-        with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(make())) as runner:
-            return runner.run(main)
     if factory is None:
         return asyncio.run(main)
     if not hasattr(asyncio, "Runner"):  # Python 3.10: a policy, put back afterwards

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from typing import Protocol
 
-from pdserve.runtime.loop_gate import LoopGate
 from pdserve.runtime.timing import GPU_WAIT_TIMEOUT_S
 
 
@@ -19,14 +17,8 @@ class Event(Protocol):
     def query(self) -> bool: ...
 
 
-# Per thread: .waited, seconds it spent polling in wait_event; .gate, the loop gate its waits
-# open (runtime/loop_gate.py: the engine thread's, in a worker that gates its loop).
+# Per thread: .waited, seconds it spent polling in wait_event.
 _clock = threading.local()
-
-
-def open_while_waiting(gate: LoopGate | None) -> None:
-    """The calling thread's waits here open `gate` (None: no gate) while they poll."""
-    _clock.gate = gate
 
 
 def waited_s() -> float:
@@ -42,18 +34,15 @@ class GpuWaitTimeout(TimeoutError):
 
 def wait_event(event: Event, what: str, timeout_s: float = GPU_WAIT_TIMEOUT_S) -> None:
     """Until `event` completed (at once if it has). Between polls the thread yields the GIL,
-    as `synchronize()` spins without it: the same latency, and other threads run. A thread
-    with a loop gate (`open_while_waiting`) holds it open while it polls."""
+    as `synchronize()` spins without it: the same latency, and other threads run."""
     if event.query():
         return
     start = time.monotonic()
     deadline = start + timeout_s
-    gate: LoopGate | None = getattr(_clock, "gate", None)
     try:
-        with nullcontext() if gate is None else gate.waiting():
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
-                time.sleep(0)
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise GpuWaitTimeout(f"{what}: the GPU did not get there in {timeout_s:.0f}s")
+            time.sleep(0)
     finally:
         _clock.waited = waited_s() + time.monotonic() - start

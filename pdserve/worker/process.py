@@ -25,9 +25,8 @@ from pdserve.config import ServerConfig
 from pdserve.frontend.api import OpenAIApi, error_response, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.runtime import evloop, loop_gate
+from pdserve.runtime import evloop
 from pdserve.runtime.gc_freeze import freeze_startup_heap
-from pdserve.runtime.loop_gate import GatedSelector, LoopGate
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
@@ -80,36 +79,11 @@ class Server:
         self.admission = Admission(cfg.max_queue)
         self.started = time.monotonic()
 
-    def install_loop_gate(self) -> LoopGate | None:
-        """The gate that starts the loop's turns in the engine's waits (runtime/loop_gate.py),
-        installed; None where it is off (by default; PDSERVE_LOOP_GATE=1 on a GPU). The
-        engine thread claims it at its first tick."""
-        if not loop_gate.requested(evloop.chosen(WORKER_LOOP)):
-            return None
-        if not isinstance(self.host, LocalEngine):
-            log.info("loop gate off: the engine runs in a process of its own")
-            return None
-        engine = self.host.engine
-        if engine.pool.device.type != "cuda":
-            log.info("loop gate off: the engine is not on a GPU, it never waits for one")
-            return None
-        gate = engine.loop_gate = LoopGate()
-        gate.register(engine.metrics.registry)  # /metrics: how the loop's turns started
-        log.info("loop gate on: the event loop starts its turns while the engine waits")
-        return gate
-
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
-        self._release_gate()
         loop, stop = getattr(self, "_loop", None), self._stop
         if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.request, f"fatal: {why}")
-
-    def _release_gate(self) -> None:
-        """No waiting for an engine that stopped or died (runtime/loop_gate.py)."""
-        host = getattr(self, "host", None)
-        if isinstance(host, LocalEngine) and host.engine.loop_gate is not None:
-            host.engine.loop_gate.release()
 
     # -- endpoints ------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -267,7 +241,6 @@ class Server:
                 in_thread(lambda: self.supervisor.stop(timeout_s=THREADS_STOP_S)),
                 THREADS_STOP_S + 1.0,
             )
-        self._release_gate()  # the engine thread stopped, or never will
         code = stop.exit_code
         if code is not None:  # forced: leave the threads and sockets to the process's end
             self.forced = True
@@ -322,9 +295,9 @@ class Server:
 
 def run_server(cfg: ServerConfig) -> int:
     """Bind, load, serve: the process's exit status (2: the port cannot be had, or a bad
-    PDSERVE_LOOP_GATE)."""
+    PDSERVE_EVENT_LOOP)."""
     try:  # the settings, before anything binds or loads
-        loop_gate.requested(evloop.chosen(WORKER_LOOP))
+        evloop.chosen(WORKER_LOOP)
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -353,12 +326,10 @@ def run_server(cfg: ServerConfig) -> int:
             s.close()
         raise
     code = 1
-    gate = server.install_loop_gate()
     try:
         code = evloop.run(
             server.serve(Listener(sockets, cfg.http), cfg.drain_timeout_s),
             default=WORKER_LOOP,
-            selector=None if gate is None else lambda: GatedSelector(gate),
         )
     except Exception:  # noqa: BLE001 - logged; the exit below must still happen
         log.exception("the server failed")

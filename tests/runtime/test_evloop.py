@@ -88,19 +88,3 @@ def test_a_uvloop_that_does_not_import_is_asyncio_unless_demanded(
     monkeypatch.setenv(evloop.ENV, "uvloop")
     with pytest.raises(ImportError):
         evloop.loop_factory("uvloop")
-
-
-def test_uvloop_has_no_selector_to_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A selector given for asyncio's loop (tests/runtime/test_loop_gate.py) is not made for
-    uvloop's."""
-    import selectors
-
-    made: list[selectors.BaseSelector] = []
-
-    def selector() -> selectors.BaseSelector:
-        made.append(selectors.DefaultSelector())
-        return made[-1]
-
-    monkeypatch.setenv(evloop.ENV, "uvloop")
-    assert evloop.run(loop_module(), selector=selector).split(".")[0] == "uvloop"
-    assert made == []
