@@ -6,7 +6,10 @@ with several, `launch` puts each worker on its own (`--gpus auto`), and a cluste
 `-shared` (e.g. `1p1d-shared`) is launched with `--gpus none` so that its pair shares one GPU
 for the comparison (benchmarks/gpu_sharing.py measures what sharing costs); one named with
 `-perreq` (e.g. `colocated-perreq`) has its router read one /generate stream per request
-instead of one shared output stream per worker (`--worker-streams`). Each row names its
+instead of one shared output stream per worker (`--worker-streams`); one named with
+`-engproc` runs each worker's engine in a process of its own (`--engine-process`), one with
+`-inproc` in the worker (`--no-engine-process`), and a plain name has serve's default (an
+engine process on CUDA, none on a CPU; the row's `engine_process`). Each row names its
 workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
 workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
@@ -50,10 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.launched import wait_healthy  # noqa: E402
 from benchmarks.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
 from benchmarks.sim_device import HOST_ENV, SIM_ENV  # noqa: E402
+from pdserve.engine_flags import engine_process_argv, use_engine_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
 WARMUP = 2  # requests `pdserve bench` sends before it measures
+
+
+def engine_flag(name: str) -> bool | None:
+    """A cluster's `--engine-process` from its name: None for serve's default."""
+    return True if "-engproc" in name else False if "-inproc" in name else None
 
 
 def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
@@ -66,9 +75,7 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         topology += ["--gpus", "none"]
     if "-perreq" in name:  # the router's old way: one /generate stream per request
         topology += ["--worker-streams", "per-request"]
-    # each worker's engine in a process of its own, or in the worker's (named: the default
-    # differs between CUDA and the CPU)
-    topology.append("--engine-process" if "-engproc" in name else "--no-engine-process")
+    topology += engine_process_argv(engine_flag(name))
     if args.sim_step_ms and "-plain" not in name:  # sim_device.py: the CPU lab overlaps too
         topology.append("--overlap-schedule")
     cmd = [
@@ -224,8 +231,9 @@ def main() -> int:
         "--clusters",
         default="colocated,1p1d",
         help="of colocated, 1p1d, either with -plain (no overlapped scheduling), -perreq (a "
-        "stream per request) or -engproc (--engine-process), and 1p1d with -shared (--gpus "
-        "none: both workers on one GPU)",
+        "stream per request), -engproc (--engine-process) or -inproc (--no-engine-process; "
+        "neither: serve's default), and 1p1d with -shared (--gpus none: both workers on one "
+        "GPU)",
     )
     ap.add_argument("--concurrency", default="1,32,128")
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -273,7 +281,11 @@ def main() -> int:
             for conc in args.concurrency:
                 row = bench(url, name, conc, args, out, procs, decode_url)
                 sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
-                row.update(placement=where, sim=sim if args.sim_step_ms else None)
+                row.update(
+                    placement=where,
+                    engine_process=use_engine_process(engine_flag(name), args.device),
+                    sim=sim if args.sim_step_ms else None,
+                )
                 rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
         finally:

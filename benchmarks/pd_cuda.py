@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.config import resolve_device  # noqa: E402
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
-from pdserve.engine_flags import engine_process, engine_process_argv  # noqa: E402
+from pdserve.engine_flags import engine_process_argv, use_engine_process  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.tokenizer import Tokenizer  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
@@ -152,7 +153,9 @@ def main() -> int:
                     "device": args.device,
                     "dtype": args.dtype,
                     "backend": args.backend,
-                    "engine_process": engine_process(args.engine_process, args.device),
+                    "engine_process": use_engine_process(
+                        args.engine_process, resolve_device(args.device)
+                    ),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",
                     "batch_wall_s": round(wall, 2),

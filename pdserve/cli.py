@@ -23,7 +23,7 @@ from pdserve.config import (
     ServerConfig,
 )
 from pdserve.doctor.cli import add_doctor_command
-from pdserve.engine_flags import add_engine_args, engine_config, engine_process
+from pdserve.engine_flags import add_engine_args, engine_config, use_engine_process
 from pdserve.launch import add_launch_command
 from pdserve.router.cli import (
     add_front_end_args,
@@ -156,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
-        engine_process=engine_process(args.engine_process, engine.model.device),
+        engine_process=use_engine_process(args.engine_process, engine.model.device),
     )
     from pdserve.transfer.nixl import BackendUnavailable
 

@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    # Two store_true flags, not one BooleanOptionalAction: `launch` passes flags on by name.
+    # Two store_true flags; --no-prefix-cache wins over --prefix-cache (engine_config).
     g.add_argument(
         "--prefix-cache",
         action="store_true",
@@ -132,7 +132,7 @@ def host_cache_bytes(args: argparse.Namespace) -> int:
     return int(args.host_cache_mb * 2**20)
 
 
-def engine_process(flag: bool | None, device: str) -> bool:
+def use_engine_process(flag: bool | None, device: str) -> bool:
     """`--engine-process` as given, else on for CUDA: there a served engine thread is
     host-bound, and in one process the worker's event loop takes the GIL inside its tick
     (docs/architecture.md §Threads "Engine process"; benchmarks/RESULTS.md)."""

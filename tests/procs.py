@@ -205,6 +205,13 @@ def http(
         return status, text
 
 
+def worker_pids(url: str) -> list[int]:
+    """A worker's processes from its /info: its own and its engine process's where it has one
+    (on CUDA by default): what stopping the worker must stop."""
+    info = http("GET", url + "/info")[1]
+    return [info["pid"]] + ([info["engine_pid"]] if info.get("engine_pid") else [])
+
+
 def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
     """Wait until every thread of `pid` is stopped (AssertionError after `timeout_s`): a
     SIGSTOP reaches each thread as it next leaves the kernel, not all at once, so a test that

@@ -183,7 +183,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     say("chaos", f"work directory {work}")
     if args.url and args.engine_process is not None:
-        say("chaos", "--engine-process is for clusters chaos launches; --url's is as it is")
+        say("chaos", "--[no-]engine-process is for clusters chaos launches; --url's is as it is")
     previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` stops our children
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -308,7 +308,12 @@ class Runner:
             cluster = ComposedCluster(spec, log_dir).start()
         else:
             cluster = LaunchedCluster(spec, log_dir).start()
-        say(f"cluster up at {cluster.url} ({time.monotonic() - t0:.1f}s)")
+        workers = cluster.workers()  # the engine processes as the workers resolved them
+        engines = sum(w.engine_pid is not None for w in workers)
+        say(
+            f"cluster up at {cluster.url} ({time.monotonic() - t0:.1f}s; "
+            f"{engines} of {len(workers)} workers with an engine process)"
+        )
         return cluster
 
     def drop(self, progress: Callable[[str], None]) -> None:

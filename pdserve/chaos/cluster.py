@@ -51,8 +51,8 @@ class ClusterSpec:
     worker_env: tuple[tuple[str, str, str], ...] = ()
     startup_timeout_s: float = 180.0
     debug_faults: bool = False  # workers take fault points at run time (POST /debug/faults)
-    engine_process: bool | None = None  # every worker's engine in a process of its own (None:
-    # serve's default, on for CUDA)
+    # Every worker's engine in a process of its own, or not (None: serve's default, on for CUDA).
+    engine_process: bool | None = None
 
     def describe(self) -> str:
         faults = dict(self.env).get("PDSERVE_FAULTS")

@@ -15,7 +15,10 @@ uvloop's do not. py-spy --gil on the worker's main thread (`--num-prompts 256 --
 with uvloop, 91 and 59 with asyncio: 1.5-2.4x longer held, for less CPU; on the H200 a
 worker on uvloop served concurrency 32 at ITL p50 1.84/2.11 ms against 1.44/1.96 on asyncio
 (benchmarks/RESULTS.md, 2026-12-02 fifth session). So by default (`auto`) the router and
-`pdserve bench` run uvloop where it is installed and a worker runs asyncio's loop.
+`pdserve bench` run uvloop where it is installed and a worker runs asyncio's loop. A worker
+whose engine runs in a process of its own (CUDA's default, worker/engine_client.py) has no
+engine thread beside its loop, so the reason is gone there; uvloop against asyncio for such a
+worker is not measured yet, and it keeps asyncio's until it is.
 `PDSERVE_EVENT_LOOP=uvloop` or `=asyncio` puts the servers and `pdserve bench` on one loop (a
 process started by `pdserve launch` inherits it; a bad value stops any `pdserve` command at
 once); `uvloop` demands that it be installed.

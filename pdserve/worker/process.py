@@ -46,7 +46,8 @@ from pdserve.worker.engine_host import LocalEngine, require_key
 
 log = logging.getLogger(__name__)
 
-# A worker's event loop by default: it shares the GIL with the engine thread (runtime/evloop.py).
+# A worker's event loop by default: with the engine in the worker it shares the GIL with the
+# engine thread (runtime/evloop.py; with an engine process, not measured against uvloop yet).
 WORKER_LOOP = "asyncio"
 
 
@@ -294,13 +295,7 @@ class Server:
 
 
 def run_server(cfg: ServerConfig) -> int:
-    """Bind, load, serve: the process's exit status (2: the port cannot be had, or a bad
-    PDSERVE_EVENT_LOOP)."""
-    try:  # the settings, before anything binds or loads
-        evloop.chosen(WORKER_LOOP)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
+    """Bind, load, serve: the process's exit status (2: the port cannot be had)."""
     try:
         sockets = bind(cfg.host, cfg.port)
     except OSError as e:

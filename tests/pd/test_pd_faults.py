@@ -22,7 +22,7 @@ import zmq
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
 from tests.pd.conftest import PD, KeyedSocket, tokens
-from tests.procs import auth_headers, wait_stopped
+from tests.procs import auth_headers, wait_stopped, worker_pids
 from tests.procs import http as call
 
 
@@ -69,12 +69,12 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
     that whole window (CI, and a full local run); a missed window is retried, at most twice,
     with a warning that shows every poll (when, what D's rooms were)."""
     assert tokens(pd.generate(f"warm-{pd.backend}", [1, 2], max_tokens=1))  # D is registered
-    p_pid = call("GET", pd.p.url + "/info")[1]["pid"]
+    p_pids = worker_pids(pd.p.url)  # with its engine process, where it has one
     for attempt in range(3):
         if attempt:  # the fenced room released, P paired with D again
             pd.wait_quiet(timeout_s=60.0)
             assert tokens(pd.generate(f"rewarm-{pd.backend}-{attempt}", [1, 2], max_tokens=1))
-        if _abort_while_stopped(pd, p_pid, f"stop-{pd.backend}-{attempt}", last=attempt == 2):
+        if _abort_while_stopped(pd, p_pids, f"stop-{pd.backend}-{attempt}", last=attempt == 2):
             break
     pd.wait_quiet()
     stats = call("GET", pd.p.url + "/debug/state")[1]["engine"]["role"]["stats"]
@@ -82,16 +82,18 @@ def test_abort_while_prefill_worker_is_stopped_holds_pages_until_ack(pd):
     assert tokens(pd.generate(f"after-stop-{pd.backend}", [1, 2, 3], max_tokens=2))
 
 
-def _abort_while_stopped(pd: PD, p_pid: int, rid: str, last: bool) -> bool:
+def _abort_while_stopped(pd: PD, p_pids: list[int], rid: str, last: bool) -> bool:
     """One try: P stopped, a request's room PENDING, its client gone: the room aborts and
     keeps its pages. False (with a warning, P resumed and the cluster quiet again) if D
     fenced the room before a poll saw it PENDING, unless `last`: then the test fails."""
-    os.kill(p_pid, signal.SIGSTOP)
+    for pid in p_pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         # Stopped for sure before the request: a process busy in the kernel (a loaded
         # machine) takes the signal late, and a P still running then accepts the room, which
         # D shows as prefilling from its first poll until it fences it (seen in a full run).
-        wait_stopped(p_pid)
+        for pid in p_pids:
+            wait_stopped(pid)
         conn = open_stream(pd, rid, list(range(10, 90)))
         answer: list[object] = []  # the stream's status and first line, once it answers
 
@@ -133,7 +135,8 @@ def _abort_while_stopped(pd: PD, p_pid: int, rid: str, last: bool) -> bool:
         inv = call("GET", pd.d.url + "/debug/invariants")[1]
         assert not inv["ok"]
     finally:
-        os.kill(p_pid, signal.SIGCONT)
+        for pid in p_pids:
+            os.kill(pid, signal.SIGCONT)
     return True
 
 
@@ -270,5 +273,5 @@ def test_layout_mismatch_is_refused_naming_the_field(pd):
 @pytest.fixture(autouse=True)
 def _no_stopped_prefill(pd):
     yield
-    pid = call("GET", pd.p.url + "/info")[1]["pid"]
-    os.kill(pid, signal.SIGCONT)
+    for pid in worker_pids(pd.p.url):
+        os.kill(pid, signal.SIGCONT)

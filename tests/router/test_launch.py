@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.engine_flags import engine_process, engine_process_argv
 from pdserve.launch import engine_flags
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.launcher import LaunchConfig, router_argv, worker_argvs
@@ -104,16 +103,9 @@ def test_engine_flags_are_passed_on_as_given():
     assert "--no-overlap-schedule" in engine_flags(off)
     assert build_parser().parse_args(["serve", *engine_flags(off)]).overlap_schedule is False
     assert serve.engine_process is None  # likewise: on for CUDA, off on a CPU
-    inproc = build_parser().parse_args(["launch", "--model", "m", "--no-engine-process"])
-    assert build_parser().parse_args(["serve", *engine_flags(inproc)]).engine_process is False
-
-
-def test_the_engine_process_is_on_for_cuda_unless_asked_otherwise():
-    assert [engine_process(None, d) for d in ("cuda", "cuda:1", "cpu")] == [True, True, False]
-    assert engine_process(False, "cuda") is False and engine_process(True, "cpu") is True
-    for flag in (None, True, False):  # what chaos and the benchmarks pass on parses back
-        argv = ["serve", *engine_process_argv(flag)]
-        assert build_parser().parse_args(argv).engine_process is flag
+    for given, flag in ((False, "--no-engine-process"), (True, "--engine-process")):
+        either = build_parser().parse_args(["launch", "--model", "m", flag])
+        assert build_parser().parse_args(["serve", *engine_flags(either)]).engine_process is given
 
 
 def test_the_router_gets_reject_unknown_fields():

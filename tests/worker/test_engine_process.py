@@ -332,11 +332,15 @@ def test_the_engine_process_dies_with_its_worker(tiny_dir, tmp_path) -> None:
         _kill_engine(pid)
 
 
-def test_a_decode_worker_with_an_engine_process_serves_pd_greedy(tiny_dir, tmp_path) -> None:
-    """1P+1D, both with engine processes (shm: P writes into the D engine process's pool)."""
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_a_decode_worker_with_an_engine_process_serves_pd_greedy(
+    tiny_dir, tmp_path, backend: str
+) -> None:
+    """1P+1D, both with engine processes: P writes into the D engine process's pool, which
+    that process mapped (shm) or registered with its NIXL agent (nixl, CUDA's default plane)."""
     want = hf_greedy(tiny_dir, PROMPTS, NEW)
     args = ["launch", "--prefill", "1", "--decode", "1", "--engine-process"]
-    args += [*worker_args(tiny_dir), "--served-model-name", "tiny"]
+    args += [*worker_args(tiny_dir, backend), "--served-model-name", "tiny"]
     with LaunchedCluster(args, tmp_path / "logs") as cluster:
         infos = {i["role"]: i for i in (http("GET", u + "/info")[1] for u in cluster.worker_urls())}
         d_url = cluster.processes["decode-0"]["url"]
