@@ -17,8 +17,9 @@ worker on uvloop served concurrency 32 at ITL p50 1.84/2.11 ms against 1.44/1.96
 (benchmarks/RESULTS.md, 2026-12-02 fifth session). So by default (`auto`) the router and
 `pdserve bench` run uvloop where it is installed and a worker runs asyncio's loop. A worker
 whose engine runs in a process of its own (CUDA's default, worker/engine_client.py) has no
-engine thread beside its loop, so the reason is gone there; uvloop against asyncio for such a
-worker is not measured yet, and it keeps asyncio's until it is.
+engine thread beside its loop, so the reason is gone there; on the 2-core VM such a worker's
+loop spent 19.6 ms per 1,000 tokens on uvloop and 21.3 on asyncio's, inside the runs' spread
+(benchmarks/RESULTS.md, 2026-12-05 f), so it keeps asyncio's until a GPU run tells them apart.
 `PDSERVE_EVENT_LOOP=uvloop` or `=asyncio` puts the servers and `pdserve bench` on one loop (a
 process started by `pdserve launch` inherits it; a bad value stops any `pdserve` command at
 once); `uvloop` demands that it be installed.

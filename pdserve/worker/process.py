@@ -47,7 +47,7 @@ from pdserve.worker.engine_host import LocalEngine, require_key
 log = logging.getLogger(__name__)
 
 # A worker's event loop by default: with the engine in the worker it shares the GIL with the
-# engine thread (runtime/evloop.py; with an engine process, not measured against uvloop yet).
+# engine thread (runtime/evloop.py; with an engine process, uvloop is not measured on a GPU yet).
 WORKER_LOOP = "asyncio"
 
 
