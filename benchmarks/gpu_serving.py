@@ -9,7 +9,8 @@ for the comparison (benchmarks/gpu_sharing.py measures what sharing costs); one 
 instead of one shared output stream per worker (`--worker-streams`); one named with
 `-engproc` runs each worker's engine in a process of its own (`--engine-process`), one with
 `-inproc` in the worker (`--no-engine-process`), and a plain name has serve's default (an
-engine process on CUDA, none on a CPU; the row's `engine_process`). Each row names its
+engine process on CUDA, none on a CPU; the row's `engine_process`, from the worker's /info).
+Each row names its
 workers' GPUs (`placement`, from the launcher's cluster.json). Then measured with the same
 workload: random prompts of --input-len tokens, --output-len tokens out, at each
 --concurrency. Reports output tokens/s, TTFT and ITL p50/p99 per cluster and concurrency, and
@@ -50,10 +51,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.launched import wait_healthy  # noqa: E402
+from benchmarks.launched import engine_pid, wait_healthy  # noqa: E402
 from benchmarks.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
 from benchmarks.sim_device import HOST_ENV, SIM_ENV  # noqa: E402
-from pdserve.engine_flags import engine_process_argv, use_engine_process  # noqa: E402
+from pdserve.engine_flags import engine_process_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UCX_GPU = "cuda_copy,cuda_ipc,cma,tcp,self"  # one host: VRAM by CUDA IPC (README §nixl)
@@ -278,12 +279,14 @@ def main() -> int:
             decode_url = next(
                 p["url"] for p in table["processes"] if p["name"].startswith(("colo", "decode"))
             )
+            # as the worker resolved it (a plain name has serve's default for the device)
+            own_engine = engine_pid(decode_url, Path(table["cluster_key_file"])) is not None
             for conc in args.concurrency:
                 row = bench(url, name, conc, args, out, procs, decode_url)
                 sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
                 row.update(
                     placement=where,
-                    engine_process=use_engine_process(engine_flag(name), args.device),
+                    engine_process=own_engine,
                     sim=sim if args.sim_step_ms else None,
                 )
                 rows.append(row)

@@ -7,7 +7,8 @@ wait, SIGKILL). For `launch` it then makes sure every process of the cluster tab
 the launcher stops them and they die with it, so this only waits (bounded); one still running
 is SIGKILLed only if it is still a pdserve process (a pid the kernel gave to someone else is
 left alone), and waited for again. Also when the run failed or was interrupted while
-starting. `wait_healthy` polls a URL's /health for a process started otherwise.
+starting. `wait_healthy` polls a URL's /health for a process started otherwise;
+`engine_pid` reads a launched worker's engine process from its /info.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.runtime.child import Child, ChildFailed
+from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.pids import is_pdserve, signal_pdserve, wait_gone
 
 READY_TIMEOUT_S = 300.0
@@ -103,3 +105,14 @@ def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> Non
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} not healthy within {timeout_s:.0f}s")
+
+
+def engine_pid(worker_url: str, key_file: Path) -> int | None:
+    """The worker's engine process as its /info tells it (None: the engine runs in the worker);
+    /info asks for the cluster key `launch` wrote."""
+    req = urllib.request.Request(
+        worker_url + "/info", headers=ClusterKey.load(key_file).http_headers
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        pid = json.loads(r.read()).get("engine_pid")
+    return int(pid) if pid is not None else None

@@ -2,8 +2,7 @@
 in-process engine on the same device, 64 concurrent mixed-length greedy requests.
 
     python benchmarks/pd_cuda.py --model builtin:tiny --device cuda --dtype float32
-    python benchmarks/pd_cuda.py --no-engine-process  # engines in the workers (serve's default
-                                                      # on CUDA: each in a process of its own)
+    python benchmarks/pd_cuda.py --no-engine-process  # each engine in its worker's process
 
 Prints how many of the 64 texts match exactly, the cluster's wall time for the batch and the
 KV bytes moved; exits non-zero on any mismatch.
@@ -27,10 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.config import resolve_device  # noqa: E402
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
-from pdserve.engine_flags import engine_process_argv, use_engine_process  # noqa: E402
+from pdserve.engine_flags import engine_process_argv  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.tokenizer import Tokenizer  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
@@ -139,7 +137,10 @@ def main() -> int:
         headers = ClusterKey.load(log_dir / "cluster.key").http_headers
         cluster = urllib.request.Request(url + "/debug/cluster", headers=headers)
         with urllib.request.urlopen(cluster, timeout=30) as r:
-            workers = json.loads(r.read())["workers"]
+            doc = json.loads(r.read())
+        workers = doc["workers"]
+        # as the workers resolved it (with no flag, serve's default for the device)
+        engines = [(w.get("info") or {}).get("engine_pid") for w in doc["router"]["workers"]]
         moved = sum(
             w["state"]["engine"]["role"]["stats"]["bytes_written"]
             for w in workers.values()
@@ -153,9 +154,7 @@ def main() -> int:
                     "device": args.device,
                     "dtype": args.dtype,
                     "backend": args.backend,
-                    "engine_process": use_engine_process(
-                        args.engine_process, resolve_device(args.device)
-                    ),
+                    "engine_process": all(pid is not None for pid in engines),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",
                     "batch_wall_s": round(wall, 2),

@@ -33,19 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.launched import Pdserve  # noqa: E402
+from benchmarks.launched import Pdserve, engine_pid  # noqa: E402
 from benchmarks.proc_cpu import Cpu, read_cpu  # noqa: E402
 from pdserve.bench.config import ArrivalConfig, ClientConfig  # noqa: E402
 from pdserve.bench.dataset import BenchRequest  # noqa: E402
 from pdserve.bench.runner import Workload, run_workloads  # noqa: E402
 from pdserve.runtime import evloop  # noqa: E402
-from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 
 PROFILE_TOP = 25
 
@@ -148,12 +146,9 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[dict[str, object]]:
     runs: list[dict[str, object]] = []
     with Pdserve(argv, log_dir) as cluster:
         procs = {p["name"]: int(p["pid"]) for p in cluster.table()}
-        key = ClusterKey.load(log_dir / "cluster.key")  # launch made it: /info asks for it
         for p in cluster.table():  # each worker's engine process, a row of its own
-            if args.engine_process and p["name"] != "router":
-                info = urllib.request.Request(p["url"] + "/info", headers=key.http_headers)
-                with urllib.request.urlopen(info, timeout=10) as r:
-                    procs[p["name"] + "-engine"] = int(json.loads(r.read())["engine_pid"])
+            if p["name"] != "router" and (pid := engine_pid(p["url"], log_dir / "cluster.key")):
+                procs[p["name"] + "-engine"] = pid
         stream(cluster.url, args, min(args.concurrency, args.num_prompts))  # warm up
         for rep in range(args.repeats):
             profiler = None
