@@ -179,7 +179,7 @@ async def sampler(server: Server, stop: asyncio.Event, peak: list[Sample]) -> No
         peak[0] = Sample(max(peak[0].rss_mib, s.rss_mib), max(peak[0].fds, s.fds))
         try:
             await asyncio.wait_for(stop.wait(), 0.1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -237,7 +237,7 @@ async def slowloris(server: Server, n: int = 200) -> tuple[Release, str]:
             i += 1
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     tasks = [asyncio.ensure_future(trickle(w)) for w in writers]

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +219,7 @@ def main() -> int:
         runs = load(args, Path(args.from_dir))
     else:
         out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="pd_vs_colocated-"))
-        print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; out {out_dir}")
+        print(f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; {machine()}; out {out_dir}")
         runs = measure(args, slo, out_dir)
     print(HEADER)
     for run in runs:

@@ -42,6 +42,7 @@ from pdserve.chaos.disconnects import ClientDisconnect
 from pdserve.chaos.faulted import DROPPABLE, MessageFaults, ThreadCrash
 from pdserve.chaos.fuzz import Fuzz
 from pdserve.chaos.kills import WorkerKill
+from pdserve.chaos.resets import EarlyReset
 from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome, Scenario, scenario_rng
 from pdserve.chaos.stops import PrefillStop
 from pdserve.chaos.storm import AbortStorm
@@ -53,6 +54,7 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         AbortStorm(),
         ClientDisconnect(),
+        EarlyReset(),
         WorkerKill("prefill"),
         PrefillStop(),
         WorkerKill("decode"),
@@ -142,6 +144,21 @@ def add_chaos_command(sub: Any) -> None:
         "--requests", type=int, default=d.requests, help="fuzz: how many seeded cases to send"
     )
     p.add_argument(
+        "--resets", type=int, default=d.resets, help="early-reset: connections reset per storm"
+    )
+    p.add_argument(
+        "--reset-bound-s",
+        type=float,
+        default=d.reset_bound_s,
+        help="early-reset: seconds from the storm's end until every worker must be quiet",
+    )
+    p.add_argument(
+        "--fresh-bound-s",
+        type=float,
+        default=d.fresh_bound_s,
+        help="early-reset: seconds a fresh request after the storm may take",
+    )
+    p.add_argument(
         "--report", default=None, help="write the JSON report here (default: summary only)"
     )
     p.add_argument("--work-dir", default=None, help="logs and progress files (default: temp)")
@@ -178,6 +195,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         steady_s=args.steady_s,
         messages=messages,
         requests=args.requests,
+        resets=args.resets,
+        reset_bound_s=args.reset_bound_s,
+        fresh_bound_s=args.fresh_bound_s,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     work.mkdir(parents=True, exist_ok=True)

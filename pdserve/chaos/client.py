@@ -168,9 +168,8 @@ async def run_session(
         t0 = time.monotonic()
         answer: str | None = None
         try:
-            answer = await asyncio.wait_for(
-                one_request(http, cfg, body, p, rng.random() < cfg.abandon), cfg.timeout_s + GRACE_S
-            )
+            async with asyncio.timeout(cfg.timeout_s + GRACE_S):
+                answer = await one_request(http, cfg, body, p, rng.random() < cfg.abandon)
         except TimeoutError:
             p.error("hung", f"no end within {cfg.timeout_s + GRACE_S:.0f}s")
         except aiohttp.ClientConnectorError as e:

@@ -1,11 +1,17 @@
 """`pdserve chaos --scenario fuzz`: seeded hostile requests against a live cluster.
 
 The cases come from chaos/fuzz_cases.py (valid requests, valid requests with one field made
-hostile, raw bodies that are not JSON, wrong content types, methods and paths), sent with a
-bounded concurrency, each with its own client timeout. Every answer is checked as it comes:
-* never a 5xx; every 4xx an OpenAI-style JSON body `{"error": {"message": ...}}`;
+hostile, raw bodies that are not JSON, wrong content types, methods and paths, compressed
+bodies good, broken and explosive, Authorization headers that are not UTF-8, timeouts of a
+microsecond, a prompt of one word of megabytes, connections reset right after the request),
+sent with a bounded concurrency, each with its own client timeout. Every answer is checked as
+it comes:
+* never a 5xx (the report counts them: `five_xx`, which must be 0); every 4xx an
+  OpenAI-style JSON body `{"error": {"message", "type", "param", "code"}}`; a case that names
+  its statuses gets one of them;
 * a valid case is a 200 with a finished completion (a stream ends with [DONE] and no error);
 * nothing hangs past the client timeout.
+A reset case has no answer to check; the quiet check below sees what it left behind.
 Afterwards: the router's /health is green, every worker's /debug/invariants holds (nothing
 live, every page free, every thread alive), and a fixed greedy request answers exactly as it
 did before the fuzz. Any miss is a violation; the seed replays the run.
@@ -14,17 +20,21 @@ did before the fuzz. Any miss is a violation; the seed replays the run.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from pdserve.chaos import probes
 from pdserve.chaos.cluster import ClusterSpec, WorkerRef
-from pdserve.chaos.fuzz_cases import Case, Expect, cases
+from pdserve.chaos.fuzz_cases import Case, Expect, Send, cases
 from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
 from pdserve.runtime import httpcall
 
@@ -33,6 +43,9 @@ CASE_TIMEOUT_S = 60.0  # a valid case asks for at most 6 tokens: far below this
 # Token ids of valid cases are drawn below this: every model pdserve serves has more (the
 # built-in byte-level tokenizers start with 256 byte tokens).
 VALID_VOCAB = 256
+COMPLETIONS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ERROR_FIELDS = frozenset({"message", "type", "param", "code"})
+_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST, not a FIN
 PROBE = {"prompt": "The fuzzer checks:", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -62,14 +75,21 @@ def check(case: Case, status: int, raw: bytes) -> str | None:
     text = raw.decode("utf-8", errors="replace")
     if status >= 500:
         return f"HTTP {status}: {text[:200]}"
+    if case.statuses and status not in case.statuses:
+        return f"HTTP {status} where {sorted(case.statuses)} was due: {text[:200]}"
     if status >= 400:
         try:
-            message = json.loads(text)["error"]["message"]
+            error = json.loads(text)["error"]
+            fields, message = set(error), error["message"]
         except (ValueError, KeyError, TypeError):
             return f"HTTP {status} without an OpenAI error body: {text[:200]}"
+        if not fields >= ERROR_FIELDS:
+            return f"HTTP {status}: the error body lacks {sorted(ERROR_FIELDS - fields)}"
         return None if isinstance(message, str) and message else f"empty error: {text[:200]}"
     if status != 200:
         return f"HTTP {status}"
+    if case.path not in COMPLETIONS:
+        return None  # /v1/models, /health, /debug/*: answered, which is all an odd call asks
     if case.stream:
         lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
         if not lines or lines[-1] != "[DONE]":
@@ -90,6 +110,12 @@ def check(case: Case, status: int, raw: bytes) -> str | None:
 
 
 async def _send(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[str, str | None]:
+    """(the status or what happened instead, what is wrong with it or None)."""
+    match case.send:
+        case Send.RAW:
+            return await asyncio.to_thread(_send_raw, base, case, dict(session.headers))
+        case Send.RESET:
+            return await _send_reset(base, case, dict(session.headers))
     try:
         async with session.request(
             case.method,
@@ -104,6 +130,53 @@ async def _send(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[
         return "timeout", f"no answer within {CASE_TIMEOUT_S:.0f}s"
     except aiohttp.ClientError as e:
         return "connection_error", f"connection failed: {e!r}"
+
+
+def _send_raw(base: str, case: Case, common: dict[str, str]) -> tuple[str, str | None]:
+    """A case sent by http.client, which writes header values as latin-1: any byte goes out as
+    it is (aiohttp's client writes UTF-8)."""
+    u = urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=CASE_TIMEOUT_S)
+    try:
+        conn.putrequest(case.method, case.path, skip_accept_encoding=True)
+        for name, value in {**common, **case.headers}.items():
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(case.body)))
+        conn.endheaders(case.body)
+        r = conn.getresponse()
+        raw = r.read()
+        return str(r.status), check(case, r.status, raw)
+    except TimeoutError:
+        return "timeout", f"no answer within {CASE_TIMEOUT_S:.0f}s"
+    except (OSError, http.client.HTTPException) as e:
+        return "connection_error", f"connection failed: {e!r}"
+    finally:
+        conn.close()
+
+
+async def _send_reset(base: str, case: Case, common: dict[str, str]) -> tuple[str, str | None]:
+    """A case written on a socket whole, then reset (RST) at once: the server finds its client
+    gone before it could answer. Nothing comes back to check."""
+    u = urlsplit(base)
+    head = [f"{case.method} {case.path} HTTP/1.1", f"Host: {u.hostname}:{u.port}"]
+    head += [f"{k}: {v}" for k, v in {**common, **case.headers}.items()]
+    head += [f"Content-Length: {len(case.body)}"]
+    try:
+        async with asyncio.timeout(CASE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(u.hostname, u.port)
+    except (OSError, TimeoutError) as e:
+        return "connection_error", f"connection failed: {e!r}"
+    try:
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + case.body)
+        await writer.drain()
+    except OSError as e:
+        return "connection_error", f"connection failed while sending: {e!r}"
+    finally:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
+        writer.close()
+    return "reset", None
 
 
 async def fuzz(
@@ -187,6 +260,8 @@ class Fuzz:
         if after != before:
             out.violate(f"the probe request answers differently after the fuzz: {after}")
         s = report.summary()
+        if s["five_xx"]:  # each is a violation above too; this one says how many in all
+            out.violate(f"{s['five_xx']} of {s['sent']} answers were 5xx; 0 are allowed")
         out.summary.update(s)
         out.summary["headline"] = (
             f"{s['sent']} cases, {s['valid_ok']}/{s['valid']} valid served, "

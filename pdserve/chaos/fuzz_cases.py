@@ -7,6 +7,10 @@ A case is one HTTP call (method, path, raw body bytes, headers) and an expectati
   unknown one added, a raw body that is not JSON or not UTF-8, deep nesting, a 5,000-digit
   number, a wrong method or path: it may be refused (4xx with an OpenAI-style JSON body) or,
   where the change happens to be harmless, served (200); never a 5xx, never a hang.
+A case may also name the only statuses it may get (`statuses`: a bad gzip body 400, a deflate
+bomb 413, a timeout of a millisecond 200 or 408), and how it is sent (`Send`): by aiohttp's
+client; raw, with header bytes that client cannot write (an Authorization header that is not
+UTF-8); or raw and then reset, with nothing to read back.
 The same seed gives the same cases, so a failure can be replayed: `pdserve chaos --scenario
 fuzz --seed S --requests N` (or tests/chaos/test_fuzz.py).
 """
@@ -20,10 +24,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from pdserve.chaos.fuzz_wire import AUTH_CALLS, ODD_AUTH, encodings, huge_word_body
+
 
 class Expect(Enum):
     VALID = "valid"
     ANY = "any"  # 200 or 4xx; never 5xx
+
+
+class Send(Enum):
+    CLIENT = "client"  # aiohttp's client: header values go out as UTF-8
+    RAW = "raw"  # http.client: header values go out as latin-1, so any byte can be sent
+    RESET = "reset"  # written on a socket, then reset (RST) at once: no answer to check
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,8 @@ class Case:
     expect: Expect
     stream: bool = False
     headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
+    statuses: frozenset[int] = frozenset()  # when given, the only statuses it may get
+    send: Send = Send.CLIENT
 
 
 WORDS = ["the", "cat", "def", "main", "(", ")", ":", "hello", "world", "é", "日本", "🙂", "\n"]
@@ -77,6 +91,10 @@ HOSTILE: list[Any] = [
     {"a": 1},
     {"self": 1},
 ]
+
+# A request's own timeout, seconds: it may beat them (200) or end by them (408), in any state
+# of its life (waiting, prefilling on P, decoding); never a 5xx.
+TINY_TIMEOUTS = [1e-9, 1e-6, 1e-4, 0.001, 0.003, 0.01, 0.03, 0.1]
 
 FIELDS = [
     "model",
@@ -188,6 +206,11 @@ def _sampling(rng: random.Random, body: dict[str, Any], vocab: int) -> None:
     body["timeout"] = rng.choice([10, 20.0])
 
 
+def _unstreamed(body: dict[str, Any]) -> dict[str, Any]:
+    """The body answered in one piece, for a case whose answer is read whole."""
+    return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+
+
 def _encode(body: Any) -> bytes:
     # allow_nan: NaN and Infinity literals are part of what a careless client sends.
     return json.dumps(body, allow_nan=True).encode()
@@ -246,7 +269,54 @@ def cases(seed: int, n: int, model: str, vocab: int) -> Iterator[Case]:
         )
         return Case(i, "route", method, path, b"", Expect.ANY)
 
-    makers = [(0.3, valid), (0.5, mutated), (0.1, raw), (0.05, charset), (0.05, route)]
+    def encoded(i: int) -> Case:
+        body = _unstreamed(valid_completion(rng, model, vocab))
+        kind, coding, data, only = rng.choice(encodings(_encode(body)))
+        headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+        expect = Expect.ANY if only else Expect.VALID
+        path = "/v1/completions"
+        return Case(i, f"encoding:{kind}", "POST", path, data, expect, False, headers, only)
+
+    def auth(i: int) -> Case:
+        method, path = rng.choice(AUTH_CALLS)
+        body = _unstreamed(valid_completion(rng, model, vocab))
+        data = _encode(body) if method == "POST" else b""
+        headers = {"Content-Type": "application/json", "Authorization": rng.choice(ODD_AUTH)}
+        only = frozenset({200, 401, 404})
+        return Case(i, "auth", method, path, data, Expect.ANY, False, headers, only, Send.RAW)
+
+    def tiny_timeout(i: int) -> Case:
+        chat = rng.random() < 0.4
+        body = valid_chat(rng, model, vocab) if chat else valid_completion(rng, model, vocab)
+        body["timeout"] = rng.choice(TINY_TIMEOUTS)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        stream, only = bool(body.get("stream")), frozenset({200, 408})
+        return Case(
+            i, "tiny_timeout", "POST", path, _encode(body), Expect.ANY, stream, statuses=only
+        )
+
+    def huge_word(i: int) -> Case:
+        body, only = huge_word_body(model), frozenset({400})
+        return Case(i, "huge_word", "POST", "/v1/completions", body, Expect.ANY, statuses=only)
+
+    def reset(i: int) -> Case:
+        body = valid_completion(rng, model, vocab) | {"max_tokens": rng.choice([1, 50])}
+        stream = bool(body.get("stream"))
+        path = "/v1/completions"
+        return Case(i, "reset", "POST", path, _encode(body), Expect.ANY, stream, send=Send.RESET)
+
+    makers = [
+        (0.27, valid),
+        (0.45, mutated),
+        (0.08, raw),
+        (0.04, charset),
+        (0.04, route),
+        (0.04, encoded),
+        (0.03, auth),
+        (0.03, tiny_timeout),
+        (0.004, huge_word),
+        (0.02, reset),
+    ]
     weights = [w for w, _ in makers]
     for i in range(n):
         (make,) = rng.choices([m for _, m in makers], weights)

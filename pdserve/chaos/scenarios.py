@@ -49,6 +49,9 @@ class ChaosOptions:
     # message-faults: the control messages dropped in turn, one cluster each
     messages: tuple[str, ...] = ("PrefillAccept", "PrefillDone", "AbortAck", "KVChunk")
     requests: int = 2000  # fuzz: seeded cases per run
+    resets: int = 3000  # early-reset: connections reset per storm (per target and round)
+    reset_bound_s: float = 2.0  # early-reset: the storm's last reset -> every worker quiet
+    fresh_bound_s: float = 1.0  # early-reset: a fresh request after the storm answers within
 
     def __post_init__(self) -> None:
         lo, hi = self.kill_after
@@ -56,8 +59,8 @@ class ChaosOptions:
             raise ValueError(f"--kill-after needs 0 < MIN <= MAX, got {lo}:{hi}")
         if not self.messages:
             raise ValueError("--messages needs at least one message type")
-        if self.requests < 1:
-            raise ValueError("need --requests >= 1")
+        if self.requests < 1 or self.resets < 1:
+            raise ValueError("need --requests >= 1 and --resets >= 1")
         if self.rounds < 1 or self.sessions < 1 or self.prefill < 0 or self.decode < 1:
             raise ValueError("need --rounds >= 1, --sessions >= 1, --prefill >= 0, --decode >= 1")
 

@@ -6,8 +6,14 @@ has begun ends the stream with an error finish_reason and an error event, never 
 
 Tokenizing a prompt and rendering a chat template run on a small thread pool, never on the
 event loop: a 40 MB prompt once froze a router for 34 s. (That helps only as far as the
-tokenizer releases the GIL while it works.) Detokenizing streamed tokens stays on the loop:
-about 5 us a token. A request body must arrive within BODY_TIMEOUT_S.
+tokenizer releases the GIL while it works.) Before that, a text is bounded by its cheapest
+measure (LESSONS #19): one longer than `max_prompt_chars` (the context times the most
+characters one token can stand for) cannot fit and is refused untokenized. The tokenizing
+has a deadline (TOKENIZE_TIMEOUT_S), and a client that leaves takes its queued tokenizing
+with it (a cancelled executor future never runs; a running one ends within the bound the
+characters set). Detokenizing streamed tokens stays on the loop: about 5 us a token. Bodies
+are read by server/body.py (`read_body`: a time limit, a size limit, and compressed bodies
+inflated with a bound).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from aiohttp import web
 from pdserve.frontend.format import Formatter, sse
 from pdserve.frontend.generation import Backend, Generation
 from pdserve.frontend.protocol import (
+    MAX_CHOICES,
     ApiError,
     GenerationSpec,
     bad,
@@ -34,11 +41,13 @@ from pdserve.frontend.protocol import (
 from pdserve.frontend.tools import check_template
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
-from pdserve.runtime.timing import BODY_TIMEOUT_S
+from pdserve.server.body import MAX_BODY_BYTES, read_body
+from pdserve.server.connection import on_disconnect
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # prompts tokenized at once, per front end; the rest wait their turn
+TOKENIZE_TIMEOUT_S = 30.0  # one call's tokenizing (its queue wait included)
 T = TypeVar("T")
 A = TypeVar("A")
 
@@ -65,12 +74,17 @@ class OpenAIApi:
         model_name: str,
         max_model_len: int,
         default_timeout_s: float,
+        max_prompt_chars: int | None = None,
     ) -> None:
+        """`max_prompt_chars`: the longest text prompt (or rendered chat) tokenized; None, no
+        bound (tests' fake tokenizers). Servers pass `prompt_char_bound(...)`."""
         self.backend = backend
         self.tok = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.default_timeout_s = default_timeout_s
+        self.max_prompt_chars = max_prompt_chars
+        self.max_body_bytes = body_bound(max_model_len)  # the app's client_max_size
         self.created = int(time.time())
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._live: set[Generation] = set()  # generations whose answer is not over
@@ -107,6 +121,9 @@ class OpenAIApi:
             spec = parse_completion(await read_json(request))
             self._check_model(spec)
             if any(isinstance(p, str) for p in spec.prompts):
+                for p in spec.prompts:
+                    if isinstance(p, str):
+                        self._check_chars(len(p), "prompt")
                 prompts = await self._off_loop(self._encode_prompts, spec.prompts)
             else:  # token ids already: no tokenizer, so no hop to its threads and back
                 prompts = self._encode_prompts(spec.prompts)
@@ -118,14 +135,40 @@ class OpenAIApi:
         try:
             spec = parse_chat(await read_json(request))
             self._check_model(spec)
+            self._check_chars(text_chars(spec.messages), "messages")  # a template adds to it
             prompt = await self._off_loop(self._chat_prompt, spec)
             return await self._serve(request, spec, [prompt])
         except ApiError as e:
             return error_response(e)
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        """400 for a text too long for the context whatever its tokens (before tokenizing)."""
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise ApiError(
+                400,
+                f"the {param} is {chars} characters: more than this model's context of "
+                f"{self.max_model_len} tokens can hold (at most {limit} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     # -- on the tokenizer threads ---------------------------------------------------------
     async def _off_loop(self, fn: Callable[[A], T], arg: A) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, arg)
+        """`fn(arg)` on a tokenizer thread, within TOKENIZE_TIMEOUT_S (413 past it). If the
+        handler is cancelled first (its client left), a call still queued never runs."""
+        try:
+            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, fn, arg
+                )
+        except TimeoutError:
+            raise ApiError(
+                413,
+                f"the prompt was not tokenized within {TOKENIZE_TIMEOUT_S:.0f}s: send a "
+                "shorter one",
+                code="prompt_too_large",
+            ) from None
 
     def _encode_prompts(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
         return [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -144,6 +187,7 @@ class OpenAIApi:
             # The tokenizer reports whatever the template raised as ValueError; a TypeError
             # is a keyword clash at the call, which parse_chat should already have refused.
             raise bad(f"chat template: {e}", "messages") from e
+        self._check_chars(len(text), "messages")
         return list(self.tok.encode(text, add_special_tokens=False))
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -194,27 +238,42 @@ class OpenAIApi:
             spec.include_stop_str,
             spec.timeout_s or self.default_timeout_s,
         )
+        fmt = Formatter(self.tok, self.model_name, spec, gen, prompts)
+        handler = asyncio.current_task()
+
+        def client_lost() -> None:
+            # Not left to aiohttp's cancellation of the handler alone: Python 3.11's
+            # asyncio.wait_for can swallow a cancel that lands as its awaitable completes.
+            gen.close()
+            if handler is not None:
+                handler.cancel()
+
         gen.start()
         self._live.add(gen)
-        fmt = Formatter(self.tok, self.model_name, spec, gen, prompts)
+        unwatch = on_disconnect(request, client_lost)
         try:
             if spec.stream:
                 return await self._stream(request, gen, fmt)
             async for d in gen.deltas():
                 fmt.accumulate(d)
         except (asyncio.CancelledError, ConnectionError):
-            # aiohttp cancels the handler of a client that disconnects; a write to it fails.
-            # Generation.deltas aborted what was still running. One line, no traceback.
+            # The client disconnected (before the response started or after) or a write to
+            # it failed. The `finally` aborts what still runs; one line, no traceback.
             if _client_gone(request):
+                gen.close()
                 log.info(
-                    "%s %s: the client disconnected after %d tokens; its request was aborted",
+                    "%s %s: the client disconnected after %d tokens; %d unfinished choices aborted",
                     request.path,
                     fmt.id,
                     gen.completion_tokens,
+                    gen.aborted,
                 )
             raise
         finally:
+            # Every window of the answer's life ends here, whatever ended it (LESSONS #17).
+            unwatch()
             self._live.discard(gen)
+            gen.close()
         errors = [c for c in gen.choices if c.finish_reason == "error"]
         if errors:
             return error_response(failure(errors[0].error))
@@ -248,20 +307,35 @@ async def read_json(request: web.Request) -> Any:
     return parse_json_body(await read_body(request), request.charset)
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's body. One past the app's client_max_size raises aiohttp's 413, which the
-    error middleware (pdserve.server.errors) turns into an OpenAI-style body; one that has not
-    arrived within BODY_TIMEOUT_S is a 408.
-    """
-    try:
-        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError as e:
-        raise ApiError(
-            408,
-            f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
-            type_="timeout_error",
-            code="body_timeout",
-        ) from e
+BODY_BYTES_PER_TOKEN = 16  # a token as JSON: an id and its comma, or ~4 characters of UTF-8
+MIN_BODY_BYTES = 4 * 2**20
+
+
+def body_bound(max_model_len: int) -> int:
+    """The largest request body the front end reads (client_max_size; larger is 413 before it
+    is all read): what the most prompts a body may carry (MAX_CHOICES) could use of the
+    context, at BODY_BYTES_PER_TOKEN, within [MIN_BODY_BYTES, MAX_BODY_BYTES]. A body larger
+    than the model can take costs no more than this much memory (LESSONS #19)."""
+    useful = MAX_CHOICES * max_model_len * BODY_BYTES_PER_TOKEN
+    return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, useful))
+
+
+def prompt_char_bound(max_token_chars: int, max_model_len: int) -> int:
+    """The longest text that could still fit a context of `max_model_len` tokens when no
+    token stands for more than `max_token_chars` characters (Tokenizer.max_token_chars)."""
+    return max(max_token_chars, 1) * max_model_len
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string value of a parsed JSON value: the messages' contents, which
+    a chat template renders (plus its own text)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_chars(v) for v in value)
+    return 0
 
 
 def _no_such_model(asked: str, served: str) -> ApiError:

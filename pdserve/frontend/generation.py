@@ -4,8 +4,10 @@ The backend is anything with validate/submit/abort (the local engine here; a rem
 worker behind the router). Outputs cross from the engine thread into asyncio through the
 loop's `Handoff`, one wake-up per burst, and wait in one `OutputStream` per call; what piled
 up while the caller was busy comes out merged, one delta per choice
-(server/output_stream.py). Every wait is bounded by the call's deadline, and a choice that
-is still running when the caller stops listening (disconnect, error, stop string) is aborted.
+(server/output_stream.py). Every wait is bounded by the call's deadline. A choice that is
+still running when the caller stops listening (disconnect, error, stop string) is aborted by
+`close()`, which the caller runs in a `finally` around the whole answer: a client gone before
+the first output was read is aborted as surely as one gone mid-stream (LESSONS #17).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Generation:
             for j in range(n)
         ]
         self._stream: OutputStream[tuple[int, RequestOutput]] | None = None
+        self._closed = False
+        self.aborted = 0  # choices close() aborted while they were still running
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,10 +143,22 @@ class Generation:
                 if batch:
                     yield batch
         finally:
-            stream.close()
-            for c in self.choices:
-                if c.finish_reason is None or c.text.stopped:
-                    self.backend.abort(c.request_id)
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening: abort every choice the backend may still be running (unfinished,
+        or stopped here on a stop string). Idempotent; for any window of the call's life,
+        before its first output as after (`aborted` counts the unfinished ones)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._stream is not None:
+            self._stream.close()
+        for c in self.choices:
+            if c.finish_reason is None or c.text.stopped:
+                self.backend.abort(c.request_id)
+                if c.finish_reason is None:
+                    self.aborted += 1
 
     def _apply(self, c: Choice, out: RequestOutput) -> Delta | None:
         if c.finish_reason is not None:

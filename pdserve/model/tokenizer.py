@@ -80,6 +80,14 @@ class Tokenizer:
         # Token strings by role ("bos_token", "eos_token", ...), as chat templates see them.
         self._special_tokens = dict(special_tokens)
         self._chat_template = chat_template
+        # The most characters one token can stand for: a piece's length bounds its text (a
+        # byte-level piece has a character per byte, a SentencePiece one a character per
+        # character, a byte-fallback "<0xNN>" stands for one byte). So a text longer than
+        # max_model_len x this cannot fit the context, unless the normalizer deletes
+        # characters (frontend/api.py refuses it untokenized: LESSONS #19).
+        self.max_token_chars: int = max(
+            (len(piece) for piece in backend.get_vocab(with_added_tokens=True)), default=1
+        )
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:

@@ -48,6 +48,22 @@ class ShmPool(msgspec.Struct, frozen=True):
     token: str
 
 
+class Hello(Msg, frozen=True):
+    """D -> P, before anything else: prove you hold the cluster key. D sends its Register (its
+    pool reference, its NIXL metadata) only to a peer whose HelloAck came back signed with the
+    key, echoing `nonce` and naming the address D dialled (a relay of another P's answer names
+    that P's address instead). Nothing in it is secret."""
+
+    nonce: int
+
+
+class HelloAck(Msg, frozen=True):
+    """P -> D: `nonce` echoed, and `address` the control address P listens on (its /info's)."""
+
+    nonce: int
+    address: str
+
+
 class Register(Msg, frozen=True):
     """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm` its pool (shm)."""
 
@@ -142,7 +158,9 @@ class Error(Msg, frozen=True):
 
 
 Message = (
-    Register
+    Hello
+    | HelloAck
+    | Register
     | RegisterAck
     | PrefillRequest
     | PrefillAccept
@@ -157,6 +175,8 @@ Message = (
     | Error
 )
 MESSAGE_TYPES: tuple[type[Msg], ...] = (
+    Hello,
+    HelloAck,
     Register,
     RegisterAck,
     PrefillRequest,

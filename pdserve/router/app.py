@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdserve.frontend.api import OpenAIApi
+from pdserve.frontend.api import OpenAIApi, prompt_char_bound
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import validate_prompt
 from pdserve.router.backend import RemoteBackend
@@ -39,9 +39,10 @@ from pdserve.runtime import evloop
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.ready import announce_ready
-from pdserve.runtime.timing import HANDLERS_STOP_S, ROUTER_STOP_S
+from pdserve.runtime.timing import HANDLERS_STOP_S, RETRY_AFTER_S, ROUTER_STOP_S
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
+from pdserve.server.body import app_args as body_app_args
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import HttpLimits, Listener, bind, bind_error
 from pdserve.server.stopping import Stop
@@ -98,7 +99,13 @@ class Router:
         canary = self.tokenizer.encode(CANARY_TEXT)
         validate_prompt(canary, CANARY_PARAMS, fleet.vocab_size, fleet.max_model_len)
         self.monitor = HealthMonitor(
-            cfg, self.registry, self.clients, self.metrics, canary, self.backend.run_once
+            cfg,
+            self.registry,
+            self.clients,
+            self.metrics,
+            canary,
+            self.backend.run_once,
+            self.admission,  # a canary takes --max-queue slots like any generation
         )
         self.api = OpenAIApi(
             self.backend,
@@ -106,6 +113,7 @@ class Router:
             cfg.served_model_name or fleet.model,
             fleet.max_model_len,
             cfg.request_timeout_s,
+            prompt_char_bound(self.tokenizer.max_token_chars, fleet.max_model_len),
         )
         self._monitor_task = asyncio.get_running_loop().create_task(self.monitor.run(self._stop))
 
@@ -133,9 +141,14 @@ class Router:
         )
 
     async def health_deep(self, request: web.Request) -> web.Response:
-        results = await self.monitor.deep()
-        ok = all(r["ok"] for r in results)
-        return web.json_response({"ok": ok, "pairs": results}, status=200 if ok else 503)
+        """The last canary round (at most DEEP_FRESH_S old, else a new one shared by every
+        caller meanwhile) with its age; 429 when there never was one and --max-queue has no
+        slots for it (router/health.py)."""
+        answer = await self.monitor.answer()
+        if answer.pairs is None:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return web.json_response(answer.body(), status=429, headers=headers)
+        return web.json_response(answer.body(), status=200 if answer.ok else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -189,7 +202,7 @@ class Router:
         middlewares = [error_middleware(), gate.middleware(), self.admission.middleware()]
         if listener is not None:  # outermost: a connection is busy for all of a request
             middlewares.insert(0, listener.middleware())
-        app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
+        app = web.Application(middlewares=middlewares, **body_app_args(self.api.max_body_bytes))
         app.add_routes(self.api.routes())
         app.add_routes(
             [

@@ -144,7 +144,8 @@ class RemoteBackend:
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is live; False if some still are after timeout_s."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True
@@ -200,6 +201,8 @@ class RemoteBackend:
                     rid, prompt_ids, params, timeout_s, live, route, t0
                 )
                 if refused is None:
+                    if outcome == "ok":  # the pair serves (the health canary reads it)
+                        self.registry.served(route.key, time.monotonic())
                     return
                 # D never saw the request, so it may go elsewhere, if anyone is left.
                 tried.append(route.decode.url)
@@ -327,7 +330,8 @@ class RemoteBackend:
                     url, "its output stream closed as the request was sent", True, mark_down=False
                 )
             try:
-                return await asyncio.wait_for(asyncio.shield(done), deadline - loop.time())
+                async with asyncio.timeout_at(deadline):
+                    return await asyncio.shield(done)
             except TimeoutError:
                 self._send_abort(url, rid)
                 raise WorkerError(url, f"the request did not finish within {wait_s:.1f}s") from None
@@ -349,7 +353,8 @@ class RemoteBackend:
         (`_attempt` reads it)."""
         rid, url = body["request_id"], channel.client.url
         loop = asyncio.get_running_loop()
-        cid = await asyncio.wait_for(channel.ready(), max(deadline - loop.time(), 0.001))
+        async with asyncio.timeout_at(deadline):
+            cid = await channel.ready()
         body["channel"] = cid
         if not channel.register(cid, rid, receiver):
             return False

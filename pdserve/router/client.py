@@ -215,7 +215,8 @@ class WorkerClient:
 
         opened = False
         try:
-            r = await asyncio.wait_for(answer(), open_timeout_s)
+            async with asyncio.timeout(open_timeout_s):
+                r = await answer()
             try:
                 opened = True
                 yield []

@@ -80,6 +80,7 @@ class PairHealth:
     checked_at: float | None = None
     passes: int = 0
     failures: int = 0
+    served_at: float | None = None  # when a client request through the pair last succeeded
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Registry:
     prefill: list[Worker]
     policy: Policy
     pairs: dict[PairKey, PairHealth] = field(default_factory=dict)
+    changes: int = 0  # rotation changes so far: a cached deep-health answer older is stale
 
     @classmethod
     def build(
@@ -204,6 +206,7 @@ class Registry:
         was = w.healthy
         w.healthy, w.last_check = ok, now
         w.last_error = None if ok else error
+        self.changes += was != ok
         if was and not ok:
             self.policy.forget(w.role.value, w.index)
             return f"{w.role.value} worker {url} left rotation: {error}"
@@ -223,12 +226,25 @@ class Registry:
             h.passes += 1
         else:
             h.failures += 1
+        self.changes += was != ok
         name = f"pair (prefill {key[0]}, decode {key[1]})" if key[0] else f"worker {key[1]}"
         if was and not ok:
             return f"deep health failed for {name}; out of rotation: {error}"
         if ok and not was:
             return f"deep health passed again for {name}; back in rotation"
         return None
+
+    def served(self, key: PairKey, now: float) -> None:
+        """A client request through the pair finished well: the pair serves, whatever a slow
+        canary says (router/health.py tells a canary slowed by load from a failure by this)."""
+        h = self.pairs.get(key)
+        if h is not None:
+            h.served_at = now
+
+    def serving_since(self, key: PairKey, since: float) -> bool:
+        """Whether a client request through the pair succeeded at or after `since`."""
+        h = self.pairs.get(key)
+        return h is not None and h.served_at is not None and h.served_at >= since
 
     def pairs_to_retry(self, now: float, retry_s: float) -> list[PairKey]:
         """Failed pairs whose workers are alive and whose last probe is older than retry_s."""

@@ -28,6 +28,18 @@ KEY_BYTES = 32
 HTTP_HEADER = "Authorization"
 
 
+def bearer_matches(header: str | None, token: str) -> bool:
+    """Whether an Authorization header is `Bearer <token>` (constant time): the one check of a
+    bearer token, the cluster's or an API key. The header is whatever a client sent: aiohttp
+    decodes its bytes as UTF-8 with surrogateescape, so bytes that are not UTF-8 arrive as
+    lone surrogates, which a plain `.encode()` refuses (once a 500 on every keyed path, for
+    anyone). "surrogatepass" encodes every str, one to one, so such a header is just wrong."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer ") :].encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, token.encode())
+
+
 class ClusterKeyError(ValueError):
     """The key file is missing, unreadable, too open or not a key: the operator's fault."""
 
@@ -59,9 +71,7 @@ class ClusterKey:
 
     def http_ok(self, header: str | None) -> bool:
         """Whether an Authorization header carries this cluster's token (constant time)."""
-        if not header or not header.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(header[len("Bearer ") :].encode(), self.http_token.encode())
+        return bearer_matches(header, self.http_token)
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterKey:

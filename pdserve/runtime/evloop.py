@@ -87,14 +87,5 @@ def run(main: Coroutine[Any, Any, T], default: str = "uvloop") -> T:
     log.info("event loop: %s", "asyncio" if factory is None else "uvloop")
     if factory is None:
         return asyncio.run(main)
-    if not hasattr(asyncio, "Runner"):  # Python 3.10: a policy, put back afterwards
-        import uvloop
-
-        before = asyncio.get_event_loop_policy()
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        try:
-            return asyncio.run(main)
-        finally:
-            asyncio.set_event_loop_policy(before)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -34,11 +34,17 @@ def use_bearer(token: str) -> None:
     _auth = {"Authorization": f"Bearer {token}"}
 
 
-def _headers() -> dict[str, str]:
+def auth_headers() -> dict[str, str]:
+    """The Authorization header every call sends (empty without a key), for a tool that
+    speaks HTTP on a raw socket."""
     if _auth is None:
         use_key(ClusterKey.from_env(None))
     assert _auth is not None  # set just above
-    return {"Content-Type": "application/json", **_auth}
+    return dict(_auth)
+
+
+def _headers() -> dict[str, str]:
+    return {"Content-Type": "application/json", **auth_headers()}
 
 
 class Reply(NamedTuple):

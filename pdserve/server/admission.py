@@ -6,8 +6,10 @@ bound. The front end (a co-located server or the router) counts its `/v1/complet
 `/v1/chat/completions` calls from arrival to the end of their answer; a call that would
 exceed the limit is answered at once with 429 and `Retry-After`, the way OpenAI and vLLM
 signal "slow down", and touches nothing else. Liveness, metrics and debug calls are never
-counted or refused. Once the server is stopping (`draining`), a new generation call is
-answered 503 at once: running ones may finish, new ones go elsewhere.
+counted or refused; the router's deep-health canary is a generation, so it takes slots
+like one (`reserve`/`release`) and is not run when there are none (router/health.py).
+Once the server is stopping (`draining`), a new generation call is answered 503 at once:
+running ones may finish, new ones go elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ class Admission:
         self.in_flight = 0
         self.refused = 0  # calls answered 429 since start (for /metrics and tests)
         self.draining = False  # set when the server begins to stop
+
+    def reserve(self, n: int = 1) -> bool:
+        """Take `n` slots for generations this process starts itself; False (nothing taken)
+        if they do not fit under the bound or the server is stopping."""
+        if self.draining or self.in_flight + n > self.max_queue:
+            return False
+        self.in_flight += n  # one event loop: no lock needed
+        return True
+
+    def release(self, n: int = 1) -> None:
+        if n > self.in_flight:
+            raise RuntimeError(f"release of {n} slots with {self.in_flight} taken: a bug")
+        self.in_flight -= n
 
     def middleware(self) -> Middleware:
         @web.middleware

@@ -15,7 +15,6 @@ loopback only (docs/security.md).
 
 from __future__ import annotations
 
-import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.cluster_key import ClusterKey, bearer_matches
 from pdserve.server.api_error import ApiError
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -40,12 +39,6 @@ def load_api_key(key: str | None, key_file: str | None) -> str | None:
     return key or None
 
 
-def _bearer_is(header: str | None, secret: str) -> bool:
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[len("Bearer ") :].encode(), secret.encode())
-
-
 @dataclass(frozen=True)
 class Gate:
     api_key: str | None = None
@@ -56,7 +49,7 @@ class Gate:
         """None if a call to `path` with this Authorization header may go on."""
         if path in HEALTH_PATHS and not self.protect_health:
             return None
-        api_ok = self.api_key is not None and _bearer_is(authorization, self.api_key)
+        api_ok = self.api_key is not None and bearer_matches(authorization, self.api_key)
         if path.startswith("/v1/"):
             if self.api_key is None or api_ok:
                 return None

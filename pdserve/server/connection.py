@@ -26,6 +26,7 @@ import asyncio
 import enum
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -64,13 +65,21 @@ class Connection(web.RequestHandler):
 
     def __init__(self, owner: Owner, manager: web.Server, loop: asyncio.AbstractEventLoop) -> None:
         # No access log, as aiohttp's AppRunner(access_log=None) (its stub wants a Logger).
-        super().__init__(manager, loop=loop, access_log=None)  # type: ignore[arg-type]
+        # No inflation by aiohttp's parser: server/body.py inflates bodies, bounded (aiohttp's
+        # own runners get the same from the app's handler_args, `body.app_args`).
+        super().__init__(
+            manager,
+            loop=loop,
+            access_log=None,  # type: ignore[arg-type]
+            auto_decompress=False,
+        )
         self._owner = owner
         self.phase = Phase.IDLE
         self._timer: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._flush_extended = False  # the IDLE timer waited once for an unsent response
         self.peer = "?"
+        self._lost: list[Callable[[], None]] = []  # run once, when the connection is lost
 
     @property
     def busy(self) -> bool:
@@ -111,11 +120,32 @@ class Connection(web.RequestHandler):
             if timer is not None:
                 timer.cancel()
         self._timer = self._stall = None
+        watchers, self._lost = self._lost, []
+        for callback in watchers:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one watcher's bug must not skip the others
+                log.exception("a disconnect watcher of %s failed", self.peer)
         if self.phase is Phase.REFUSED:
             self._owner.count("refused_closed")
             return  # aiohttp never saw this connection
         self._owner.closed(self)
         super().connection_lost(exc)
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run `callback` once when this connection is lost (at once if it is already);
+        returns the call that stops watching."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            callback()
+            return _nothing
+        self._lost.append(callback)
+
+        def unwatch() -> None:
+            if callback in self._lost:
+                self._lost.remove(callback)
+
+        return unwatch
 
     # -- called by Listener.middleware ----------------------------------------------------------
     def request_started(self) -> None:
@@ -227,3 +257,20 @@ class Connection(web.RequestHandler):
 def _first_line(text: str, limit: int = 200) -> str:
     line = text.strip().splitlines()[0] if text.strip() else text
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _nothing() -> None:
+    pass
+
+
+def on_disconnect(request: web.BaseRequest, callback: Callable[[], None]) -> Callable[[], None]:
+    """Run `callback` once when `request`'s client goes away, whatever its handler is doing
+    then (LESSONS #17); returns the call that stops watching. A request served by another
+    protocol than Connection (aiohttp's own, in some tests) is checked once, now."""
+    protocol = request.protocol
+    if isinstance(protocol, Connection):
+        return protocol.watch(callback)
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        callback()
+    return _nothing

@@ -72,10 +72,17 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
         message += f"; allowed: {allowed}" if allowed else ""
     else:
         message = e.text or e.reason
+    code = None
+    if e.status == 413:  # the app's client_max_size, which this server sizes to its model
+        limit = request.client_max_size
+        message = f"the request body is larger than this server accepts ({limit} bytes)"
+        code = "body_too_large"
     kind = "server_error" if e.status >= 500 else "invalid_request_error"
     headers = {k: v for k, v in e.headers.items() if k not in _BODY_HEADERS}
     return web.json_response(
-        ApiError(e.status, message, type_=kind).body(), status=e.status, headers=headers
+        ApiError(e.status, message, type_=kind, code=code).body(),
+        status=e.status,
+        headers=headers,
     )
 
 

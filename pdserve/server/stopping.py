@@ -64,8 +64,9 @@ class Stop:
             if self.forced.is_set() or left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self.forced.wait(), min(STOP_POLL_S, left))
-            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                async with asyncio.timeout(min(STOP_POLL_S, left)):
+                    await self.forced.wait()
+            except TimeoutError:
                 pass
         return True
 

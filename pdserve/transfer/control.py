@@ -11,8 +11,10 @@ Every frame is authenticated (transfer/frame_auth.py: an HMAC with the cluster k
 and not replayed) before anything reads it; a frame that fails is counted by why and dropped
 unread (LESSONS #15). What passes goes through the one decoder; what it cannot read is counted
 and dropped (LESSONS #1). A handler that raises on a message is counted too; the thread goes
-on. No single frame may exceed MAX_FRAME_BYTES (ZMQ drops the connection of a peer that
-sends one), so no peer can make us allocate without bound.
+on. What comes in is bounded per message, per peer queue and per tick, so a flood keeps
+neither the heartbeat nor the outbox waiting and no peer makes us allocate without bound
+(transfer/control_limits.py, LESSONS #18). With CURVE on (transfer/control_curve.py) a
+stranger does not get past ZMQ's handshake at all.
 
 Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
 here, on the I/O thread: a message may be dropped, doubled, swapped with the next one in the
@@ -37,13 +39,20 @@ from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
-from pdserve.transfer.frame_auth import FrameAuth
+from pdserve.transfer.control_curve import CurveKeys, curve_enabled
+from pdserve.transfer.control_limits import (
+    HANDSHAKE_IVL_MS,
+    MAX_FRAME_BYTES,
+    RECV_BATCH,
+    RECV_BYTES,
+    ROUTER_RCVHWM,
+)
+from pdserve.transfer.frame_auth import MAX_AUTH_BYTES, FrameAuth, InboundLimit
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the I/O loop's longest sleep in poll (sends wake it; this bounds held messages)
 OUTBOX_LIMIT = 10_000
-MAX_FRAME_BYTES = 256 * 2**20  # one frame: a message, or one KV page on the tcp backend
 # What `unknown` and `malformed` faults put in a message's place.
 UNKNOWN_FRAME = msgspec.msgpack.encode({"type": "FaultInjectedUnknown", "room": 0})
 MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
@@ -80,7 +89,9 @@ class ControlStats:
 
 
 class Control:
-    """`on_message(Inbound)` and `on_send_failed(peer, msg, why)` run on the I/O thread."""
+    """`on_message(Inbound)` and `on_send_failed(peer, msg, why)` run on the I/O thread.
+
+    `curve`: speak CURVE on every socket (None: as PDSERVE_CONTROL_CURVE says)."""
 
     def __init__(
         self,
@@ -88,9 +99,17 @@ class Control:
         on_message: Callable[[Inbound], None],
         on_send_failed: Callable[[str, Msg, str], None],
         key: ClusterKey,
+        curve: bool | None = None,
     ) -> None:
         self.identity = identity
         self.auth = FrameAuth(key, identity)
+        use_curve = curve_enabled() if curve is None else curve
+        self.curve = CurveKeys.derive(key) if use_curve else None
+        # P: what one message from a decode worker may hold (set by bind). D: the most it may
+        # send a prefill worker (set by limit_sends), so an oversized message fails here,
+        # saying why, instead of P's ZMQ cutting the connection.
+        self.inbound: InboundLimit | None = None
+        self.max_send_bytes: int | None = None
         self._drop_logged: dict[str, float] = {}  # kind -> when a drop of it was last logged
         self.on_message = on_message
         self.on_send_failed = on_send_failed
@@ -111,13 +130,20 @@ class Control:
         os.set_blocking(self._wake_w, False)
         self.poller.register(self._wake_r, zmq.POLLIN)
 
-    def bind(self, host: str, port: int) -> str:
-        """P: listen for decode workers; returns the bound address."""
+    def bind(self, host: str, port: int, max_message_bytes: int = MAX_FRAME_BYTES) -> str:
+        """P: listen for decode workers, taking messages of at most `max_message_bytes`
+        (control_limits.prefill_inbound_bytes); returns the bound address."""
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
         s.setsockopt(zmq.SNDHWM, 1000)
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        s.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        # Decode workers send [auth, body] only: ZMQ refuses a longer frame before reading it.
+        s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.inbound = InboundLimit(max_frames=2, max_bytes=max_message_bytes)
+        if self.curve is not None:
+            self.curve.serve(s)
         if port:
             s.bind(f"tcp://{host}:{port}")
         else:
@@ -126,6 +152,11 @@ class Control:
         self.poller.register(s, zmq.POLLIN)
         self.address = f"tcp://{host}:{port}"
         return self.address
+
+    def limit_sends(self, max_bytes: int) -> None:
+        """D: fail a message to a prefill worker over `max_bytes` (P's inbound limit for the
+        same model) with on_send_failed, before it goes out."""
+        self.max_send_bytes = max_bytes
 
     # -- any thread -------------------------------------------------------------------------
     def send(self, peer: str, msg: Msg, frames: tuple[bytes, ...] = ()) -> None:
@@ -162,35 +193,24 @@ class Control:
             # An unreachable peer costs a reconnect every 5 s at most, not ten a second.
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
             s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            if self.curve is not None:
+                self.curve.connect_as_client(s)
             s.connect(address)
             self.poller.register(s, zmq.POLLIN)
             self.dealers[address] = s
         return s
 
     def tick(self) -> None:
-        """Poll once, deliver what arrived, flush the outbox without blocking, then release
-        messages a `reorder` fault has held for HOLD_S."""
+        """Poll once, deliver a bounded share of what arrived on each socket, flush the
+        outbox without blocking, then release messages a `reorder` fault has held for HOLD_S.
+        What is left unread makes the next poll return at once."""
         for sock, _ in self.poller.poll(POLL_MS):
             if sock == self._wake_r:
                 self._drain_wake()
-                continue
-            while True:
-                try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                routing_id: str | None = None
-                if sock is self.router:
-                    peer, parts = parts[0].decode(errors="replace"), parts[1:]
-                    routing_id = peer
-                else:
-                    peer = next(a for a, d in self.dealers.items() if d is sock)
-                refused = self.auth.check(routing_id, parts)
-                if refused is not None:
-                    self._dropped(refused.value, peer, "not authenticated")
-                    continue
-                self._deliver(peer, parts[1:])
-        while True:
+            else:
+                self._read(sock)
+        # At most what was queued when the flush began: a busy sender cannot hold the tick.
+        for _ in range(self.outbox.qsize()):
             try:
                 out = self.outbox.get_nowait()
             except queue.Empty:
@@ -206,6 +226,29 @@ class Control:
             self._dispatch(self.held_in.popleft()[1])
         while self.held_out and self.held_out[0][0] < too_old:
             self._transmit(self.held_out.popleft()[1])
+
+    def _read(self, sock: zmq.Socket[bytes]) -> None:
+        """Read at most RECV_BATCH messages or RECV_BYTES bytes from `sock` (LESSONS #18)."""
+        on_router = sock is self.router
+        peer = "" if on_router else next(a for a, d in self.dealers.items() if d is sock)
+        budget = RECV_BYTES
+        for _ in range(RECV_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            budget -= sum(map(len, parts))  # a refused message cost its hashing too
+            routing_id: str | None = None
+            if on_router:
+                peer, parts = parts[0].decode(errors="replace"), parts[1:]
+                routing_id = peer
+            refused = self.auth.check(routing_id, parts, self.inbound)
+            if refused is not None:
+                self._dropped(refused.value, peer, "not authenticated")
+            else:
+                self._deliver(peer, parts[1:])
+            if budget <= 0:
+                return
 
     def _drain_wake(self) -> None:
         try:
@@ -303,6 +346,12 @@ class Control:
         except Exception as e:  # noqa: BLE001 - OverflowError, TypeError, msgspec.EncodeError
             self.stats.encode_failed += 1
             self.on_send_failed(peer, msg, f"cannot encode {type(msg).__name__}: {e}")
+            return
+        limit = self.max_send_bytes
+        if limit is not None and peer.startswith("tcp://") and len(body) + MAX_AUTH_BYTES > limit:
+            self.stats.encode_failed += 1
+            why = f"{type(msg).__name__} of {len(body)} bytes is over the peer's limit {limit}"
+            self.on_send_failed(peer, msg, why)
             return
         try:
             self.send_raw(peer, self.auth.sign([body, *frames]))

@@ -10,6 +10,9 @@ on the tcp backend). The auth frame is:
 sends them all, so it only grows). `mac` = HMAC-SHA256(control sub-key, sender identity |
 session | seq | time | every frame with its length). The receiver checks, in this order and
 before anything parses the body (LESSONS #15: a stranger's frame is never read):
+0. where the receiver sets an `InboundLimit` (a prefill worker: docs in
+   transfer/control_limits.py), the message has at most that many frames and bytes; this
+   costs nothing, so an oversized frame is refused before a byte of it is hashed (LESSONS #18);
 1. the auth frame has the right size and magic, the sender it names is the ZMQ routing
    identity where there is one (P's ROUTER socket), and the MAC matches (constant time);
 2. the frame is recent: |time - now| <= MAX_SKEW_S (so a captured frame is useless later);
@@ -30,6 +33,7 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 
 from pdserve.runtime.cluster_key import ClusterKey
@@ -40,11 +44,21 @@ _HEAD = struct.Struct(">4s16sQd")  # magic, session, seq, time
 MAC_LEN = 32
 MAX_IDENTITY = 255
 MAX_SESSIONS = 4096
+MAX_AUTH_BYTES = _HEAD.size + MAC_LEN + MAX_IDENTITY  # the longest auth frame
+
+
+@dataclass(frozen=True)
+class InboundLimit:
+    """The most frames (auth included) and bytes (all frames) a message may have."""
+
+    max_frames: int
+    max_bytes: int
 
 
 class Refusal(Enum):
     """Why a frame was dropped unread (counted per kind in the control stats)."""
 
+    TOO_LARGE = "auth_too_large"  # more frames or bytes than the receiver's InboundLimit
     MISSING = "auth_missing"  # no frame at all, or the auth frame has the wrong size or magic
     WRONG_SENDER = "auth_wrong_sender"  # it names another sender than its routing identity
     BAD_MAC = "auth_bad_mac"  # not signed with this cluster's key (or altered)
@@ -80,11 +94,17 @@ class FrameAuth:
         head = _HEAD.pack(MAGIC, self._session, self._seq, time.time())
         return [head + self._mac(self._identity, head, frames) + self._identity, *frames]
 
-    def check(self, routing_id: str | None, parts: Sequence[bytes]) -> Refusal | None:
+    def check(
+        self, routing_id: str | None, parts: Sequence[bytes], limit: InboundLimit | None = None
+    ) -> Refusal | None:
         """None if `parts` ([auth, *frames]) is a fresh frame signed by a member of this cluster.
 
         `routing_id`: the sender's ZMQ identity where the socket reports one (a ROUTER); the
-        frame must name the same sender."""
+        frame must name the same sender. `limit`: refuse a larger message before hashing it."""
+        if limit is not None and (
+            len(parts) > limit.max_frames or sum(map(len, parts)) > limit.max_bytes
+        ):
+            return Refusal.TOO_LARGE
         fixed = _HEAD.size + MAC_LEN
         if not parts or not fixed <= len(parts[0]) <= fixed + MAX_IDENTITY:
             return Refusal.MISSING

@@ -29,11 +29,12 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.frontend.api import read_body, read_json
+from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import STREAM_GRACE_S
+from pdserve.server.body import read_body
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
 from pdserve.worker.channels import TIMED_OUT, ChannelError, Channels
 from pdserve.worker.generate_body import check_request_id, parse_generate

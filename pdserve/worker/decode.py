@@ -5,7 +5,7 @@ pages for its prompt, and a PrefillRequest to that P; it joins the decode batch 
 PrefillDone, when its KV is complete, and takes the room's lease with it. Every room moves
 through the D table of `protocol/rooms.py`; its lease is released only on a transition that
 carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). Pairing with P
-workers (Register before a room's PrefillRequest, Pings) is `PrefillPairing`
+workers (Hello, then Register, before a room's PrefillRequest; Pings) is `PrefillPairing`
 (worker/prefill_pairing.py); one silent for PEER_TIMEOUT_S is declared dead and its rooms
 fenced (LESSONS #7, #8, #9).
 """
@@ -129,8 +129,10 @@ class DecodeRole:
     def _inbound(self, cmd: Inbound) -> None:
         msg = cmd.msg
         self.pairing.heard(cmd.peer, msg)
+        if isinstance(msg, m.HelloAck):
+            return self._paired(*self.pairing.hello_acked(cmd.peer, msg))
         if isinstance(msg, m.RegisterAck):
-            return self._register_ack(cmd.peer, msg)
+            return self._paired(*self.pairing.acked(cmd.peer, msg))
         if isinstance(msg, m.Pong):
             return
         room = self.by_room.get(msg.room)
@@ -142,13 +144,15 @@ class DecodeRole:
                 self._apply(room, DEvent.ACCEPT)
             case m.PrefillReject(reason=reason):
                 if not (msg.unregistered and self.pairing.register_again(room)):
-                    self._apply(room, DEvent.REJECT, f"prefill worker refused: {reason}")
+                    self._apply(
+                        room, DEvent.REJECT, _blame(room, f"prefill worker refused: {reason}")
+                    )
             case m.PrefillDone():
                 room.done = msg
                 self._try_done(room)
             case m.PrefillFailed(reason=reason):
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.FAILED
-                self._apply(room, event, f"prefill failed: {reason}")
+                self._apply(room, event, _blame(room, f"prefill failed: {reason}"))
             case m.AbortAck():
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.ABORT_ACK
                 self._apply(room, event, "prefill worker cancelled writes it could not confirm")
@@ -191,8 +195,8 @@ class DecodeRole:
             return
         self._take_landed()  # counted now: its PrefillDone may be next in the inbox
 
-    def _register_ack(self, address: str, msg: m.RegisterAck) -> None:
-        queued, refused = self.pairing.acked(address, msg)
+    def _paired(self, queued: list[int], refused: str | None) -> None:
+        """The rooms that waited on a pairing step: refused, or sent on once registered."""
         for rid in queued:
             room = self.by_room.get(rid)
             if room is not None and refused is not None:
@@ -245,7 +249,7 @@ class DecodeRole:
         )
         self.by_room[room.room] = room
         self.by_request[req.request_id] = room
-        if self.pairing.join(peer, room.room):  # else it waits for the RegisterAck
+        if self.pairing.join(peer, room.room):  # else it waits for the HelloAck, RegisterAck
             self._send_prefill(room)
 
     def _send(self, peer: str, msg: m.Msg) -> None:
@@ -366,8 +370,12 @@ class DecodeRole:
             if room.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING):
                 waiting.setdefault(room.peer, []).append(room)
         for address in self.pairing.liveness(now, waiting):
+            peer = self.peers.get(address)
+            # A peer that never proved itself never had our Register: it cannot write into
+            # these pages, so they need no fence (a stranger must not hold pages for a minute).
+            event = DEvent.PEER_DEAD if peer is None or peer.proven else DEvent.REJECT
             for room in waiting[address]:
-                self._apply(room, DEvent.PEER_DEAD, f"prefill worker {address} died")
+                self._apply(room, event, f"prefill worker {address} died")
         self.pairing.evict_idle(now, self._busy_peers())
 
     def _busy_peers(self) -> set[str]:
@@ -389,3 +397,15 @@ class DecodeRole:
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
         )
+
+
+def _blame(room: DRoom, why: str) -> str:
+    """Why a room that P refused or failed ended, saying whose fault it was. P refuses a write
+    deadline already past and fails a room whose writes outlive it, and a room's write
+    deadline is the client's own timeout when that is the nearer one (`_open_room`): an end
+    that finds the request past its own deadline is that deadline's doing (the client's 408,
+    by the same rule as `expire`); any other is P's (a 500)."""
+    deadline = room.request.deadline
+    if deadline is not None and time.monotonic() >= deadline:
+        return f"{DEADLINE_ERROR} in state {room.state.value} ({why})"
+    return why

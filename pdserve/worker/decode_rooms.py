@@ -27,6 +27,10 @@ class Admission:
 @dataclass
 class PrefillPeer:
     address: str
+    # Proven: its HelloAck came back signed with the cluster key, with our nonce and this
+    # address. Until then it gets a Hello and nothing else (no Register, no Ping).
+    proven: bool = False
+    hello_nonce: int | None = None  # the Hello in flight
     registered: bool = False
     refused: str | None = None
     last_pong: float = field(default_factory=time.monotonic)

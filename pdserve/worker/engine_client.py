@@ -213,8 +213,9 @@ class EngineClient:
             self._stopped = loop.create_future()
             self._send(f.Stop())
             try:
-                stuck = await asyncio.wait_for(self._stopped, STOP_TIMEOUT_S)
-            except (asyncio.TimeoutError, ConnectionError) as e:  # asyncio's: Python 3.10
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    stuck = await self._stopped
+            except (TimeoutError, ConnectionError) as e:
                 log.error("the engine process did not stop: %s", e or "no answer in time")
         self._close_link()
         try:  # a daemon thread: a second signal's stop-now need not wait for it
@@ -247,8 +248,9 @@ class EngineClient:
         fut = self._queries[frame.qid] = self._loop.create_future()
         self._send(frame)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:  # not the builtin one on Python 3.10
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        except TimeoutError:
             raise TimeoutError(f"the engine process did not answer in {timeout_s:.0f}s") from None
         finally:
             self._queries.pop(frame.qid, None)

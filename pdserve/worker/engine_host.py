@@ -26,6 +26,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
 from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.control_limits import prefill_inbound_bytes
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.receiver import needs_shared_pool
 from pdserve.worker.decode import DecodeRole
@@ -93,13 +94,16 @@ class LocalEngine:
             self.control = Control(identity, self._to_engine, self._send_failed, key)
             if cfg.role == "prefill":
                 self.engine = Engine.build(cfg.engine, eos_token_ids)
-                self.info["control"] = self.control.bind(cfg.host, cfg.control_port)
+                limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
+                self.info["control"] = self.control.bind(cfg.host, cfg.control_port, limit)
                 self.copier = Copier()
                 role = PrefillRole(self.engine, identity, self.control, self.copier)
                 self.engine.attach(role, self._send)
             else:
                 shared = needs_shared_pool(cfg.backend)
                 self.engine = Engine.build(cfg.engine, eos_token_ids, shared_pool=shared)
+                limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
+                self.control.limit_sends(limit)  # P's limit for the same model
                 d_role = DecodeRole(
                     self.engine, identity, cfg.backend, self.control, self.control.forget
                 )

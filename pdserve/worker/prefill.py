@@ -53,14 +53,17 @@ class PrefillRole:
         identity: str,
         control: Control | None = None,
         copier: Copier | None = None,
+        address: str | None = None,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender). `control`: the
         tcp backend's data plane sends page frames on it (the role's own messages go out
         through `take_outbox`); None where no tcp peer may register. `copier`: the data-plane
-        worker that runs shm/tcp page copies off the engine thread."""
+        worker that runs shm/tcp page copies off the engine thread. `address`: the control
+        address decode workers dial (HelloAck names it); default: `control`'s bound one."""
         self.engine = engine
         self.pool = engine.pool
         self.identity = identity
+        self.address = address if address is not None else (control.address if control else "")
         self.control = control
         self.copier = copier
         self.peers = DecodePeers(self.pool, identity, control, copier)
@@ -116,7 +119,7 @@ class PrefillRole:
                     self._reply(cmd.peer, m.AbortAck(room=msg.room, epoch=msg.epoch, known=False))
                 else:
                     self._apply(room, PEvent.ABORT)
-            case m.Ping():
+            case m.Ping() | m.Hello():
                 pass  # answered on the control thread (on_control); here it only proves D alive
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
@@ -142,10 +145,15 @@ class PrefillRole:
         return True
 
     def on_control(self, inbound: Inbound) -> m.Send | None:
-        """Pings are answered here, on the control thread. Answering from the engine made a
-        step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like death,
-        though P's own heartbeat allows 30 s. The Pong says how long the engine has been in
-        its current tick; D judges a stall by that. Reads one float of engine state."""
+        """Pings and Hellos are answered here, on the control thread. Answering from the engine
+        made a step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like
+        death, though P's own heartbeat allows 30 s. The Pong says how long the engine has
+        been in its current tick; D judges a stall by that. Reads one float of engine state.
+        The HelloAck (signed with the cluster key, like every frame) is D's proof that we are
+        a prefill worker of its cluster at the address it dialled (worker/prefill_pairing.py)."""
+        if isinstance(inbound.msg, m.Hello):
+            ack = m.HelloAck(nonce=inbound.msg.nonce, address=self.address, sender=self.identity)
+            return m.Send(inbound.peer, ack)
         if not isinstance(inbound.msg, m.Ping):
             return None
         busy = round(max(0.0, time.monotonic() - self.engine.last_tick), 3)

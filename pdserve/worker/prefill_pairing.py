@@ -1,4 +1,13 @@
-"""The decode role's pairing with its prefill workers: Register, RegisterAck, Ping.
+"""The decode role's pairing with its prefill workers: Hello, Register, their acks, Ping.
+
+A new peer first gets a Hello with a fresh nonce, and nothing else until its HelloAck: the
+control plane drops a frame not signed with the cluster key, so an authentic HelloAck that
+echoes the nonce and names the address we dialled proves the peer is a prefill worker of this
+cluster, not merely an address a /generate caller named (nor a relay of another worker's
+answer: that names the other worker's address). Only then does our Register go out, with the
+pool reference (shm) or NIXL metadata that lets a peer write into our memory. A peer that
+never proves itself is never pinged and is declared dead like any silent peer; its address is
+then refused for a while (worker/prefill_peers.py).
 
 A prefill worker computes a decode worker's rooms only once it accepted that worker's Register
 (its KV layout and the data plane to write into). So a room's PrefillRequest waits, queued on
@@ -16,6 +25,7 @@ them (worker/decode.py). Sans-I/O: messages go out through `send`, transports cl
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -89,14 +99,42 @@ class PrefillPairing:
         return True
 
     def _queue(self, peer: PrefillPeer, room: int) -> None:
-        if not peer.queued:  # no Register in flight yet
-            self.send(peer.address, self.register())
+        if not peer.queued:  # no Hello or Register in flight yet
+            if peer.proven:
+                self.send(peer.address, self.register())
+            else:
+                peer.hello_nonce = secrets.randbits(63)
+                self.send(peer.address, m.Hello(nonce=peer.hello_nonce))
         peer.queued.append(room)
+
+    def hello_acked(self, address: str, msg: m.HelloAck) -> tuple[list[int], str | None]:
+        """A HelloAck from `address`: ([], None) once it proved itself (our Register is on its
+        way and the rooms keep waiting for the RegisterAck); (the rooms that waited, why) when
+        it names another address; ([], None), counted, for one we did not ask for."""
+        peer = self.peers.get(address)
+        if peer is None or peer.proven or msg.nonce != peer.hello_nonce:
+            self.stats.unexpected["HelloAck"] += 1
+            return [], None
+        peer.hello_nonce = None
+        if msg.address != address:
+            why = (
+                f"{address} answered our Hello as {msg.address[:80]!r}: another worker's "
+                "answer, relayed; not paired"
+            )
+            log.error("%s", why)
+            queued, peer.queued, peer.refused = peer.queued, [], why
+            self.peers.failed_proof(address, time.monotonic())
+            return queued, why
+        self.peers.proved(address)
+        if peer.queued:
+            self.send(address, self.register())
+        return [], None
 
     def acked(self, address: str, msg: m.RegisterAck) -> tuple[list[int], str | None]:
         """A RegisterAck from `address`: (the rooms that waited for it, None) when P paired us,
         (those rooms, why) when it refused; ([], None) from an address we never asked."""
-        if self.peers.get(address) is None:
+        peer = self.peers.get(address)
+        if peer is None or not peer.proven:  # we sent it no Register
             self.stats.unexpected["RegisterAck"] += 1
             return [], None
         queued, refused = self.peers.acked(address, msg.ok, msg.error)

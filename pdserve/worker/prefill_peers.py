@@ -9,8 +9,15 @@ naming new addresses would grow a socket per call and the CPU spent reconnecting
   to close their sockets); a peer that comes back later simply pairs again;
 * `open` on a new address when the set is full first forgets the peer idle the longest; if
   every peer is busy it raises PeerLimit, and only that request fails, saying why;
-* `liveness` says whom to ping (every PING_EVERY_S while it is registered or rooms wait on
-  it) and who is dead: silent for PEER_TIMEOUT_S while rooms wait on it.
+* `liveness` says whom to ping (every PING_EVERY_S while it is registered, or proven with rooms
+  waiting on it) and who is dead: silent for PEER_TIMEOUT_S while rooms wait on it.
+
+An address is only a claim until the peer proves it holds the cluster key (its HelloAck:
+worker/prefill_pairing.py). Whoever can call /generate could name any host, so unproven
+addresses are bounded: at most MAX_UNPROVEN at once, never pinged, and one that failed to
+prove itself (declared dead before its HelloAck) is refused for UNPROVEN_BACKOFF_S. An address
+that proved itself once is exempt from the backoff: a real prefill worker that restarts or
+stalls is paired again as soon as it answers.
 
 Sans-I/O and owned by the engine thread, like the rest of the decode role.
 """
@@ -18,11 +25,15 @@ Sans-I/O and owned by the engine thread, like the rest of the decode role.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
+from typing import Any
 
 from pdserve.runtime.timing import PEER_IDLE_S, PEER_TIMEOUT_S, PING_EVERY_S
 from pdserve.worker.decode_rooms import PrefillPeer
 
 MAX_PREFILL_PEERS = 64  # prefill workers one decode worker pairs with at once
+MAX_UNPROVEN = 8  # peers at once whose HelloAck has not come yet
+UNPROVEN_BACKOFF_S = 10.0  # an address that failed to prove itself is refused this long
+MAX_REMEMBERED = 1024  # proven and failed addresses remembered, each (the oldest forgotten)
 
 
 class PeerLimit(ValueError):
@@ -36,8 +47,11 @@ class PrefillPeers:
         self.cap, self.idle_s = cap, idle_s
         self._peers: dict[str, PrefillPeer] = {}
         self._used: dict[str, float] = {}  # address -> when a room or Register last used it
+        self._proven: dict[str, None] = {}  # addresses that proved the key once, oldest first
+        self._failed: dict[str, float] = {}  # unproven address -> when it failed to prove it
         self.evicted = 0
         self.refused = 0
+        self.unproven_refused = 0
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -53,10 +67,14 @@ class PrefillPeers:
     ) -> tuple[PrefillPeer, list[str]]:
         """The peer at `address`, made if new; and the addresses forgotten to make room (close
         their sockets). `busy`: addresses with open rooms. Raises PeerLimit."""
-        self._used[address] = now
         peer = self._peers.get(address)
         if peer is not None:
+            if peer.refused is not None and not peer.proven:  # it would be paired anew
+                self._check_unproven(address, now)
+            self._used[address] = now
             return peer, []
+        self._check_unproven(address, now)
+        self._used[address] = now
         forgotten: list[str] = []
         if len(self._peers) >= self.cap:
             idle = [a for a in self._peers if not self._busy(a, busy)]
@@ -72,6 +90,38 @@ class PrefillPeers:
             forgotten.append(oldest)
         peer = self._peers[address] = PrefillPeer(address)
         return peer, forgotten
+
+    def _check_unproven(self, address: str, now: float) -> None:
+        """Raise PeerLimit if a new peer at `address` may not be opened now."""
+        if address in self._proven:
+            return
+        failed = self._failed.get(address)
+        if failed is not None and now - failed < UNPROVEN_BACKOFF_S:
+            self.unproven_refused += 1
+            raise PeerLimit(
+                f"{address} did not prove it is a prefill worker of this cluster (no HelloAck "
+                f"signed with the cluster key) {now - failed:.1f}s ago; refused for "
+                f"{UNPROVEN_BACKOFF_S:.0f}s"
+            )
+        others = sum(not p.proven for a, p in self._peers.items() if a != address)
+        if others >= MAX_UNPROVEN:
+            self.unproven_refused += 1
+            raise PeerLimit(
+                f"{MAX_UNPROVEN} prefill addresses are still to prove they hold the cluster "
+                f"key (its limit); {address} is refused"
+            )
+
+    def proved(self, address: str) -> None:
+        """The peer at `address` proved it holds the cluster key (a valid HelloAck)."""
+        self._peers[address].proven = True
+        self._failed.pop(address, None)
+        _remember(self._proven, address, None)
+
+    def failed_proof(self, address: str, now: float) -> None:
+        """The peer at `address` did not prove itself (silent, or a HelloAck naming another
+        address): refuse it for UNPROVEN_BACKOFF_S unless it proved itself before."""
+        if address not in self._proven:
+            _remember(self._failed, address, now)
 
     def acked(self, address: str, ok: bool, error: str | None) -> tuple[list[int], str | None]:
         """A RegisterAck from `address`: (the rooms that waited for it, None) when it paired
@@ -105,7 +155,7 @@ class PrefillPeers:
             since = waiting_since.get(peer.address)
             if since is None and not peer.registered:
                 continue
-            if now - peer.last_ping > PING_EVERY_S:
+            if peer.proven and now - peer.last_ping > PING_EVERY_S:
                 peer.last_ping = now
                 pings.append(peer)
             if since is None:
@@ -114,7 +164,10 @@ class PrefillPeers:
             if waited > PEER_TIMEOUT_S:
                 peer.registered = False  # re-register when it comes back
                 peer.refused = "declared dead"
+                peer.queued = []  # those rooms end as PEER_DEAD: the peer is idle now
                 dead.append((peer, waited))
+                if not peer.proven:
+                    self.failed_proof(peer.address, now)
         return pings, dead
 
     def evict_idle(self, now: float, busy: Collection[str]) -> list[str]:
@@ -142,4 +195,14 @@ class PrefillPeers:
             "cap": self.cap,
             "evicted": self.evicted,
             "refused": self.refused,
+            "unproven": sum(not p.proven for p in self._peers.values()),
+            "unproven_refused": self.unproven_refused,
         }
+
+
+def _remember(table: dict[str, Any], address: str, value: Any) -> None:
+    """Put `address` last in `table`, forgetting the oldest entry past MAX_REMEMBERED."""
+    table.pop(address, None)
+    table[address] = value
+    if len(table) > MAX_REMEMBERED:
+        del table[next(iter(table))]

@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 
 from pdserve.config import ServerConfig
-from pdserve.frontend.api import OpenAIApi, error_response, read_json
+from pdserve.frontend.api import OpenAIApi, error_response, prompt_char_bound, read_json
 from pdserve.frontend.protocol import ApiError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime import evloop
@@ -37,6 +37,7 @@ from pdserve.runtime.timing import (
 )
 from pdserve.server.admission import Admission
 from pdserve.server.auth import Gate
+from pdserve.server.body import app_args as body_app_args
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import Listener, bind, bind_error
 from pdserve.server.stopping import Stop, in_thread
@@ -75,6 +76,7 @@ class Server:
             cfg.engine.model.name,
             engine.max_model_len,
             cfg.engine.request_timeout_s,
+            prompt_char_bound(self.tokenizer.max_token_chars, engine.max_model_len),
         )
         self.worker_api = WorkerApi(engine, cfg.role, cfg.engine.model.name, self.host.info)
         self.admission = Admission(cfg.max_queue)
@@ -195,7 +197,7 @@ class Server:
         middlewares = [error_middleware(), gate.middleware(), self.admission.middleware()]
         if listener is not None:
             middlewares.insert(0, listener.middleware())
-        app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
+        app = web.Application(middlewares=middlewares, **body_app_args(self.api.max_body_bytes))
         if self.cfg.role == "colocated":
             app.add_routes(self.api.routes())
         if self.cfg.role != "prefill":

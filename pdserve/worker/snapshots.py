@@ -29,6 +29,7 @@ def decode_snapshot(
         "peers": [
             {
                 "address": p.address,
+                "proven": p.proven,
                 "registered": p.registered,
                 "refused": p.refused,
                 "silent_s": round(now - p.last_pong, 3),

@@ -8,8 +8,10 @@ every thread alive and never restarted.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import zmq
 
 from pdserve.protocol import messages as m
 from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.runtime.timing import PEER_TIMEOUT_S, PING_EVERY_S
 from pdserve.transfer.control import Control, Inbound
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
@@ -242,4 +245,54 @@ def test_hostile_prefill_requests_are_rejected(pd, baseline):
             )
     finally:
         member.close()
+    serving_as_before(pd, baseline)
+
+
+def _last_line(reply: object) -> dict:
+    if isinstance(reply, dict):
+        return reply
+    assert isinstance(reply, str), reply
+    return json.loads(reply.strip().splitlines()[-1])
+
+
+def test_a_keyless_prefill_address_gets_no_register_and_is_not_pinged(pd, baseline):
+    """Issue 41 item 5: /generate names a plain ROUTER socket without the cluster key. It hears
+    one Hello (no pool reference, no NIXL metadata), no Register and no Ping; the request fails
+    once D declares it dead, and a second request naming it is refused at once."""
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    got: list[m.Msg] = []
+    answers: dict[str, tuple[int, object]] = {}
+
+    def ask(rid: str) -> None:
+        body = {"request_id": rid, "prompt_ids": [3, 4, 5], "params": {"max_tokens": 2}}
+        answers[rid] = _generate_raw(pd, {**body, "prefill": address})
+
+    first = threading.Thread(target=ask, args=("keyless-1",), daemon=True)
+    first.start()
+    try:
+        # The dead-peer bound and three ping periods after it: a ping would have come by then.
+        t_end = time.monotonic() + PEER_TIMEOUT_S + 3 * PING_EVERY_S + 1.0
+        while time.monotonic() < t_end:
+            if fake.poll(100):
+                parts = fake.recv_multipart()  # [D's identity, auth, body]
+                msg = m.decode(parts[2])
+                assert not isinstance(msg, m.DecodeError), msg
+                got.append(msg)
+        first.join(10)
+        ask("keyless-2")  # within the backoff: refused without a word to the fake
+        assert not fake.poll(500)
+    finally:
+        fake.close(0)
+    assert [type(g).__name__ for g in got] == ["Hello"], got
+    status, reply = answers["keyless-1"]
+    last = _last_line(reply)
+    assert status == 200 and last["finish_reason"] == "error" and "died" in last["error"], last
+    status, reply = answers["keyless-2"]
+    last = _last_line(reply)
+    assert last["finish_reason"] == "error" and "did not prove" in last["error"], last
+    peers = http("GET", pd.d.url + "/debug/state")[1]["engine"]["role"]["peers"]
+    assert all(not p["proven"] for p in peers if p["address"] == address), peers
+    assert all(p["proven"] for p in peers if p["address"] == pd.control), peers
     serving_as_before(pd, baseline)

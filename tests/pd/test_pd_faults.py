@@ -217,8 +217,12 @@ def test_hostile_prefill_peer_cannot_hurt_decode_worker(pd, tiny_dir):
     t = threading.Thread(target=client, daemon=True)
     t.start()
     try:
-        ident, frames = fake.recv()  # D's registration
-        assert ident is not None and isinstance(m.decode(frames[0]), m.Register)
+        ident, frames = fake.recv()  # D's Hello: the fake holds the key, so it proves itself
+        hello = m.decode(frames[0])
+        assert ident is not None and isinstance(hello, m.Hello), hello
+        fake.send(m.encode(m.HelloAck(nonce=hello.nonce, address=address)), to=ident)
+        ident, frames = fake.recv()  # then D's registration
+        assert isinstance(m.decode(frames[0]), m.Register)
         for junk in (
             b"\x00garbage",
             msgspec.msgpack.encode({"type": "Nope"}),

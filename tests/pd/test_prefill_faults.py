@@ -110,8 +110,10 @@ def test_pongs_from_a_stalled_prefill_engine_do_not_keep_it_alive(pd):
                 continue
             ident, frames = fake.recv()
             msg = m.decode(frames[0])
-            if isinstance(msg, m.Register):
-                reply: m.Msg = m.RegisterAck(ok=True, layout=msg.layout)
+            if isinstance(msg, m.Hello):
+                reply: m.Msg = m.HelloAck(nonce=msg.nonce, address=address)
+            elif isinstance(msg, m.Register):
+                reply = m.RegisterAck(ok=True, layout=msg.layout)
             elif isinstance(msg, m.PrefillRequest):
                 reply = m.PrefillAccept(room=msg.room, epoch=msg.epoch)
                 accepted_at = time.monotonic()

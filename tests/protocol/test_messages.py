@@ -6,6 +6,8 @@ import pytest
 from pdserve.protocol import messages as m
 
 SAMPLES = [
+    m.Hello(nonce=2**63 - 1),
+    m.HelloAck(nonce=5, address="tcp://p:1"),
     m.Register(
         room=0,
         sender="d0",

@@ -10,7 +10,9 @@ from __future__ import annotations
 import http.client as httpclient
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -93,3 +95,31 @@ def test_pd_disconnect_leaves_both_workers_quiet(pd_cluster):
         assert time.monotonic() < deadline, inv
         time.sleep(0.02)
     assert completion(pd_cluster.url, "still fine", max_tokens=2)["choices"][0]["text"] is not None
+
+
+def test_pd_tiny_timeouts_are_the_clients_408_never_a_500(pd_cluster):
+    """`"timeout": 0.001` in PD mode (issue 41 item 6): the deadline passes in every state of
+    the request (waiting for pages, on its way to P, prefilling, decoding), and each answer
+    is a 200 or the client's 408, with an OpenAI body; both workers end quiet."""
+    timeouts = [1e-9, 1e-6, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1]
+    bodies = [
+        {"model": "tiny", "prompt": "tick " * n, "max_tokens": 16, "timeout": t}
+        for t in timeouts
+        for n in (1, 2, 40, 300) * 3
+    ]
+    with ThreadPoolExecutor(32) as pool:  # many at once: some wait for D's pages, or for P
+        answers = list(
+            pool.map(lambda b: http("POST", pd_cluster.url + "/v1/completions", b), bodies)
+        )
+    statuses = Counter(status for status, _ in answers)
+    assert set(statuses) <= {200, 408}, [a for a in answers if a[0] not in (200, 408)]
+    assert statuses[408] > 0, statuses
+    for status, body in answers:
+        if status == 408:
+            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+            assert body["error"]["code"] == "timeout", body
+    workers = [pd_cluster.processes[n]["url"] for n in ("prefill-0", "decode-0")]
+    deadline = time.monotonic() + 10.0
+    while not all(http("GET", w + "/debug/invariants")[1]["ok"] for w in workers):
+        assert time.monotonic() < deadline, "the workers did not come quiet"
+        time.sleep(0.05)

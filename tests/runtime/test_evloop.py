@@ -67,17 +67,6 @@ def test_uvloop_demanded_but_missing_is_refused(monkeypatch: pytest.MonkeyPatch)
     assert evloop.chosen() == "asyncio"
 
 
-def test_python_3_10s_path_puts_the_policy_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without asyncio.Runner (3.10) uvloop comes by a policy, which must not outlive the run:
-    a later asyncio loop in the process stays asyncio's."""
-    monkeypatch.delattr(asyncio, "Runner")
-    monkeypatch.setenv(evloop.ENV, "auto")
-    before = asyncio.get_event_loop_policy()
-    assert evloop.run(loop_module(), default="uvloop").split(".")[0] == "uvloop"
-    assert asyncio.get_event_loop_policy() is before
-    assert evloop.run(loop_module(), default="asyncio").split(".")[0] == "asyncio"
-
-
 def test_a_uvloop_that_does_not_import_is_asyncio_unless_demanded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

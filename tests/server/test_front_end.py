@@ -16,10 +16,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.frontend import api as openai_api
 from pdserve.frontend.api import OpenAIApi
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
+from pdserve.server import body as server_body
 from pdserve.server.errors import error_middleware
 
 VOCAB, MAX_LEN = 100, 64
@@ -135,7 +135,7 @@ def test_models_by_id():
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408(monkeypatch):
-    monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(server_body, "BODY_TIMEOUT_S", 0.2)
     api = OpenAIApi(Engine(), BlockingTokenizer(), "m", MAX_LEN, 5.0)
 
     async def go() -> None:

@@ -26,7 +26,14 @@ def test_past_the_cap_the_longest_idle_peer_is_forgotten_for_a_new_one():
     peers.open(A, 2.0, busy=())  # A used again: B is now the longest idle
     c, gone = peers.open(C, 3.0, busy=())
     assert gone == [B] and peers.get(B) is None and peers.get(C) is c and len(peers) == 2
-    assert peers.snapshot() == {"peers": 2, "cap": 2, "evicted": 1, "refused": 0}
+    assert peers.snapshot() == {
+        "peers": 2,
+        "cap": 2,
+        "evicted": 1,
+        "refused": 0,
+        "unproven": 2,
+        "unproven_refused": 0,
+    }
 
 
 def test_past_the_cap_with_every_peer_busy_the_new_address_is_refused_and_nothing_leaks():

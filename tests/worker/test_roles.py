@@ -35,6 +35,8 @@ def test_a_request_through_both_roles_matches_colocated(wire, tiny_dir):
     colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
     assert tokens(outs) == generate(colocated, [PROMPT], GREEDY)[0]
     assert [s for s in wire.sent if s[1] not in ("Ping", "Pong")] == [
+        ("d>p", "Hello"),
+        ("p>d", "HelloAck"),
         ("d>p", "Register"),
         ("p>d", "RegisterAck"),
         ("d>p", "PrefillRequest"),
@@ -51,6 +53,7 @@ def test_the_second_request_skips_registration(wire):
     second = wire.submit("b", PROMPT[:9], GREEDY)
     wire.run_until(lambda: ended(second))
     assert [t for d, t in wire.sent if d == "d>p" and t != "Ping"] == [
+        "Hello",
         "Register",
         "PrefillRequest",
         "PrefillRequest",
@@ -154,8 +157,10 @@ def test_prefill_peers_are_bounded_and_the_idle_one_gives_way(wire):
     # P is idle now: a new address takes its place, and D closes its transport to P.
     waiting: list = []
     wire.d.submit("c", PROMPT, GREEDY, waiting.append, prefill="tcp://elsewhere.test:1")
-    wire.run_until(lambda: ("d>tcp://elsewhere.test:1", "Register") in wire.sent)
+    wire.run_until(lambda: ("d>tcp://elsewhere.test:1", "Hello") in wire.sent)
     assert wire.forgotten == [P_ADDR] and wire.d_role.peers.get(P_ADDR) is None
+    # Nobody there proved it holds the cluster key: it gets no Register (no pool reference).
+    assert ("d>tcp://elsewhere.test:1", "Register") not in wire.sent
     wire.d.abort("c")  # nobody answers there
     wire.run_until(lambda: ended(waiting))
 

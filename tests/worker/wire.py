@@ -52,7 +52,7 @@ class Wire:
             )
 
         self.p, self.d = engine(False), engine(True)
-        self.p_role = PrefillRole(self.p, P_ID)
+        self.p_role = PrefillRole(self.p, P_ID, address=P_ADDR)
         self.forgotten: list[str] = []  # prefill addresses whose transport D closed
         self.d_role = DecodeRole(self.d, D_ID, "shm", forget=self.forgotten.append)
         self.p.attach(self.p_role, self._from_p)
