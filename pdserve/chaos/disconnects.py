@@ -135,8 +135,7 @@ class ClientDisconnect:
         if not quiet.ok:
             out.violate(f"disconnect in {state}: not quiet: {'; '.join(quiet.violations)}")
         for w in workers.values():
-            threads = (httpcall.get(w.url + "/debug/state", 10.0).body or {}).get("threads", [])
-            bad = [t["name"] for t in threads if not t["alive"] or t["crashes"]]
+            bad = probes.dead_threads(w.url)
             if bad:
                 out.violate(f"disconnect in {state}: {w.url} threads crashed or dead: {bad}")
         fresh = probes.fresh_completion(router)

@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
-import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ import aiohttp
 from pdserve.chaos import probes
 from pdserve.chaos.cluster import ClusterSpec, WorkerRef
 from pdserve.chaos.fuzz_cases import Case, Expect, Send, cases
+from pdserve.chaos.resets import reset_one
 from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome
 from pdserve.runtime import httpcall
 
@@ -45,7 +44,6 @@ CASE_TIMEOUT_S = 60.0  # a valid case asks for at most 6 tokens: far below this
 VALID_VOCAB = 256
 COMPLETIONS = frozenset({"/v1/completions", "/v1/chat/completions"})
 ERROR_FIELDS = frozenset({"message", "type", "param", "code"})
-_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST, not a FIN
 PROBE = {"prompt": "The fuzzer checks:", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -161,21 +159,12 @@ async def _send_reset(base: str, case: Case, common: dict[str, str]) -> tuple[st
     head = [f"{case.method} {case.path} HTTP/1.1", f"Host: {u.hostname}:{u.port}"]
     head += [f"{k}: {v}" for k, v in {**common, **case.headers}.items()]
     head += [f"Content-Length: {len(case.body)}"]
+    payload = ("\r\n".join(head) + "\r\n\r\n").encode() + case.body
     try:
         async with asyncio.timeout(CASE_TIMEOUT_S):
-            _, writer = await asyncio.open_connection(u.hostname, u.port)
+            await reset_one(base, "plain-sent", payload)
     except (OSError, TimeoutError) as e:
         return "connection_error", f"connection failed: {e!r}"
-    try:
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + case.body)
-        await writer.drain()
-    except OSError as e:
-        return "connection_error", f"connection failed while sending: {e!r}"
-    finally:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
-        writer.close()
     return "reset", None
 
 

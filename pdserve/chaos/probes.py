@@ -58,6 +58,13 @@ def pair_results(body: dict[str, Any]) -> dict[tuple[str | None, str], bool]:
     return {(p["prefill"], p["decode"]): bool(p["ok"]) for p in body.get("pairs", [])}
 
 
+def dead_threads(worker: str) -> list[str]:
+    """The names of a worker's threads that died or crashed (its /debug/state)."""
+    body = httpcall.get(worker + "/debug/state", CALL_S).body
+    threads = body.get("threads", []) if isinstance(body, dict) else []
+    return [t["name"] for t in threads if not t["alive"] or t["crashes"]]
+
+
 def fresh_completion(router: str, timeout_s: float = 20.0) -> str | None:
     """One new chat completion; None if it succeeded, else what went wrong."""
     body = {

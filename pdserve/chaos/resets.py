@@ -197,10 +197,7 @@ class EarlyReset:
             shown = "; ".join(quiet.violations[:6])
             out.violate(f"{where}: not quiet {opts.reset_bound_s}s after the storm: {shown}")
         for w in workers:
-            threads = (httpcall.get(w.url + "/debug/state", probes.CALL_S).body or {}).get(
-                "threads", []
-            )
-            bad = [t["name"] for t in threads if not t["alive"] or t["crashes"]]
+            bad = probes.dead_threads(w.url)
             if bad:
                 out.violate(f"{where}: {w.url} threads crashed or dead: {bad}")
         t1 = time.monotonic()

@@ -40,7 +40,7 @@ from pdserve.runtime.timing import (
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
 from pdserve.worker.api import params_to_json
-from pdserve.worker.decode_rooms import WAIT, Admission, DRoom
+from pdserve.worker.decode_rooms import WAIT, Admission, DRoom, blame
 from pdserve.worker.prefill_pairing import PrefillPairing
 from pdserve.worker.prefill_peers import PrefillPeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
@@ -145,14 +145,14 @@ class DecodeRole:
             case m.PrefillReject(reason=reason):
                 if not (msg.unregistered and self.pairing.register_again(room)):
                     self._apply(
-                        room, DEvent.REJECT, _blame(room, f"prefill worker refused: {reason}")
+                        room, DEvent.REJECT, blame(room, f"prefill worker refused: {reason}")
                     )
             case m.PrefillDone():
                 room.done = msg
                 self._try_done(room)
             case m.PrefillFailed(reason=reason):
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.FAILED
-                self._apply(room, event, _blame(room, f"prefill failed: {reason}"))
+                self._apply(room, event, blame(room, f"prefill failed: {reason}"))
             case m.AbortAck():
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.ABORT_ACK
                 self._apply(room, event, "prefill worker cancelled writes it could not confirm")
@@ -398,14 +398,3 @@ class DecodeRole:
             self.control.stats.snapshot() if self.control is not None else {},
         )
 
-
-def _blame(room: DRoom, why: str) -> str:
-    """Why a room that P refused or failed ended, saying whose fault it was. P refuses a write
-    deadline already past and fails a room whose writes outlive it, and a room's write
-    deadline is the client's own timeout when that is the nearer one (`_open_room`): an end
-    that finds the request past its own deadline is that deadline's doing (the client's 408,
-    by the same rule as `expire`); any other is P's (a 500)."""
-    deadline = room.request.deadline
-    if deadline is not None and time.monotonic() >= deadline:
-        return f"{DEADLINE_ERROR} in state {room.state.value} ({why})"
-    return why

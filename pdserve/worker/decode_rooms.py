@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
+from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import DState
 from pdserve.worker.clock_skew import SkewWatch
 
@@ -89,3 +90,15 @@ class DRoom:
 
 
 WAIT = "wait"  # DRoom.take_done: the KV bytes are still on their way
+
+
+def blame(room: DRoom, why: str) -> str:
+    """Why a room that P refused or failed ended, saying whose fault it was. P refuses a write
+    deadline already past and fails a room whose writes outlive it, and a room's write
+    deadline is the client's own timeout when that is the nearer one (`_open_room`): an end
+    that finds the request past its own deadline is that deadline's doing (the client's 408,
+    by the same rule as `expire`); any other is P's (a 500)."""
+    deadline = room.request.deadline
+    if deadline is not None and time.monotonic() >= deadline:
+        return f"{DEADLINE_ERROR} in state {room.state.value} ({why})"
+    return why

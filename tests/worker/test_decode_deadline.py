@@ -14,7 +14,7 @@ from pdserve.frontend.api import failure
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.rooms import DState
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker import decode
+from pdserve.worker.decode_rooms import blame
 from tests.worker.wire import Wire, ended
 
 PROMPT = [(i * 5) % 200 + 3 for i in range(20)]
@@ -50,6 +50,6 @@ def test_an_end_by_p_is_the_clients_timeout_only_once_that_passed(
 ):
     deadline = None if deadline_in_s is None else time.monotonic() + deadline_in_s
     room = SimpleNamespace(request=SimpleNamespace(deadline=deadline), state=DState.PREFILLING)
-    said = decode._blame(room, why)  # type: ignore[arg-type]
+    said = blame(room, why)  # type: ignore[arg-type]
     assert is_deadline_error(said) is deadline_error and why in said
     assert failure(said).status == (408 if deadline_error else 500)
