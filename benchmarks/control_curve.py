@@ -1,7 +1,7 @@
 """What ZMQ CURVE costs the tcp data plane: KV pages through two real Controls, plain vs CURVE.
 
 The tcp backend sends a room's KV as one `KVChunk` message plus a frame per page over the
-control sockets (transfer/dataplane.py, TcpWriter), so CURVE (transfer/control_curve.py)
+control sockets (transfer/dataplane.py, TcpWriter), so CURVE (transfer/control_handshake.py)
 encrypts every page. Here a prefill side (this process) sends a 2,048-token prompt's KV of
 the qwen2-0.5b shape (128 pages of 192 KiB, 24 MiB, as benchmarks/transfer.py) to a decode
 side in another process, which copies the pages into its pool (`receive_chunk`) and answers;
@@ -34,10 +34,11 @@ from pdserve.kvcache.pool import KVPool  # noqa: E402
 from pdserve.protocol.messages import KVChunk, Msg, Ping  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 from pdserve.transfer.control import Control, Inbound  # noqa: E402
+from pdserve.transfer.control_handshake import Handshake  # noqa: E402
 from pdserve.transfer.dataplane import receive_chunk  # noqa: E402
 
 LAYOUT = KVLayout.llama("bfloat16", page_size=16, num_layers=24, num_kv_heads=2, head_dim=64)
-MODES = {"plain": False, "curve": True}
+MODES = {"plain": Handshake.PLAIN, "curve": Handshake.CURVE}
 WAIT_S = 30.0  # one write's round trip may take at most this
 
 
@@ -61,14 +62,14 @@ def decode_side(key_hex: str, addresses: dict[str, str], pages: int) -> None:
     key = ClusterKey(bytes.fromhex(key_hex))
     pool = KVPool(LAYOUT, pages, torch.device("cpu"))
     controls: dict[str, Control] = {}
-    for mode, curve in MODES.items():
+    for mode, hs in MODES.items():
 
         def on_message(inbound: Inbound, mode: str = mode) -> None:
             if isinstance(inbound.msg, KVChunk):
                 receive_chunk(pool, inbound.msg.dst_pages, inbound.frames)
                 controls[mode].send(inbound.peer, Ping(nonce=inbound.msg.room))
 
-        controls[mode] = Control(f"d-{mode}", on_message, failed, key, curve=curve)
+        controls[mode] = Control(f"d-{mode}", on_message, failed, key, handshake=hs)
     stop = threading.Event()
     spin(list(controls.values()), stop)
     for mode, c in controls.items():
@@ -98,8 +99,8 @@ def main() -> None:
             acks[mode].release()
 
     controls = {
-        mode: Control(f"p-{mode}", lambda i, m=mode: on_message(m, i), failed, key, curve=curve)
-        for mode, curve in MODES.items()
+        mode: Control(f"p-{mode}", lambda i, m=mode: on_message(m, i), failed, key, handshake=hs)
+        for mode, hs in MODES.items()
     }
     addresses = {mode: c.bind("127.0.0.1", 0) for mode, c in controls.items()}
     stop = threading.Event()

@@ -15,8 +15,9 @@ control address from its /info, then for --seconds (20) runs, all at once:
     has one) every 0.2 s.
 It reports the client requests that failed (any error or non-200), the /health answers that
 were not 200, P's RSS before, at its peak during and 5 s after the flood, and P's control
-counters (frames dropped, by why). With --curve the cluster runs with PDSERVE_CONTROL_CURVE=1
-(transfer/control_curve.py): the flooders then fail ZMQ's handshake. Every process it starts
+counters (frames dropped, by why). The cluster's control sockets take only members at ZMQ's
+handshake (transfer/control_handshake.py: PLAIN by default, CURVE with --curve, which runs it
+with PDSERVE_CONTROL_CURVE=1), so the flooders fail the handshake. Every process it starts
 is stopped by its pid at the end, also when the run fails. Linux only (/proc).
 
   python benchmarks/control_flood.py [--seconds 20] [--curve] [--multipart-mib N] [--out F]
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from launched import Pdserve  # noqa: E402
 
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
-from pdserve.transfer.control_curve import CURVE_ENV  # noqa: E402
+from pdserve.transfer.control_handshake import CURVE_ENV  # noqa: E402
 
 SAMPLE_S = 0.2
 SETTLE_S = 5.0  # after the flood, before the last RSS reading

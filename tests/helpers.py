@@ -1,11 +1,16 @@
-"""Test shorthands over the offline engine API."""
+"""Test shorthands: the offline engine API, a raw socket with a member's handshake."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+import zmq
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.offline import build_engine, generate
+from pdserve.runtime.cluster_key import ClusterKey
+from pdserve.transfer.control_handshake import ZAP_ENDPOINT, HandshakeKeys, configured_handshake
 
 run = generate
 
@@ -47,3 +52,45 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def join_as_member(sock: zmq.Socket[bytes], key: ClusterKey) -> zmq.Socket[bytes]:
+    """Give a raw ZMQ DEALER a member's handshake (transfer/control_handshake.py, as this
+    process's environment configures it), before it connects to a prefill worker. A test's
+    socket without it is a stranger, refused at the handshake; with it and no frame MAC it
+    plays one who learned the handshake (PLAIN's password crosses the wire) but not the key."""
+    HandshakeKeys.derive(key, configured_handshake()).connect_as_client(sock)
+    return sock
+
+
+class OpenZap:
+    """A ZMQ context whose ZAP handler lets every PLAIN client in: for a test's fake prefill
+    worker (PLAIN needs a handler to accept anyone; what the fake does with the connection is
+    the test). `socket(kind)` makes a PLAIN server socket in it; `close()` ends all of it."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._rep = self.ctx.socket(zmq.REP)
+        self._rep.setsockopt(zmq.LINGER, 0)
+        self._rep.bind(ZAP_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._answer, daemon=True, name="open-zap")
+        self._thread.start()
+
+    def socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        return sock
+
+    def _answer(self) -> None:
+        while not self._stop.is_set():
+            if self._rep.poll(50):
+                request = self._rep.recv_multipart()
+                self._rep.send_multipart([b"1.0", request[1], b"200", b"OK", b"", b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._rep.close(0)
+        self.ctx.destroy(linger=0)

@@ -13,8 +13,9 @@ unread (LESSONS #15). What passes goes through the one decoder; what it cannot r
 and dropped (LESSONS #1). A handler that raises on a message is counted too; the thread goes
 on. What comes in is bounded per message, per peer queue and per tick, so a flood keeps
 neither the heartbeat nor the outbox waiting and no peer makes us allocate without bound
-(transfer/control_limits.py, LESSONS #18). With CURVE on (transfer/control_curve.py) a
-stranger does not get past ZMQ's handshake at all.
+(transfer/control_limits.py, LESSONS #18), and a stranger does not get past ZMQ's handshake
+at all (transfer/control_handshake.py: PLAIN with a password from the cluster key, whose ZAP
+requests this thread answers, or CURVE).
 
 Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
 here, on the I/O thread: a message may be dropped, doubled, swapped with the next one in the
@@ -39,7 +40,12 @@ from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
-from pdserve.transfer.control_curve import CurveKeys, curve_enabled
+from pdserve.transfer.control_handshake import (
+    ZAP_ENDPOINT,
+    Handshake,
+    HandshakeKeys,
+    configured_handshake,
+)
 from pdserve.transfer.control_limits import (
     HANDSHAKE_IVL_MS,
     MAX_FRAME_BYTES,
@@ -91,7 +97,8 @@ class ControlStats:
 class Control:
     """`on_message(Inbound)` and `on_send_failed(peer, msg, why)` run on the I/O thread.
 
-    `curve`: speak CURVE on every socket (None: as PDSERVE_CONTROL_CURVE says)."""
+    `handshake`: how peers prove membership when they connect (None: as the environment says,
+    control_handshake.configured_handshake)."""
 
     def __init__(
         self,
@@ -99,12 +106,11 @@ class Control:
         on_message: Callable[[Inbound], None],
         on_send_failed: Callable[[str, Msg, str], None],
         key: ClusterKey,
-        curve: bool | None = None,
+        handshake: Handshake | None = None,
     ) -> None:
         self.identity = identity
         self.auth = FrameAuth(key, identity)
-        use_curve = curve_enabled() if curve is None else curve
-        self.curve = CurveKeys.derive(key) if use_curve else None
+        self.handshake = HandshakeKeys.derive(key, handshake or configured_handshake())
         # P: what one message from a decode worker may hold (set by bind). D: the most it may
         # send a prefill worker (set by limit_sends), so an oversized message fails here,
         # saying why, instead of P's ZMQ cutting the connection.
@@ -113,7 +119,9 @@ class Control:
         self._drop_logged: dict[str, float] = {}  # kind -> when a drop of it was last logged
         self.on_message = on_message
         self.on_send_failed = on_send_failed
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        # A context of our own: its ZAP endpoint (P, PLAIN) is this Control's alone.
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.zap: zmq.Socket[bytes] | None = None  # P with PLAIN: ZMQ's questions about peers
         self.poller = zmq.Poller()
         self.router: zmq.Socket[bytes] | None = None
         self.dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -142,8 +150,12 @@ class Control:
         # Decode workers send [auth, body] only: ZMQ refuses a longer frame before reading it.
         s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.inbound = InboundLimit(max_frames=2, max_bytes=max_message_bytes)
-        if self.curve is not None:
-            self.curve.serve(s)
+        if self.handshake.mode is Handshake.PLAIN:
+            self.zap = self.ctx.socket(zmq.REP)
+            self.zap.setsockopt(zmq.LINGER, 0)
+            self.zap.bind(ZAP_ENDPOINT)
+            self.poller.register(self.zap, zmq.POLLIN)
+        self.handshake.serve(s)
         if port:
             s.bind(f"tcp://{host}:{port}")
         else:
@@ -193,8 +205,7 @@ class Control:
             # An unreachable peer costs a reconnect every 5 s at most, not ten a second.
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
             s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            if self.curve is not None:
-                self.curve.connect_as_client(s)
+            self.handshake.connect_as_client(s)
             s.connect(address)
             self.poller.register(s, zmq.POLLIN)
             self.dealers[address] = s
@@ -207,6 +218,8 @@ class Control:
         for sock, _ in self.poller.poll(POLL_MS):
             if sock == self._wake_r:
                 self._drain_wake()
+            elif self.zap is not None and sock is self.zap:
+                self._answer_zap(self.zap)
             else:
                 self._read(sock)
         # At most what was queued when the flush began: a busy sender cannot hold the tick.
@@ -249,6 +262,20 @@ class Control:
                 self._deliver(peer, parts[1:])
             if budget <= 0:
                 return
+
+    def _answer_zap(self, sock: zmq.Socket[bytes]) -> None:
+        """Answer at most RECV_BATCH of ZMQ's "may this peer in?" questions (PLAIN); a
+        refused peer is counted as `handshake_refused` and never sends us a frame."""
+        for _ in range(RECV_BATCH):
+            try:
+                request = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply, ok = self.handshake.zap_reply(request)
+            sock.send_multipart(reply)
+            if not ok:
+                peer = request[3].decode(errors="replace") if len(request) > 3 else "?"
+                self._dropped("handshake_refused", peer, "no member's handshake")
 
     def _drain_wake(self) -> None:
         try:
@@ -378,8 +405,9 @@ class Control:
             self._dealer(peer).send_multipart(parts, zmq.NOBLOCK)
 
     def close(self) -> None:
-        for s in [self.router, *self.dealers.values()]:
+        for s in [self.router, self.zap, *self.dealers.values()]:
             if s is not None:
                 s.close(0)
+        self.ctx.term()  # every socket is closed with linger 0: returns at once
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)

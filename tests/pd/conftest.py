@@ -13,6 +13,7 @@ import zmq
 
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.transfer.frame_auth import FrameAuth
+from tests.helpers import OpenZap, join_as_member
 from tests.procs import ServerProcess, auth_headers, http, worker_args
 
 CHUNK = 48  # P's prefill chunk: prompts longer than this are prefilled in several steps
@@ -71,10 +72,14 @@ class KeyedSocket:
         key = ClusterKey.from_env(None)
         assert key is not None
         self.auth = FrameAuth(key, identity)
-        self.sock = zmq.Context.instance().socket(kind)
+        # A prefill worker's ROUTER takes D's PLAIN handshake (any password: the test's fake).
+        self.zap = OpenZap() if kind == zmq.ROUTER else None
+        ctx_socket = zmq.Context.instance().socket if self.zap is None else self.zap.socket
+        self.sock = ctx_socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.DEALER:
             self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+            join_as_member(self.sock, key)
 
     def send(self, *frames: bytes, to: bytes | None = None) -> None:
         """Signed frames; `to`: the routing identity, on a ROUTER socket."""
@@ -90,6 +95,8 @@ class KeyedSocket:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.zap is not None:
+            self.zap.close()
 
 
 def tokens(lines: list[dict]) -> list[int]:

@@ -23,6 +23,7 @@ from pdserve.protocol import messages as m
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.timing import PEER_TIMEOUT_S, PING_EVERY_S
 from pdserve.transfer.control import Control, Inbound
+from tests.helpers import OpenZap, join_as_member
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
 
@@ -110,6 +111,9 @@ def test_a_stranger_cannot_make_p_write_a_file(pd, baseline, victim):
     evil = zmq.Context.instance().socket(zmq.DEALER)
     evil.setsockopt(zmq.LINGER, 0)
     evil.setsockopt(zmq.IDENTITY, b"stranger")
+    # One who learned the handshake (PLAIN's password crosses the wire) but not the key: its
+    # frames reach P, which drops them unread. Without the handshake: test_a_stranger_is_...
+    join_as_member(evil, cluster_key())
     evil.connect(pd.control)
     try:
         ref = m.ShmPool(pid=os.getpid(), fd=fd, token="0" * 32)
@@ -128,6 +132,43 @@ def test_a_stranger_cannot_make_p_write_a_file(pd, baseline, victim):
     role = p_role(pd)
     assert "stranger" not in [p["identity"] for p in role["peers"]]
     assert path.read_bytes() == b"precious" * 4096
+    serving_as_before(pd, baseline)
+
+
+def cluster_key() -> ClusterKey:
+    key = ClusterKey.from_env(None)
+    assert key is not None  # tests/conftest.py gives the run a key
+    return key
+
+
+def test_a_stranger_is_refused_at_the_handshake(pd, baseline):
+    """Without a member's handshake (transfer/control_handshake.py) a socket never gets a
+    frame to P's Python: one without any fails at ZMQ's greeting, one with another cluster's
+    password is refused by P (counted); no frame at all arrives, and P serves on."""
+    before = p_role(pd)["control"]["dropped"]
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.IDENTITY, b"stranger")
+    wrong = zmq.Context.instance().socket(zmq.DEALER)
+    wrong.setsockopt(zmq.LINGER, 0)
+    join_as_member(wrong, ClusterKey(secrets.token_bytes(32)))
+    stranger.connect(pd.control)
+    wrong.connect(pd.control)
+    try:
+        deadline = time.monotonic() + 10  # the handshake is the connection's: no send needed
+        while p_role(pd)["control"]["dropped"].get("handshake_refused", 0) <= before.get(
+            "handshake_refused", 0
+        ):
+            assert time.monotonic() < deadline, p_role(pd)["control"]
+            time.sleep(0.05)
+        assert not stranger.poll(300) and not wrong.poll(10)
+    finally:
+        stranger.close(0)
+        wrong.close(0)
+    after = p_role(pd)["control"]["dropped"]
+    assert {k: v for k, v in after.items() if k != "handshake_refused"} == {
+        k: v for k, v in before.items() if k != "handshake_refused"
+    }
     serving_as_before(pd, baseline)
 
 
@@ -259,8 +300,10 @@ def test_a_keyless_prefill_address_gets_no_register_and_is_not_pinged(pd, baseli
     """Issue 41 item 5: /generate names a plain ROUTER socket without the cluster key. It hears
     one Hello (no pool reference, no NIXL metadata), no Register and no Ping; the request fails
     once D declares it dead, and a second request naming it is refused at once."""
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
+    # It takes any PLAIN password: D's handshake reaches it, as it would a relay's; what it
+    # cannot do is sign a HelloAck.
+    zap = OpenZap()
+    fake = zap.socket(zmq.ROUTER)
     address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
     got: list[m.Msg] = []
     answers: dict[str, tuple[int, object]] = {}
@@ -285,6 +328,7 @@ def test_a_keyless_prefill_address_gets_no_register_and_is_not_pinged(pd, baseli
         assert not fake.poll(500)
     finally:
         fake.close(0)
+        zap.close()
     assert [type(g).__name__ for g in got] == ["Hello"], got
     status, reply = answers["keyless-1"]
     last = _last_line(reply)

@@ -21,6 +21,8 @@ import zmq
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol import messages as m
+from pdserve.runtime.cluster_key import ClusterKey
+from tests.helpers import join_as_member
 from tests.pd.conftest import PD, KeyedSocket, tokens
 from tests.procs import auth_headers, wait_stopped, worker_pids
 from tests.procs import http as call
@@ -146,6 +148,9 @@ def test_hostile_frames_into_prefill_control_socket(pd):
     stranger = zmq.Context.instance().socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.setsockopt(zmq.IDENTITY, b"stranger")
+    key = ClusterKey.from_env(None)
+    assert key is not None
+    join_as_member(stranger, key)  # past the handshake, without the frame key
     stranger.connect(pd.control)
     s = KeyedSocket(zmq.DEALER, "unregistered-member")
     s.sock.connect(pd.control)

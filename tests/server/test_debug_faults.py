@@ -13,6 +13,7 @@ from pdserve.protocol.messages import Ping, Pong, decode, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.launcher import LaunchConfig, worker_argvs
 from pdserve.transfer.frame_auth import FrameAuth
+from tests.helpers import join_as_member
 from tests.procs import ServerProcess, http, worker_args
 
 
@@ -37,9 +38,10 @@ def ping(control: str, nonce: int, timeout_ms: int = 1000) -> bool:
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.IDENTITY, f"pinger-{nonce}".encode())  # P answers by identity
-    s.connect(control)
     key = ClusterKey.from_env(None)
     assert key is not None  # tests/conftest.py gives the run a key
+    join_as_member(s, key)
+    s.connect(control)
     auth = FrameAuth(key, f"pinger-{nonce}")
     try:
         s.send_multipart(auth.sign([encode(Ping(nonce=nonce))]))

@@ -2,9 +2,10 @@
 
 Strangers flood P's ROUTER from processes of their own while a member pings it: the I/O
 loop must keep its heartbeat fresh and answer the member, because it reads a bounded share
-per tick. A frame over P's limit must never be hashed (ZMQ drops it before Python sees it,
-and FrameAuth refuses an oversized message by its size alone). With CURVE, a stranger must
-not get past ZMQ's handshake at all.
+per tick (the flooders past the handshake, as one who learned PLAIN's password would be). A
+frame over P's limit must never be hashed (ZMQ drops it before Python sees it, and FrameAuth
+refuses an oversized message by its size alone). A stranger must not get past ZMQ's
+handshake at all, PLAIN or CURVE.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.transfer import control
 from pdserve.transfer.control import Control, Inbound
+from pdserve.transfer.control_handshake import Handshake
 from pdserve.transfer.control_limits import MAX_FRAME_BYTES, prefill_inbound_bytes
 from pdserve.transfer.frame_auth import MAX_IDENTITY, FrameAuth, InboundLimit, Refusal
+from tests.helpers import join_as_member
 
 FLOOD_S = 3.0
 # A stranger, for argv[2] seconds as fast as ZMQ takes them, to argv[1]: 1-byte frames, and
@@ -39,6 +42,9 @@ s = zmq.Context().socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 0)
 ident = b"stranger-" + sys.argv[3].encode()
 s.setsockopt(zmq.IDENTITY, ident)
+if sys.argv[4]:  # PLAIN's password: past the handshake
+    s.setsockopt(zmq.PLAIN_USERNAME, b"pdserve")
+    s.setsockopt(zmq.PLAIN_PASSWORD, sys.argv[4].encode())
 s.connect(sys.argv[1])
 head = _HEAD.pack(MAGIC, bytes(16), 1, time.time()) + bytes(MAC_LEN) + ident
 parts = [b"x"] if sys.argv[3] == "0" else [head, zmq.Frame(bytes(32768))]
@@ -62,13 +68,13 @@ class Peers:
     """P (binds, answers every Ping with a Pong through its outbox) and D, each ticked by a
     supervised thread as in a worker."""
 
-    def __init__(self, curve: bool, max_message_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, handshake: Handshake, max_message_bytes: int = MAX_FRAME_BYTES) -> None:
         self.key = ClusterKey(secrets.token_bytes(32))
         self.pings: list[int] = []
         self.pongs: list[int] = []
-        self.p = Control("p-test", self._on_p, self._failed, self.key, curve=curve)
+        self.p = Control("p-test", self._on_p, self._failed, self.key, handshake=handshake)
         self.p.bind("127.0.0.1", 0, max_message_bytes)
-        self.d = Control("d-test", self._on_d, self._failed, self.key, curve=curve)
+        self.d = Control("d-test", self._on_d, self._failed, self.key, handshake=handshake)
         self.sup = Supervisor(restart_budget=0)
         self.sup.spawn("control-p", self.p.tick)
         self.sup.spawn("control-d", self.d.tick)
@@ -101,8 +107,8 @@ class Peers:
 def make_peers() -> Iterator[Callable[..., Peers]]:
     made: list[Peers] = []
 
-    def make(curve: bool, max_message_bytes: int = MAX_FRAME_BYTES) -> Peers:
-        made.append(Peers(curve, max_message_bytes))
+    def make(handshake: Handshake, max_message_bytes: int = MAX_FRAME_BYTES) -> Peers:
+        made.append(Peers(handshake, max_message_bytes))
         return made[-1]
 
     yield make
@@ -111,13 +117,14 @@ def make_peers() -> Iterator[Callable[..., Peers]]:
 
 
 @pytest.fixture
-def flooders() -> Iterator[Callable[[str], None]]:
-    """Start two stranger processes flooding an address; stopped by their pids at the end."""
+def flooders() -> Iterator[Callable[[str, bytes], None]]:
+    """Start two stranger processes flooding an address (with PLAIN's password, if not empty);
+    stopped by their pids at the end."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(address: str) -> None:
+    def start(address: str, password: bytes) -> None:
         for n in range(2):
-            argv = [sys.executable, "-c", FLOODER, address, str(FLOOD_S), str(n)]
+            argv = [sys.executable, "-c", FLOODER, address, str(FLOOD_S), str(n), password.decode()]
             procs.append(subprocess.Popen(argv))
 
     yield start
@@ -143,8 +150,8 @@ def ping_through_flood(peers: Peers) -> float:
 
 
 def test_a_stranger_flood_leaves_the_loop_turning(make_peers, flooders):
-    peers = make_peers(curve=False)
-    flooders(peers.p.address)
+    peers = make_peers(Handshake.PLAIN)
+    flooders(peers.p.address, peers.p.handshake.password)
     wait_until(lambda: peers.p.stats.dropped["auth_missing"] > 1000)  # the flood reaches us
     wait_until(lambda: peers.p.stats.dropped["auth_bad_mac"] > 100)
     worst = ping_through_flood(peers)
@@ -154,27 +161,30 @@ def test_a_stranger_flood_leaves_the_loop_turning(make_peers, flooders):
 
 def test_one_tick_reads_a_bounded_share(make_peers):
     """However much is queued, one tick reads at most RECV_BATCH messages from a socket."""
-    peers = make_peers(curve=False)
+    peers = make_peers(Handshake.PLAIN)
     assert peers.sup.stop(2.0) == []  # tick by hand from here
     peers.sup = Supervisor(restart_budget=0)
     stranger = zmq.Context.instance().socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
+    join_as_member(stranger, peers.key)
     stranger.connect(peers.p.address)
     try:
+        stranger.send(b"x")  # the handshake needs P's ticks (its ZAP answer): one through first
+        wait_until(lambda: peers.p.tick() or peers.p.stats.dropped["auth_missing"] == 1)
         for _ in range(3 * control.RECV_BATCH):
             stranger.send(b"x")
         wait_until(lambda: bool(peers.p.router and peers.p.router.poll(0)))
         time.sleep(0.2)  # let all of them arrive
         peers.p.tick()
-        assert peers.p.stats.dropped["auth_missing"] == control.RECV_BATCH
-        while peers.p.stats.dropped["auth_missing"] < 3 * control.RECV_BATCH:
+        assert peers.p.stats.dropped["auth_missing"] == 1 + control.RECV_BATCH
+        while peers.p.stats.dropped["auth_missing"] < 1 + 3 * control.RECV_BATCH:
             peers.p.tick()  # the rest: the next polls return at once
     finally:
         stranger.close(0)
 
 
 def test_a_frame_over_the_limit_is_never_hashed(make_peers, monkeypatch):
-    peers = make_peers(curve=False, max_message_bytes=64 * 1024)
+    peers = make_peers(Handshake.PLAIN, max_message_bytes=64 * 1024)
     hashed: list[int] = []
     real_mac = peers.p.auth._mac
 
@@ -186,6 +196,7 @@ def test_a_frame_over_the_limit_is_never_hashed(make_peers, monkeypatch):
     member = zmq.Context.instance().socket(zmq.DEALER)
     member.setsockopt(zmq.LINGER, 0)
     member.setsockopt(zmq.IDENTITY, b"d-big")
+    join_as_member(member, peers.key)
     member.connect(peers.p.address)
     try:
         big = FrameAuth(peers.key, "d-big").sign([bytes(2**20)])  # signed, but 1 MiB
@@ -250,9 +261,10 @@ def zmtp_null_greeting() -> bytes:
     return b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
 
 
-def test_with_curve_a_stranger_never_reaches_python(make_peers, flooders):
-    peers = make_peers(curve=True)
-    flooders(peers.p.address)
+@pytest.mark.parametrize("handshake", list(Handshake))
+def test_a_stranger_never_reaches_python(make_peers, flooders, handshake):
+    peers = make_peers(handshake)
+    flooders(peers.p.address, b"")
     host, port = peers.p.address.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5.0) as raw:
         deadline = time.monotonic() + 5.0
@@ -263,12 +275,18 @@ def test_with_curve_a_stranger_never_reaches_python(make_peers, flooders):
                 assert time.monotonic() < deadline, "P kept talking to a stranger"
         except ConnectionError:
             pass  # or reset the connection: hung up all the same
-    other = Control("d-other", lambda i: None, lambda *a: None, ClusterKey(secrets.token_bytes(32)))
+    other_key = ClusterKey(secrets.token_bytes(32))
+    other = Control("d-other", lambda i: None, lambda *a: None, other_key, handshake=handshake)
     try:
-        other.send(peers.p.address, Ping(nonce=99))  # another cluster's CURVE keys
+        other.send(peers.p.address, Ping(nonce=99))  # another cluster's handshake
         other.tick()
         worst = ping_through_flood(peers)
         assert worst < 2.0 and peers.unhurt()
-        assert 99 not in peers.pings and peers.p.stats.dropped == {}  # nothing got that far
+        assert 99 not in peers.pings
+        # Nothing got that far; PLAIN counts the wrong password P's control thread refused.
+        if handshake is Handshake.CURVE:
+            assert peers.p.stats.dropped == {}
+        else:
+            assert set(peers.p.stats.dropped) == {"handshake_refused"}
     finally:
         other.close()

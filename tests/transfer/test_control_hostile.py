@@ -14,6 +14,7 @@ from pdserve.protocol.messages import Msg, Ping, Register, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.transfer.control import Control, Inbound
+from tests.helpers import join_as_member
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -28,6 +29,7 @@ class Side:
         self.got: list[Msg] = []
         self.failed: list[tuple[str, str]] = []
         self.raise_on = raise_on
+        self.key = key
         self.control = Control(name, self.on_message, self.on_failed, key)
 
     def on_message(self, inbound: Inbound) -> None:
@@ -62,12 +64,40 @@ def unhurt(sup: Supervisor) -> bool:
     return all(t["alive"] and t["crashes"] == 0 for t in sup.snapshot())
 
 
+def test_a_stranger_is_refused_at_the_handshake(sides):
+    """No member's handshake: a socket without one fails at ZMQ's greeting (no mechanism in
+    common), one with another cluster's password is refused by P's control thread (ZAP); not
+    one frame reaches Python, and a member still gets through."""
+    p, d, sup = sides
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.IDENTITY, b"d-stranger")
+    wrong = zmq.Context.instance().socket(zmq.DEALER)  # another cluster's handshake
+    wrong.setsockopt(zmq.LINGER, 0)
+    join_as_member(wrong, ClusterKey(secrets.token_bytes(32)))
+    try:
+        for sock in (stranger, wrong):
+            sock.connect(p.control.address)  # the handshake is the connection's: no send needed
+        wait_until(lambda: p.control.stats.dropped["handshake_refused"] >= 1)
+        time.sleep(0.3)  # time for a frame that got through to show
+        assert set(p.control.stats.dropped) == {"handshake_refused"}
+        assert p.got == [] and p.control.stats.received == {}
+        d.control.send(p.control.address, Ping(nonce=1))
+        wait_until(lambda: p.nonces() == [1])
+        assert unhurt(sup)
+    finally:
+        stranger.close(0)
+        wrong.close(0)
+
+
 def test_a_stranger_s_frames_are_dropped_unread(sides):
+    """One past the handshake (PLAIN's password crosses the wire) without the frame key."""
     p, d, sup = sides
     ctx = zmq.Context.instance()
     stranger = ctx.socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.setsockopt(zmq.IDENTITY, b"d-stranger")
+    join_as_member(stranger, p.key)
     stranger.connect(p.control.address)
     evil = Register(layout={}, backend="shm")
     try:
@@ -110,6 +140,7 @@ def test_a_replayed_member_frame_is_dropped(sides):
     replayer = ctx.socket(zmq.DEALER)
     replayer.setsockopt(zmq.LINGER, 0)
     replayer.setsockopt(zmq.IDENTITY, b"d-test")  # d itself has not connected: no clash
+    join_as_member(replayer, p.key)  # a capture of the handshake too
     replayer.connect(p.control.address)
     try:
         replayer.send_multipart(signed)
