@@ -10,10 +10,10 @@ tokenizer releases the GIL while it works.) Before that, a text is bounded by it
 measure (LESSONS #19): one longer than `max_prompt_chars` (the context times the most
 characters one token can stand for) cannot fit and is refused untokenized. The tokenizing
 has a deadline (TOKENIZE_TIMEOUT_S), and a client that leaves takes its queued tokenizing
-with it (a cancelled executor future never runs; a running one ends within the bound the
-characters set). Detokenizing streamed tokens stays on the loop: about 5 us a token. Bodies
-are read by server/body.py (`read_body`: a time limit, a size limit, and compressed bodies
-inflated with a bound).
+with it; the threads are daemons, so a server told to stop does not wait at exit for a
+tokenization in flight (frontend/tokenizer_pool.py). Detokenizing streamed tokens stays on
+the loop: about 5 us a token. Bodies are read by server/body.py (`read_body`: a time limit, a
+size limit, and compressed bodies inflated with a bound).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -38,6 +37,7 @@ from pdserve.frontend.protocol import (
     parse_completion,
     parse_json_body,
 )
+from pdserve.frontend.tokenizer_pool import TokenizerPool
 from pdserve.frontend.tools import check_template
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
@@ -86,7 +86,7 @@ class OpenAIApi:
         self.max_prompt_chars = max_prompt_chars
         self.max_body_bytes = body_bound(max_model_len)  # the app's client_max_size
         self.created = int(time.time())
-        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._tokenize_pool = TokenizerPool(TOKENIZER_THREADS)
         self._live: set[Generation] = set()  # generations whose answer is not over
 
     def routes(self) -> list[web.RouteDef]:
@@ -159,9 +159,7 @@ class OpenAIApi:
         handler is cancelled first (its client left), a call still queued never runs."""
         try:
             async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
-                return await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, fn, arg
-                )
+                return await self._tokenize_pool.run(fn, arg)
         except TimeoutError:
             raise ApiError(
                 413,
@@ -209,7 +207,7 @@ class OpenAIApi:
 
     def close(self) -> None:
         """Stop the tokenizer threads (what is running finishes; what waits is dropped)."""
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.close()
 
     def _check_model(self, spec: GenerationSpec) -> None:
         if spec.model and spec.model != self.model_name:

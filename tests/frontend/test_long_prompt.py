@@ -140,12 +140,12 @@ def test_a_client_that_leaves_takes_its_queued_tokenizing_with_it():
             leaving = asyncio.ensure_future(
                 client.post("/v1/completions", json={"prompt": "z" * 50, "max_tokens": 1})
             )
-            queue = api._tokenize_pool._work_queue  # what waits for a tokenizer thread
+            pool = api._tokenize_pool
             for _ in range(int(WAIT_S / 0.01)):
-                if queue.qsize() == 1:
+                if pool.queued() == 1:
                     break
                 await asyncio.sleep(0.01)
-            assert queue.qsize() == 1  # its handler is waiting for a thread
+            assert pool.queued() == 1  # its handler is waiting for a thread
             leaving.cancel()  # the client closes its connection
             await asyncio.sleep(0.2)  # the server sees it go
             gate.set()
