@@ -31,8 +31,9 @@ run: $(STAMP)
 test: $(STAMP) lint
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
-# The fast tier for a developer's loop: every test that starts no process (tests/conftest.py
-# marks the others `process`), about 2 minutes on 2 cores, no lint.
+# The fast tier for a developer's loop: every test that starts no process (the others are
+# marked `process`; tests/conftest.py refuses one that starts processes unmarked), about 2
+# minutes on 2 cores, no lint.
 test-fast: $(STAMP)
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not process" tests
 

@@ -240,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="a replacement's delay, at most")
     ap.add_argument("--max-batched-tokens", type=int, default=4096, help="as gpu_serving's")
-    ap.add_argument("--prefill-wait-steps", type=int, default=0, help="as `serve`'s")
     ap.add_argument(
         "--kv-budget-mb",
         type=float,
@@ -278,14 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.input_len + args.output_len + 64,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         overlap_schedule=True if args.stub_forward else None,
-        prefill_wait_steps=args.prefill_wait_steps,
     )
     if args.stub_forward:
         stub_forward(engine)
     freeze_startup_heap()  # as a worker does once started (runtime/gc_freeze.py)
     row = {
         "model": "stub" if args.stub_forward else args.model,
-        "prefill_wait_steps": args.prefill_wait_steps,
         **run(engine, args),
     }
     print(json.dumps(row), flush=True)

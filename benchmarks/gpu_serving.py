@@ -87,7 +87,6 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--kv-budget-mb", str(args.kv_budget_mb),
         "--max-running", str(max(args.concurrency)),
         "--max-batched-tokens", str(args.max_batched_tokens),
-        "--prefill-wait-steps", str(args.prefill_wait_steps),
         "--router-processes", str(args.router_processes),
         "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
@@ -243,7 +242,6 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--kv-budget-mb", type=float, default=16384)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
-    ap.add_argument("--prefill-wait-steps", type=int, default=0, help="as `serve`'s")
     ap.add_argument(
         "--sim-step-ms",
         type=float,

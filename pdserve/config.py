@@ -53,7 +53,6 @@ class CacheConfig:
             raise ValueError("a host cache (--host-cache-mb) needs the prefix cache")
 
 
-MAX_PREFILL_WAIT_STEPS = 1000  # a wait past this is no longer batching: a stalled request
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,10 @@ class SchedulerConfig:
     max_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_running: int = 64
     max_model_len: int = 2048  # prompt + output, capped by the model's context
-    # While requests decode, new requests may wait up to this many steps so that their prompts
-    # are prefilled together in fewer steps (engine/scheduler.py, "Prefill batching"); 0: each
-    # starts in the first step with room for it.
-    prefill_wait_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1 or self.max_running < 1 or self.max_model_len < 2:
             raise ValueError(f"scheduler limits must be positive: {self}")
-        if not 0 <= self.prefill_wait_steps <= MAX_PREFILL_WAIT_STEPS:
-            raise ValueError(
-                f"prefill wait must be 0 to {MAX_PREFILL_WAIT_STEPS} steps, "
-                f"got {self.prefill_wait_steps}"
-            )
 
 
 # Attention backends by name (attention/registry.py builds them; named here so the CLI and the

@@ -65,14 +65,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
-    g.add_argument(
-        "--prefill-wait-steps",
-        type=int,
-        default=0,
-        help="while requests decode, new requests wait until the oldest has waited this many "
-        "steps, so that prompts are prefilled together: fewer steps carry a prefill, at up to "
-        "this many steps of TTFT (0: each starts at once; no wait with --host-cache-mb)",
-    )
     g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
     g.add_argument(
         "--attention-backend",
@@ -172,7 +164,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_batched_tokens=args.max_batched_tokens,
             max_running=args.max_running,
             max_model_len=args.max_model_len,
-            prefill_wait_steps=args.prefill_wait_steps,
         ),
         runner=RunnerConfig(
             attention_backend=args.attention_backend,

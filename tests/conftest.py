@@ -73,9 +73,10 @@ def tiny_server(
 
 
 # -- the fast tier --------------------------------------------------------------------------
-# `make test-fast` runs what starts no process (`-m "not process"`). A test is marked
-# `process` when its own code or any fixture it uses (transitively) starts one; found by
-# reading their source at collection, so a new test cannot forget to say so.
+# `make test-fast` runs what starts no process (`-m "not process"`). A test that starts one
+# (its own code or any fixture it uses, transitively) says so with `@pytest.mark.process`, or
+# its module with `pytestmark`. Collection reads their source and fails on a test that starts
+# processes without the mark, so a new test cannot forget it.
 _STARTS_PROCESSES = re.compile(r"ServerProcess\(|LaunchedCluster\(|subprocess\.|Popen\(|\bPeer\(")
 
 
@@ -107,6 +108,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if _starts_processes(item):
-            item.add_marker(pytest.mark.process)
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("process") is None and _starts_processes(item)
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start processes but are not marked @pytest.mark.process (the fast "
+            "tier would run them): " + ", ".join(unmarked[:20])
+        )

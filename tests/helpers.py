@@ -23,7 +23,6 @@ def make_engine(
     kv_mb: float = 16.0,
     max_model_len: int = 1024,
     overlap: bool | None = None,
-    prefill_wait_steps: int = 0,
 ) -> Engine:
     return build_engine(
         path,
@@ -33,7 +32,6 @@ def make_engine(
         kv_budget_mb=kv_mb,
         max_model_len=max_model_len,
         overlap_schedule=overlap,
-        prefill_wait_steps=prefill_wait_steps,
     )
 
 

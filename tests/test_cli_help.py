@@ -64,6 +64,7 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_top_level_help_is_current() -> None:
     done = run("--help")
     assert done.returncode == 0, done.stderr
@@ -75,6 +76,7 @@ def test_top_level_help_is_current() -> None:
     assert "--log-level LEVEL" in done.stdout and "(default: INFO)" in done.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "command, shown",
     [

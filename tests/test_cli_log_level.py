@@ -38,6 +38,7 @@ def test_log_level_takes_effect_before_and_after_the_command() -> None:
     assert NO_MODEL_WARNING not in bench_nowhere("--log-level", "ERROR", after=False)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "argv, prog",
     [

@@ -7,6 +7,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def test_the_demo_runs_end_to_end(model_cache):
     proc = subprocess.Popen(

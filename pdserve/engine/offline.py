@@ -38,7 +38,6 @@ def build_engine(
     prefix_cache: bool = CacheConfig.prefix_cache,
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
-    prefill_wait_steps: int = 0,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
@@ -49,7 +48,6 @@ def build_engine(
             max_batched_tokens=max_batched_tokens,
             max_running=max_running,
             max_model_len=max_model_len,
-            prefill_wait_steps=prefill_wait_steps,
         ),
         RunnerConfig(
             attention_backend,

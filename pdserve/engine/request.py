@@ -206,10 +206,6 @@ class Request:
         self.prompt_logprobs_sent = True
         return tuple(self.prompt_logprobs)
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.status is Status.RUNNING and self.num_uncomputed == 1 and bool(self.output_ids)
-
     def transition(self, event: Event) -> Status:
         nxt = TRANSITIONS.get((self.status, event))
         if nxt is None:

@@ -8,20 +8,6 @@ front of the queue, keeping the tokens it generated. A *pinned* request (its pag
 read by a KV transfer still in flight) is never preempted; if only pinned requests could give
 way, the request that needs a page waits a step instead.
 
-Prefill batching (`prefill_wait_steps` N > 0; 0 is the default). A step that carries a prefill
-chunk costs its decodes more than a decode step (on the H200, 128 decodes: 1.74 ms alone, 2.57
-ms with one 256-token prompt), and when requests arrive spread over the steps, each starting
-in the step after it came, most steps are such steps. So while the step has decodes (one-token
-chunks of requests that have output), new requests are held until the oldest of them has
-waited N steps since it arrived, or their tokens fill what the running chunks leave of the
-budget; then they start together (a due request that finds no slot or page is tried again
-every step, not held again). Mixed steps become rarer and larger: more inter-token gaps are
-a decode step's, a few a larger mixed step's, and a first token may come N steps later.
-Nothing is held in a step with no decodes (a prefill worker's, an idle engine's), nor a
-preempted request (it was streaming already), nor anything with a host tier (holding would
-delay the loads that admission starts). On the H200's closed-loop loads it showed no effect
-beyond the host's run-to-run spread (benchmarks/RESULTS.md, 2026-12-05 (b)).
-
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
 its caller (`hand_over`, adopt). Nothing else here takes or gives back a page.
@@ -109,15 +95,10 @@ class Scheduler:
         # stats when it is admitted (a lookup it must repeat, lacking pages, counts then).
         self._lookups: dict[str, tuple[int, int]] = {}
         self._no_host: set[str] = set()  # its load failed: it computes those tokens
-        # Prefill batching: steps scheduled, and the step each waiting request arrived in.
-        self._steps = 0
-        self._arrived: dict[str, int] = {}
 
     # -- verbs -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-        if self.cfg.prefill_wait_steps:
-            self._arrived[req.request_id] = self._steps
 
     def adopt(self, req: Request, lease: Lease) -> None:
         """Add a request whose prompt KV is already in `lease`'s pages (computed elsewhere);
@@ -162,7 +143,6 @@ class Scheduler:
             self.loads.abandon(req.request_id)  # its pages go back once the copy ended
         self._lookups.pop(req.request_id, None)
         self._no_host.discard(req.request_id)
-        self._arrived.pop(req.request_id, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or (self.loads and self.loads.has_work()))
@@ -190,8 +170,7 @@ class Scheduler:
             budget -= n
             i += 1
         self._poll_loads()
-        self._steps += 1
-        j = 0 if self._admit_now(chunks, budget) else len(self.waiting)
+        j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[j]
             self._match(req)
@@ -206,7 +185,6 @@ class Scheduler:
                 self._lookups.pop(req.request_id, None)
                 break  # no preemption to admit new work
             del self.waiting[j]
-            self._arrived.pop(req.request_id, None)
             queried, loaded = self._lookups.pop(req.request_id, (0, 0))
             if self.cache is not None and queried:
                 self.cache.record(queried, req.num_computed, loaded)
@@ -220,23 +198,6 @@ class Scheduler:
         # Decodes (one token) first, then prefill chunks: the runner's layout.
         plan.chunks.sort(key=lambda c: c.length != 1)
         return plan
-
-    def _admit_now(self, chunks: list[Chunk], budget: int) -> bool:
-        """Prefill batching (module docstring): False holds the waiting requests this step."""
-        wait = self.cfg.prefill_wait_steps
-        if not wait or not self.waiting or self.loads is not None:
-            return True
-        since = self._arrived.get(self.waiting[0].request_id)
-        if since is None or self._steps - since > wait:  # preempted, or the oldest is due
-            return True
-        if not any(c.length == 1 and c.request.output_ids for c in chunks):
-            return True
-        tokens = 0
-        for req in self.waiting:  # stops once the budget is filled: O(budget / prompt)
-            tokens += req.num_uncomputed
-            if tokens >= budget:
-                return True
-        return False
 
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""

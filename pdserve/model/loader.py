@@ -64,15 +64,6 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 CHUNK_BYTES = 16 << 20
 
 
-def resolve_dtype(name: str, arch: ModelArch) -> torch.dtype:
-    """'auto' = the checkpoint's torch_dtype."""
-    if name == "auto":
-        name = arch.torch_dtype
-    if name not in DTYPES:
-        raise ModelConfigError(f"dtype {name!r} not supported; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -153,10 +153,6 @@ class Pong(Msg, frozen=True):
     sent_at: float = 0.0
 
 
-class Error(Msg, frozen=True):
-    message: str
-
-
 Message = (
     Hello
     | HelloAck
@@ -172,7 +168,6 @@ Message = (
     | AbortAck
     | Ping
     | Pong
-    | Error
 )
 MESSAGE_TYPES: tuple[type[Msg], ...] = (
     Hello,
@@ -189,7 +184,6 @@ MESSAGE_TYPES: tuple[type[Msg], ...] = (
     AbortAck,
     Ping,
     Pong,
-    Error,
 )
 
 

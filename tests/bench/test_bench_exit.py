@@ -36,6 +36,7 @@ def bench(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.mark.process
 def test_every_request_failed_exits_1_and_says_why(dead_url: str, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     done = bench(dead_url, "--out", str(out))
@@ -48,12 +49,14 @@ def test_every_request_failed_exits_1_and_says_why(dead_url: str, tmp_path: Path
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.process
 def test_a_threshold_of_one_accepts_any_failure(dead_url: str) -> None:
     done = bench(dead_url, "--max-failure-rate", "1")
     assert done.returncode == 0, done.stderr
     assert "exit 1" not in done.stderr
 
 
+@pytest.mark.process
 def test_half_failed_against_the_threshold_either_side() -> None:
     with StubServer(tokens=4, fail_every=2) as stub:
         at = bench(stub.url, "--max-failure-rate", "0.5")
@@ -65,6 +68,7 @@ def test_half_failed_against_the_threshold_either_side() -> None:
     assert clean.returncode == 0, clean.stderr  # the stub's 9th call: 1 request, none failed
 
 
+@pytest.mark.process
 def test_a_bad_threshold_is_a_usage_error(dead_url: str) -> None:
     done = bench(dead_url, "--max-failure-rate", "1.5")
     assert done.returncode == 2

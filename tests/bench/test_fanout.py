@@ -65,6 +65,7 @@ def test_the_merge_puts_every_record_on_the_first_clock():
     assert run.summary["completed"] == 4 and run.summary["output_tokens"] == 16
 
 
+@pytest.mark.process
 def test_a_run_from_three_processes_reports_as_one(tmp_path: Path):
     out = tmp_path / "run.json"
     with StubServer(tokens=5) as stub:

@@ -23,6 +23,8 @@ import pytest
 
 from tests.procs import ServerProcess
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 BENCH_TIMEOUT_S = 120.0
 
 

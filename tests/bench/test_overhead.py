@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.bench.stub import StubServer
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 TOKENS = 8
 PROMPTS = 2000

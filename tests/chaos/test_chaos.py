@@ -58,6 +58,7 @@ def run_chaos(args: list[str], work: Path, timeout_s: float) -> subprocess.Compl
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+@pytest.mark.process
 def test_abort_storm_end_to_end(tiny_dir: Path, tmp_path: Path):
     report = tmp_path / "chaos.json"
     done = run_chaos(
@@ -155,6 +156,7 @@ BOUNDED = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(900)
 def test_every_other_scenario_bounded_on_nixl(tiny_dir: Path, tmp_path: Path):
     """One round of every scenario but the storm (tested above), on the nixl backend

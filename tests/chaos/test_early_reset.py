@@ -14,6 +14,8 @@ import pytest
 
 from tests.chaos.test_chaos import run_chaos
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 RESETS = 600  # per storm: a CI-sized storm; benchmarks/RESULTS.md has the 3,000 ones
 
 

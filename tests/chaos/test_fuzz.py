@@ -123,6 +123,7 @@ def keyed_server(
         yield srv
 
 
+@pytest.mark.process
 def test_fuzz_a_colocated_server(keyed_server, monkeypatch):
     base = keyed_server.url
     bearer = {"Authorization": f"Bearer {API_KEY}"}
@@ -142,5 +143,6 @@ def pd_cluster(
         yield c
 
 
+@pytest.mark.process
 def test_fuzz_a_pd_cluster(pd_cluster):
     fuzz_and_check(pd_cluster.url, pd_cluster.worker_urls(), seed=2, n=200)

@@ -16,6 +16,8 @@ from pdserve.chaos import cluster as chaos_cluster
 from pdserve.chaos.cluster import Cluster, ClusterError, WorkerRef
 from pdserve.runtime.pids import is_pdserve
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 # A process that `pids.is_pdserve` takes for ours: an argument named pdserve-*.
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)", "pdserve-test-sleeper"]
 

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.runtime.cluster_key import KEY_FILE_ENV
 from tests.procs import ServerProcess
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def doctor(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,8 @@ import pytest
 
 from tests.procs import ServerProcess, auth_headers, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 STALL = "thread.control=delay:60"  # far past the test; the worker is stopped before it ticks
 
 

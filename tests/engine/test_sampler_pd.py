@@ -14,6 +14,8 @@ from pdserve.model.tokenizer import Tokenizer
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 PROMPTS = [[(13 * i + 7 * j) % 3000 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 
 

@@ -64,6 +64,7 @@ def test_a_call_cancelled_before_a_thread_takes_it_never_runs():
         pool.close()
 
 
+@pytest.mark.process
 def test_a_process_does_not_wait_at_exit_for_a_call_that_never_ends():
     script = textwrap.dedent(
         """

@@ -60,6 +60,7 @@ def test_unknown_name_lists_the_valid_ones(tmp_path: Path) -> None:
         make_model("nope", tmp_path)
 
 
+@pytest.mark.process
 def test_bytes_identical_in_another_process(built: Path, tmp_path: Path) -> None:
     # A fresh process with a different hash seed retrains the tokenizer and regenerates the
     # weights: catches any dependence on hash order, thread scheduling or global RNG state.

@@ -108,6 +108,7 @@ def test_refusals_name_the_problem(tiny_dir, tmp_path):
         load_model(wrong_shape, torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.process
 def test_cli_refuses_a_non_model_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     r = subprocess.run(

@@ -20,6 +20,8 @@ from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, auth_headers, worker_args
 from tests.procs import http as call
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 STALL_S = 1.5
 
 

@@ -18,6 +18,8 @@ import pytest
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 PROMPT = 900  # tokens: ~19 chunks of 48, each write delayed, so rooms stay open for seconds
 IN_FLIGHT = 6
 

@@ -27,6 +27,8 @@ from tests.helpers import OpenZap, join_as_member
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 PROMPT = list(range(5, 5 + CHUNK + 7))
 REPEAT = 8  # more than the supervisor's restart budget (5): a dying thread would show
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
+
 from tests.pd.conftest import CHUNK, PD
 from tests.procs import ServerProcess, auth_headers, worker_args
 from tests.procs import http as call
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def test_dropped_kv_chunks_fail_the_request(tiny_dir, tmp_path):

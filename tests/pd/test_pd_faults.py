@@ -27,6 +27,8 @@ from tests.pd.conftest import PD, KeyedSocket, tokens
 from tests.procs import auth_headers, wait_stopped, worker_pids
 from tests.procs import http as call
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def wait_for(pred, timeout_s: float = 20.0, what: str = "condition", show=None):
     """`show()`: what the failure message adds, read when the wait times out."""

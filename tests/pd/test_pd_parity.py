@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.pd.conftest import CHUNK, tokens
 from tests.procs import http as call
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def mixed_prompts(n: int, seed: int) -> list[list[int]]:

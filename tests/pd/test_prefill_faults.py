@@ -28,6 +28,8 @@ from pdserve.runtime.timing import PEER_ENGINE_STALL_S, PEER_TIMEOUT_S
 from tests.pd.conftest import CHUNK, PD, KeyedSocket, tokens
 from tests.procs import ServerProcess, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def pd(tiny_dir, tmp_path_factory) -> Iterator[PD]:

@@ -16,6 +16,8 @@ import pytest
 from tests.pd.conftest import CHUNK, PD, tokens
 from tests.procs import ServerProcess, http, worker_args
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def free_port() -> int:
     with socket.socket() as s:

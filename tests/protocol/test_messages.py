@@ -33,7 +33,6 @@ SAMPLES = [
     m.AbortAck(room=1, known=False),
     m.Ping(nonce=3),
     m.Pong(nonce=3),
-    m.Error(message="bad"),
 ]
 
 

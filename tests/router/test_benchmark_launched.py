@@ -14,8 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.launched import Pdserve
 from pdserve.runtime.pids import is_pdserve, pid_alive
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 FAKE_LAUNCH = """
 import json, subprocess, sys, time

@@ -123,6 +123,7 @@ def started_pids(output: str) -> list[int]:
     return [int(m) for m in re.findall(r"started \S+ \(pid (\d+)\)", output)]
 
 
+@pytest.mark.process
 def test_startup_failure_names_the_worker_and_stops_everything(tmp_path):
     empty = tmp_path / "no-model"  # a directory without config.json: `serve` exits with 2
     empty.mkdir()
@@ -198,6 +199,7 @@ def clusters(
         b.__exit__()
 
 
+@pytest.mark.process
 def test_launch_makes_a_cluster_key_that_its_workers_require(clusters):
     c = clusters[0]
     key_file = c.log_dir / "cluster.key"
@@ -215,6 +217,7 @@ def test_launch_makes_a_cluster_key_that_its_workers_require(clusters):
     assert http("GET", router + "/v1/models", auth=False)[0] == 200
 
 
+@pytest.mark.process
 def test_the_router_runs_uvloop_and_the_worker_asyncios_loop(clusters):
     """runtime/evloop.py: a worker's loop shares the GIL with its engine thread, so `auto`
     keeps it on asyncio's loop; the router runs uvloop where it is installed."""
@@ -225,6 +228,7 @@ def test_the_router_runs_uvloop_and_the_worker_asyncios_loop(clusters):
     assert f"event loop: {router_loop}" in logs["router"], logs["router"][-2000:]
 
 
+@pytest.mark.process
 def test_sigterm_stops_every_child(clusters):
     c = clusters[0]
     pids = c.child_pids
@@ -237,6 +241,7 @@ def test_sigterm_stops_every_child(clusters):
     assert "stopping the cluster" in log and "router exited 0, colocated-0 exited 0" in log
 
 
+@pytest.mark.process
 def test_sigkill_of_the_launcher_takes_its_children_down(clusters):
     c = clusters[1]
     pids = c.child_pids

@@ -16,6 +16,8 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.transfer.nixl import nixl_available
 from tests.procs import LaunchedCluster, http
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 CHUNK = 16
 NIXL = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 

@@ -19,6 +19,8 @@ from pdserve.transfer.nixl import nixl_available
 from tests.helpers import make_engine, run
 from tests.procs import LaunchedCluster, http
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 CHUNK = 48
 NIXL = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 

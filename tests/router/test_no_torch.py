@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.procs import ServerProcess, http
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 ROUTER_MODULES = (
     "pdserve.router.app",

@@ -26,6 +26,8 @@ from pdserve.runtime.pids import wait_gone
 from tests.procs import LaunchedCluster, ServerProcess, http
 from tests.server.test_api import BAD
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def flags(tiny_dir: Path) -> list[str]:
     return [

@@ -20,6 +20,8 @@ import pytest
 
 from tests.procs import LaunchedCluster, http
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def pd_cluster(

@@ -54,6 +54,7 @@ def test_a_held_port_takes_no_connection_and_shares_the_port():
             s.close()
 
 
+@pytest.mark.process
 def test_a_busy_port_is_exit_status_2_before_anything_starts(tmp_path: Path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -68,6 +69,7 @@ def test_a_busy_port_is_exit_status_2_before_anything_starts(tmp_path: Path):
     assert "the port is in use" in done.stderr
 
 
+@pytest.mark.process
 def test_processes_out_of_range_are_refused(tmp_path: Path):
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "router", "--decode", "http://127.0.0.1:9", "--model",
@@ -103,6 +105,7 @@ def completions_ok(url: str) -> int:
     raise AssertionError("no pdserve_router_requests_total{outcome=ok} in /metrics")
 
 
+@pytest.mark.process
 def test_both_processes_serve_and_the_metrics_count_for_both(cluster: LaunchedCluster):
     before = completions_ok(cluster.url)
     texts = set()
@@ -116,6 +119,7 @@ def test_both_processes_serve_and_the_metrics_count_for_both(cluster: LaunchedCl
     assert completions_ok(cluster.url) - before == 12  # whichever process answers the scrape
 
 
+@pytest.mark.process
 def test_a_dead_process_is_started_again_and_the_others_serve_meanwhile(
     cluster: LaunchedCluster,
 ):
@@ -136,6 +140,7 @@ def test_a_dead_process_is_started_again_and_the_others_serve_meanwhile(
     assert "router-" in (cluster.log_dir / "router.log").read_text()
 
 
+@pytest.mark.process
 def test_stopping_the_cluster_stops_every_router_process(cluster: LaunchedCluster):
     pids = {router_pid(cluster.url) for _ in range(24)}
     assert cluster.stop() == 0

@@ -111,6 +111,7 @@ def test_raise_kill_and_delay_happen_at_the_point():
     assert time.monotonic() - t0 >= 0.1
 
 
+@pytest.mark.process
 def test_exit_ends_the_process_at_once_with_code_70():
     code = (
         "from pdserve.runtime.faults import Faults\n"

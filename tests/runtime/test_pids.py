@@ -47,6 +47,7 @@ def start(children: list[subprocess.Popen[bytes]], argv: list[str]) -> int:
     return proc.pid
 
 
+@pytest.mark.process
 def test_a_stranger_is_alive_never_signalled_and_gone_once_killed(
     children: list[subprocess.Popen[bytes]],
 ) -> None:
@@ -62,6 +63,7 @@ def test_a_stranger_is_alive_never_signalled_and_gone_once_killed(
     assert wait_gone([pid], 10.0) == []  # reaped: no process at all
 
 
+@pytest.mark.process
 def test_a_pdserve_process_is_signalled_through_its_pidfd(
     children: list[subprocess.Popen[bytes]],
 ) -> None:
@@ -78,6 +80,7 @@ def test_a_pdserve_process_is_signalled_through_its_pidfd(
     assert not signal_pdserve(ours, signal.SIGKILL)  # reaped: nothing to signal
 
 
+@pytest.mark.process
 def test_without_a_pidfd_wait_gone_polls_proc(
     children: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -120,6 +120,7 @@ def _serve_with_faults(tiny_dir, log, faults: str) -> ServerProcess:
     return ServerProcess(args, log, env={"PDSERVE_FAULTS": faults}).__enter__()
 
 
+@pytest.mark.process
 def test_dead_thread_exits_the_process_non_zero(tiny_dir):
     env = {**os.environ, "PDSERVE_FAULTS": "thread.control=raise"}
     r = subprocess.run(
@@ -148,6 +149,7 @@ def test_dead_thread_exits_the_process_non_zero(tiny_dir):
     assert "thread control dead" in r.stderr
 
 
+@pytest.mark.process
 def test_stalled_thread_turns_health_red(tiny_dir, tmp_path):
     srv = _serve_with_faults(tiny_dir, tmp_path / "p.log", "thread.control=delay:8")
     try:

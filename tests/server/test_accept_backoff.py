@@ -15,6 +15,10 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 SERVER = r"""
 import asyncio, resource, sys
 from aiohttp import web

@@ -14,6 +14,8 @@ import pytest
 from pdserve.model.tokenizer import Tokenizer
 from tests.procs import http
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def client(tiny_server):

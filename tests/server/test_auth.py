@@ -80,6 +80,7 @@ def keyed_server(tiny_dir, tmp_path_factory) -> Iterator[ServerProcess]:
         yield srv
 
 
+@pytest.mark.process
 def test_a_server_with_an_api_key(keyed_server):
     url = keyed_server.url
     status, body = http("GET", url + "/v1/models", auth=False)

@@ -55,6 +55,7 @@ def ping(control: str, nonce: int, timeout_ms: int = 1000) -> bool:
         s.close(0)
 
 
+@pytest.mark.process
 def test_post_is_refused_without_the_flag(workers):
     off, _ = workers
     status, body = http("POST", off.url + "/debug/faults", {"spec": "p.write=raise", "seed": 0})
@@ -66,6 +67,7 @@ def test_post_is_refused_without_the_flag(workers):
     assert http("GET", off.url + "/debug/faults") == (200, {"points": {}, "seed": 0, "fired": {}})
 
 
+@pytest.mark.process
 def test_bad_requests_get_400_and_change_nothing(workers):
     _, on = workers
     status, body = http("POST", on.url + "/debug/faults", {"spec": "p.write=explode", "seed": 0})
@@ -79,6 +81,7 @@ def test_bad_requests_get_400_and_change_nothing(workers):
     assert http("GET", on.url + "/debug/faults")[1]["points"] == {}
 
 
+@pytest.mark.process
 def test_a_point_set_over_http_acts_at_once_and_clears(workers):
     _, on = workers
     control = http("GET", on.url + "/info")[1]["control"]

@@ -4,7 +4,11 @@ and text offsets over the echoed text."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.procs import http
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def score(url: str, **body):

@@ -18,7 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.procs import ServerProcess
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 WAIT_S = 30.0
 # Each engine tick stalls 20 ms: a long stream stays in flight for the whole test.

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.procs import http
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 LONG = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
+
 from tests.procs import auth_headers, http
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def ndjson(url: str, body: dict) -> list[dict]:

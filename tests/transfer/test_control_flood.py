@@ -149,6 +149,7 @@ def ping_through_flood(peers: Peers) -> float:
     return worst
 
 
+@pytest.mark.process
 def test_a_stranger_flood_leaves_the_loop_turning(make_peers, flooders):
     peers = make_peers(Handshake.PLAIN)
     flooders(peers.p.address, peers.p.handshake.password)
@@ -261,6 +262,7 @@ def zmtp_null_greeting() -> bytes:
     return b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("handshake", list(Handshake))
 def test_a_stranger_never_reaches_python(make_peers, flooders, handshake):
     peers = make_peers(handshake)

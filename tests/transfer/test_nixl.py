@@ -168,6 +168,7 @@ def test_notifications_parse_or_are_refused():
 SRC, DST = [7, 0, 3, 9], [11, 2, 5, 0]  # scattered, out of order, first and last page
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("pair", NAMES, indirect=True)
 def test_scattered_pages_land_exactly_with_a_notification(pair):
     writer, src, peer = pair
@@ -181,6 +182,7 @@ def test_scattered_pages_land_exactly_with_a_notification(pair):
     assert peer.landed_until(x.nbytes) == [(5, 2, x.nbytes)]
 
 
+@pytest.mark.process
 def test_many_rooms_in_flight_at_once(pair):
     writer, src, peer = pair
     xs = [writer.write(100 + i, 1, src, [i], [i], far()) for i in range(10)]
@@ -205,6 +207,7 @@ class StandInEvent:
         raise AssertionError("a NIXL write must never block the engine on its step")
 
 
+@pytest.mark.process
 def test_a_write_waits_for_its_step_before_it_reads_the_pages(pair):
     writer, src, peer = pair
     step = StandInEvent()
@@ -218,6 +221,7 @@ def test_a_write_waits_for_its_step_before_it_reads_the_pages(pair):
     assert peer.landed_until(x.nbytes) == [(9, 1, x.nbytes)]
 
 
+@pytest.mark.process
 def test_cancel_mid_write_releases_and_the_writer_goes_on(pair):
     writer, src, peer = pair
     x = writer.write(1, 1, src, SRC, DST, far())
@@ -236,6 +240,7 @@ def wait_stopped(pid: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.process
 def test_a_stopped_peer_times_out_by_our_deadline(pair):
     writer, src, peer = pair
     wait(writer.write(1, 1, src, [0], [0], far()))  # connected
@@ -255,6 +260,7 @@ def test_a_stopped_peer_times_out_by_our_deadline(pair):
     assert time.monotonic() - t0 < 6.0
 
 
+@pytest.mark.process
 def test_a_dead_peer_fails_the_write(pair):
     writer, src, peer = pair
     wait(writer.write(1, 1, src, [0], [0], far()))

@@ -175,6 +175,7 @@ def _generate(url: str, rid: str, prompt: list[int], prefill: str | None = None)
     return [t for line in lines for t in line["token_ids"]]
 
 
+@pytest.mark.process
 def test_greedy_through_the_engine_process_is_hf_greedy(split: ServerProcess, tiny_dir) -> None:
     want = hf_greedy(tiny_dir, PROMPTS, NEW)
     got: dict[int, list[int]] = {}
@@ -190,6 +191,7 @@ def test_greedy_through_the_engine_process_is_hf_greedy(split: ServerProcess, ti
     assert [got.get(i) for i in range(len(PROMPTS))] == want
 
 
+@pytest.mark.process
 def test_health_state_metrics_and_faults_come_from_the_engine_process(split) -> None:
     assert http("GET", split.url + "/health") == (200, {"status": "ok", "problems": []})
     _complete(split.url, PROMPTS[0])
@@ -208,6 +210,7 @@ def test_health_state_metrics_and_faults_come_from_the_engine_process(split) -> 
     assert http("GET", split.url + "/debug/invariants")[1]["ok"] is True
 
 
+@pytest.mark.process
 def test_a_client_gone_mid_stream_ends_its_request_in_the_engine(split) -> None:
     u = urlparse(split.url)
     conn = httpclient.HTTPConnection(u.hostname, u.port, timeout=30)
@@ -228,6 +231,7 @@ def test_a_client_gone_mid_stream_ends_its_request_in_the_engine(split) -> None:
     assert http("GET", split.url + "/debug/invariants")[1]["ok"] is True
 
 
+@pytest.mark.process
 def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
     """SIGSTOP: no Status comes, and /health says so once STATUS_STALE_S passed; the debug
     endpoints answer within their own bound meanwhile. SIGCONT: green again."""
@@ -253,6 +257,7 @@ def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
     assert _complete(split.url, PROMPTS[2])["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.process
 def test_sigterm_stops_the_worker_and_its_engine_process_cleanly(tiny_dir, tmp_path) -> None:
     pid = None
     try:
@@ -265,6 +270,7 @@ def test_sigterm_stops_the_worker_and_its_engine_process_cleanly(tiny_dir, tmp_p
         _kill_engine(pid)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["SIGKILL", "its engine thread dead"])
 def test_the_engine_process_dying_is_the_workers_fatal_error(how, tiny_dir, tmp_path) -> None:
     """Killed, or its engine thread dead for good (a `kill:0` fault: the engine process's
@@ -319,6 +325,7 @@ def _request_ending(url: str) -> dict:
     return last
 
 
+@pytest.mark.process
 def test_the_engine_process_dies_with_its_worker(tiny_dir, tmp_path) -> None:
     pid = None
     try:
@@ -332,6 +339,7 @@ def test_the_engine_process_dies_with_its_worker(tiny_dir, tmp_path) -> None:
         _kill_engine(pid)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("backend", ["shm", "nixl"])
 def test_a_decode_worker_with_an_engine_process_serves_pd_greedy(
     tiny_dir, tmp_path, backend: str
