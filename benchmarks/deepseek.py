@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 LARGE = {
     "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,

@@ -55,10 +55,10 @@ from benchmarks.stub_forward import stub_forward  # noqa: E402
 from pdserve.bench.metrics import percentile  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.engine.scheduler import StepPlan  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 from pdserve.runtime.gpu_wait import waited_s  # noqa: E402
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.stub_forward import VOCAB, stub_forward  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 
 

@@ -43,12 +43,12 @@ from benchmarks.hf_decode import hf_decode_steps  # noqa: E402
 from benchmarks.roofline import measure_ceilings, roofline, step_cost, sync, time_steps  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
 from pdserve.engine.scheduler import Chunk  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.config import ModelArch  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 
 PAGE_SIZE = 16

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_decode import check_none_ended, decode_engine, prefill  # noqa: E402
 from benchmarks.roofline import time_steps  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 READY_TIMEOUT_S = 300.0  # the load process builds (or loads) the model, then says "ready"
 STOP_TIMEOUT_S = 60.0

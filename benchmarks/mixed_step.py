@@ -45,9 +45,9 @@ from benchmarks.gpu_decode import check_none_ended, kv_budget_mb, prefill  # noq
 from benchmarks.roofline import sync, time_steps  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.offline import build_engine  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.scheduler import Chunk  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 PAGE_SIZE = 16
 

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine_flags import engine_process_argv  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.tokenizer import Tokenizer  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 
 

@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.params import SamplingParams  # noqa: E402
 from pdserve.engine.request import Request  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},

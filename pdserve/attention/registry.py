@@ -41,7 +41,7 @@ BACKENDS: dict[str, Callable[[KVPool, AttentionShape], AttentionBackend[Any]]] =
 
 def default_backend(device: torch.device) -> str:
     """The backend a device gets when none is named: `triton` on CUDA where the package is
-    installed (its GPU tests and benchmarks passed on an H200: benchmarks/RESULTS.md), else
+    installed (the backend the GPU tests and benchmarks exercise: benchmarks/RESULTS.md), else
     `torch`."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"

@@ -9,7 +9,7 @@ nothing. The grid is the number of token rows, so a captured graph replays it un
 `rope_store_kv` is the same store with RoPE in front (kernels/triton_fused's rotary math, so
 the same bits): the program also rotates its token's query heads in place and its key heads,
 which it writes back in place and to the pool. One kernel instead of two a layer: at batch 1
-a launch inside a CUDA graph costs about as much as the work of either (~2 µs on an H200).
+a launch inside a CUDA graph costs about as much as the work of either.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from pdserve.kernels.triton_fused import rope_halves, rotate_heads
 
 # PDL (kernels/pdl.py): the two store kernels do not let the next kernel launch early. In a
 # decode step the next is decode attention, whose blocks (four a SM at batch 32) placed beside
-# this kernel's would no longer all fit in one wave: +15 µs a batch-32 step of
-# llama3.2-1b-shape on an H200. (In a prefill step the next is prefill attention: no matter.)
+# this kernel's would no longer all fit in one wave, which slows a batch-32 step
+# (benchmarks/RESULTS.md, 2026-12-02 third session). (In a prefill step the next is prefill
+# attention: no matter.)
 
 
 @triton.jit

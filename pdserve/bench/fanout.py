@@ -1,9 +1,9 @@
 """`pdserve bench --processes N`: one run's requests sent from N client processes.
 
-Why: one Python client reads every stream's chunks on one event loop. At concurrency 128 and
-a 1.76 ms decode step that is ~72,000 SSE events a second; one process took 1.1-1.5 cores
-there (benchmarks/RESULTS.md, 2026-12-03), and a client that falls behind times chunks as it
-gets to them, not as they arrived: the ITL it reports would be its own.
+Why: one Python client reads every stream's chunks on one event loop. At concurrency 128 that
+is tens of thousands of SSE events a second, more than one process keeps up with
+(benchmarks/RESULTS.md, 2026-12-03), and a client that falls behind times chunks as it gets
+to them, not as they arrived: the ITL it reports would be its own.
 
 How: the requests are made once, here, and dealt round robin (request i to process i mod N);
 each process takes an equal share of --max-concurrency and of --request-rate (a Poisson

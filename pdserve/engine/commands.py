@@ -14,13 +14,13 @@ from pdserve.engine.request import Request
 
 
 @dataclass(frozen=True)
-class Submit:
+class SubmitCommand:
     request: Request
     prefill: str | None = None  # a prefill worker's control address: the decode role's request
 
 
 @dataclass(frozen=True)
-class Abort:
+class AbortCommand:
     request_id: str
 
 
@@ -29,4 +29,4 @@ class SnapshotQuery:
     reply: Future[dict[str, Any]]
 
 
-Command = Submit | Abort | SnapshotQuery
+Command = SubmitCommand | AbortCommand | SnapshotQuery

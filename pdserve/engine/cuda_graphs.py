@@ -1,8 +1,8 @@
 """CUDA-graph decode: a decode step replayed as one graph per batch-size bucket.
 
 A decode step of a small model is ~1,000 kernel launches and the GPU idles most of it waiting
-for the CPU (issue 13: a 1.6B shape at batch 1 took 19 ms eagerly; the same ops replayed as one
-graph took 1.27 ms). So decode-only steps run as captured graphs:
+for the CPU; replayed as one graph, the same ops take a fraction of the time
+(benchmarks/RESULTS.md, 2026-12-01). So decode-only steps run as captured graphs:
 
 * **Buckets** 1, 2, 4, 8, then every 8 up to `max_bs` (at most the scheduler's max_running). A
   step of n decodes replays the smallest bucket >= n; rows n.. are padding: token 0 at position

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.commands import Abort, Command, SnapshotQuery, Submit
+from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
 from pdserve.engine.metrics import EngineMetrics
-from pdserve.engine.params import SamplingParams, validate_prompt
 from pdserve.engine.request import (
     FINISH_REASON,
     Event,
@@ -48,6 +47,7 @@ from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
+from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Engine:
         """Queue a request; `prefill`: the prefill worker that computes its prompt (decode role
         only), else this engine prefills it."""
         req = self.make_request(request_id, prompt_ids, params, sink, timeout_s)
-        self.inbox.put(Submit(req, prefill))
+        self.inbox.put(SubmitCommand(req, prefill))
 
     def make_request(
         self,
@@ -175,7 +175,7 @@ class Engine:
         )
 
     def abort(self, request_id: str) -> None:
-        self.inbox.put(Abort(request_id))
+        self.inbox.put(AbortCommand(request_id))
 
     def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any]:
         """The engine's own view, answered by the engine thread; raises TimeoutError if wedged."""
@@ -249,18 +249,18 @@ class Engine:
         log.warning("engine command %s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
         why = f"could not handle the request: {type(e).__name__}: {e}"
         self.role.command_failed(cmd, why)
-        if isinstance(cmd, Submit):
+        if isinstance(cmd, SubmitCommand):
             self.finish(cmd.request, Event.FAIL, why)
 
     def _handle(self, cmd: Command | object) -> None:
         match cmd:
-            case Submit(request=req, prefill=None):
+            case SubmitCommand(request=req, prefill=None):
                 if self.scheduler.get(req.request_id) is not None:
                     self.finish(req, Event.FAIL, f"duplicate request id {req.request_id}")
                     return
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
-            case Abort(request_id=rid):
+            case AbortCommand(request_id=rid):
                 if self.role.abort(rid):
                     return
                 live = self.scheduler.get(rid)
@@ -269,7 +269,7 @@ class Engine:
             case SnapshotQuery(reply=fut):
                 if not fut.done():
                     fut.set_result(self._snapshot())
-            case _:  # a remote Submit, a peer's message, a failed send: the role's
+            case _:  # a remote SubmitCommand, a peer's message, a failed send: the role's
                 self.role.handle(cmd)
 
     def _expire_requests(self, now: float) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 
 _ids = itertools.count()
 

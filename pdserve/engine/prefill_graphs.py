@@ -1,15 +1,14 @@
 """CUDA-graph prefill: a step that carries prefill chunks, its decodes included, replayed as
 one graph per bucket of its tokens.
 
-Launched eagerly, a forward costs the host ~0.7 ms a layer on an H200 (the Python side of
-each Triton launch and cuBLAS call), whatever the tokens: 11-12 ms for a 1.2B Llama's
-256-token prompt, whose GPU work is about 1 ms (benchmarks/mixed_step.py). Every decoding
-request waits through the tick that carries a prompt, so under a steady arrival of prompts
-that tick sets the inter-token latency. So such a step replays a captured graph, as a
-decode-only step does (engine/cuda_graphs.py). The step's decodes are rows of the same
-graph: one forward reads the weights once for decodes and chunks together (a decode graph
-followed by a graph of the chunks alone read them twice, and cost 128 decodes with a
-256-token prompt 3.2 ms on an H200 where the decodes alone took 1.7).
+Launched eagerly, a forward costs the host a fixed time a layer (the Python side of each
+Triton launch and cuBLAS call), whatever the tokens, several times a prompt's GPU work
+(benchmarks/mixed_step.py; benchmarks/RESULTS.md, 2026-12-03). Every decoding request waits
+through the tick that carries a prompt, so under a steady arrival of prompts that tick sets
+the inter-token latency. So such a step replays a captured graph, as a decode-only step does
+(engine/cuda_graphs.py). The step's decodes are rows of the same graph: one forward reads the
+weights once for decodes and chunks together (a decode graph followed by a graph of the chunks
+alone read them twice and paid each layer's kernels twice: benchmarks/RESULTS.md, 2026-12-04).
 
 * **Buckets** of tokens, decodes included: 16, 32, 64, 128, then every 128 up to 1,024,
   then every 256 up to the largest (`--cuda-graph-max-tokens`, at most the step budget). A

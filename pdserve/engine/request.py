@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.lease import Lease, LeaseError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.outputs import TokenLogprob as TokenLogprob  # re-exported
+from pdserve.protocol.sampling import SamplingParams
 
 
 class Status(enum.Enum):

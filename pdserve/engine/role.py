@@ -13,7 +13,7 @@ Each tick calls, in order (docs/architecture.md §Loop):
                            asked only of a role whose `takes_tokens` is True
     take_outbox()          the messages to send, drained: roles never call the control plane
 
-and, off the loop: `abort` (the Abort command), `fail` (a step failed a request), `command_failed`
+and, off the loop: `abort` (the AbortCommand), `fail` (a step failed a request), `command_failed`
 (a command raised), `on_control` (on the control thread, before a message is queued),
 `has_work`, `rooms`, `snapshot`, and at shutdown `settle` and `hard_exit`.
 

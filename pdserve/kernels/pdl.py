@@ -1,13 +1,13 @@
 """Programmatic dependent launch (PDL): a Triton kernel is scheduled while the kernel before it
 in the stream is still finishing, and waits on the device, not in the launch queue.
 
-Why: a CUDA-graph decode step is ~190 kernels of a few microseconds each, and between two of
-them the GPU drains one grid and only then starts launching the next: ~0.1 ms of sub-5-µs
-gaps in a batch-32 step of llama3.2-1b-shape on an H200 (`benchmarks/gpu_kernels.py --step
-tick`). On sm_90 and later a kernel launched with PDL may have its blocks placed as soon as
-the kernel before it lets them (`griddepcontrol.launch_dependents`, or that kernel's end);
-its `griddepcontrol.wait` then holds it until the kernel before has completed and its writes
-are visible.
+Why: a CUDA-graph decode step is a couple of hundred kernels of a few microseconds each, and
+between two of them the GPU drains one grid and only then starts launching the next; those
+gaps add up to a visible share of a step (`benchmarks/gpu_kernels.py --step tick`;
+benchmarks/RESULTS.md, 2026-12-02 second and third sessions). On sm_90 and later a kernel
+launched with PDL may have its blocks placed as soon as the kernel before it lets them
+(`griddepcontrol.launch_dependents`, or that kernel's end); its `griddepcontrol.wait` then
+holds it until the kernel before has completed and its writes are visible.
 
 The rule every kernel launched this way follows: `enter(PDL, LAUNCH_NEXT)` is its first
 statement, so it reads nothing and writes nothing before the kernel ahead of it has

@@ -155,8 +155,8 @@ def rope_halves(x1, x2, freq):
         # No rounding step separates the products from the sum here, so the compiler may
         # contract either product into a fused multiply-add, and differently in different
         # kernels (a three-program variant of rope_store_kv differed from rotary in the last
-        # bit on an H200). One explicit FMA fixes the order: y1 = round(a1 * cos +
-        # round(-a2 * sin)), the same bits in every kernel that calls this.
+        # bit: benchmarks/RESULTS.md, 2026-12-02). One explicit FMA fixes the order:
+        # y1 = round(a1 * cos + round(-a2 * sin)), the same bits in every kernel that calls this.
         y1 = tl.fma(a1, cos, -a2 * sin)
         y2 = tl.fma(a2, cos, a1 * sin)
     else:

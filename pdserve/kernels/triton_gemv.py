@@ -1,12 +1,10 @@
 """A Triton matrix-vector product for the batch-1 decode step: y = x @ W.T (+ b), x one row.
 
 Why not cuBLAS: at batch 1 each of a layer's weight products is one pass over W and nothing
-else, and should run at the copy rate. Inside a CUDA graph on an H200, cuBLAS took 6.8 µs for
-llama3.2-1b-shape's q/k/v (12.6 MB: 1.9 TB/s), 6.4 µs for o (8.4 MB: 1.3 TB/s) and 14.0 µs for
-down (33.6 MB), and qwen2-0.5b-shape's small matrices reached 0.4-1.3 TB/s; this kernel, in the
-same run, 5.2 / 4.4 / 10.3 µs (benchmarks/gemv.py; benchmarks/RESULTS.md, 2026-12-02). With
-two or more rows cuBLAS was as fast as any tiled Triton matmul a sweep tried (8 and 32 rows),
-so kernels/ops.py sends only single rows here.
+else, and should run at the copy rate. Inside a CUDA graph cuBLAS falls well short of it on
+the built-in shapes' smaller matrices, and this kernel is faster on all but one of them
+(benchmarks/gemv.py; benchmarks/RESULTS.md, 2026-12-02). With two or more rows cuBLAS was as
+fast as any tiled Triton matmul a sweep tried, so kernels/ops.py sends only single rows here.
 
 The kernel: one program per BLOCK_N output columns streams those rows of W once, BLOCK_K
 columns a load, multiplying elementwise in float32 and summing once at the end. What makes
@@ -89,10 +87,11 @@ def _gemv_kernel(
 
 
 def config_for(n: int, k: int, silu_mul: bool = False) -> Config:
-    """The blocks for a [1, k] x [n, k].T product: the H200 sweep's winners as a rule. Many
-    programs with 1K-element loads: one row of W a program along a long K (the down
-    projection), else 2, or 4 for the widest (gate-up); with `silu_mul` 8 rows and 8 warps, since
-    every program recomputes silu(gate) * up over all of K and more rows share that cost."""
+    """The blocks for a [1, k] x [n, k].T product: the sweep's winners as a rule
+    (`benchmarks/gemv.py --sweep`). Many programs with 1K-element loads: one row of W a program
+    along a long K (the down projection), else 2, or 4 for the widest (gate-up); with
+    `silu_mul` 8 rows and 8 warps, since every program recomputes silu(gate) * up over all of K
+    and more rows share that cost."""
     if silu_mul:
         return Config(block_n=8, block_k=1024, num_warps=8, num_stages=3)
     block_n = 1 if k >= 4096 else 4 if n > 12288 else 2

@@ -51,7 +51,7 @@ class Finished:
         return CopyState.DONE if self.ok else CopyState.FAILED
 
 
-class Copier(Protocol):
+class HostCopier(Protocol):
     def copy(
         self, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]], to_host: bool
     ) -> Copy:

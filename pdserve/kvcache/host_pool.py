@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pdserve.kvcache.allocator import PageAllocator
-from pdserve.kvcache.host_copier import Copier, Copy, CopyState, StreamCopier, SyncCopier
+from pdserve.kvcache.host_copier import Copy, CopyState, HostCopier, StreamCopier, SyncCopier
 from pdserve.kvcache.pool import KVPool
 from pdserve.runtime.gpu_wait import GpuWaitTimeout, wait_event
 from pdserve.runtime.timing import GPU_WAIT_TIMEOUT_S
@@ -128,7 +128,7 @@ def host_tier(device: KVPool, budget_bytes: int) -> HostPool | None:
 
 
 class HostPool:
-    def __init__(self, device: KVPool, num_pages: int, copier: Copier | None = None) -> None:
+    def __init__(self, device: KVPool, num_pages: int, copier: HostCopier | None = None) -> None:
         if num_pages < 1:
             raise ValueError(
                 f"the host cache fits no page: one page needs {device.layout.page_bytes} bytes"

@@ -7,7 +7,7 @@ and to attend. Where K/V live (the paged pool) and which kernel runs are the bac
 business. Numerics follow the HF reference (float32 RoPE, RMSNorm in float32) so greedy
 outputs match HF transformers token for token.
 
-Fused for fewer kernel launches (docs/architecture.md §Model): q, k and v come from one
+Fused for fewer kernel launches (docs/architecture.md §Layers, `model/`): q, k and v come from one
 `qkv_proj`, gate and up from one `gate_up_proj` (the loader concatenates the checkpoint's
 tensors: model/weight_map.py), and RMSNorm with the residual add, SiLU-and-multiply and RoPE
 are single ops (kernels/ops.py: Triton on CUDA, the unfused torch reference elsewhere), as is

@@ -223,9 +223,9 @@ class IncrementalDetokenizer:
     Fewer decodes: the context's text is the window's text of the last emit, kept, so the
     context grows with each emit until it passes WINDOW tokens; then it restarts at the last
     emit's tokens (a boundary), whose text costs one more decode. The router detokenises every
-    streamed token (two decodes a token were a fifth of its Python time), and a decode's cost
-    grows with its length (the built-in tokenizer: ~0.45 µs + 0.13 µs a token): a window of 4
-    took 1.8 µs a token against 2.0 restarting at every emit, 2.5 with a window of 16.
+    streamed token (two decodes a token were a large share of its Python time), and a decode's
+    cost grows with its length, so a short window costs less a token than either restarting at
+    every emit or a long window (benchmarks/RESULTS.md, 2026-12-06, moved from code comments).
     """
 
     WINDOW = 4

@@ -111,7 +111,7 @@ class PrefillDone(Msg, frozen=True):
     """Sent only after every KV write of the room has completed."""
 
     first_token: int
-    first_logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # id, lp, top
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     kv_bytes: int = 0  # bytes P wrote into the room's pages (D checks conservation)
     # The prompt's scores when the request asked (params.prompt_logprobs): one per prompt token
     # after the first (D checks the count).

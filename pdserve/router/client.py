@@ -52,8 +52,8 @@ class WorkerClient:
 
     def _encode(self, body: dict[str, Any]) -> bytes:
         """A /generate body as JSON; WorkerError (the request never left) if it cannot be.
-        msgspec, on the router's event loop: 34 µs for an 8,192-token prompt where json.dumps
-        took 510 (2-core VM)."""
+        msgspec, on the router's event loop: a fraction of json.dumps's time for a long prompt
+        (benchmarks/RESULTS.md, 2026-12-05)."""
         try:
             return msgspec.json.encode(body)
         except (TypeError, ValueError, OverflowError) as e:  # a lone surrogate, a huge int

@@ -1,10 +1,9 @@
 """`pdserve router --processes N`: one port served by N router processes.
 
-Why: a router streams every client's tokens from one event loop, at ~45 µs a chunk on the
-H200 host (concurrency 32: 14,000 chunks/s in 0.6 cores). Concurrency 128 at the 1.76 ms step
-is 72,000 chunks/s: one process falls behind and merges tokens into fewer, later chunks (3.1
-tokens a chunk while the engine kept its step, benchmarks/RESULTS.md 2026-12-03). vLLM meets
-the same limit with --api-server-count.
+Why: a router streams every client's tokens from one event loop, at a fixed CPU cost a chunk.
+At concurrency 128 one process falls behind and merges tokens into fewer, later chunks while
+the engine keeps its step (benchmarks/RESULTS.md, 2026-12-03 calls 4 and 5). vLLM meets the
+same limit with --api-server-count.
 
 How:
 * This process (the parent) holds the port: bound with SO_REUSEPORT but never listening (a

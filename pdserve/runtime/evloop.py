@@ -3,23 +3,19 @@
 Every token a server streams crosses event loops: the worker's (its NDJSON line to the router),
 the router's (an SSE event to the client), the bench client's. uvloop (libuv, in C) runs the
 same coroutines with cheaper transports, callbacks and polling, as vLLM's and SGLang's API
-servers do. Measured on the 2-core VM (`python benchmarks/serving_overhead.py --concurrency
-32 ...`, alternated runs): the router's loop spends 6% less CPU per streamed token on it (88.3
--> 83.2 ms per 1,000 tokens, four runs each: its time is aiohttp's and ours), the bench
-client's 4% less, the worker's 27% less (38.9 -> 28.3).
+servers do, and each of those loops spends less CPU per streamed token on it
+(benchmarks/RESULTS.md, 2026-12-02 fourth session).
 
 But a worker's loop shares one interpreter lock with the engine thread, and there what counts
 is how long the loop *holds* the lock: asyncio's socket writes release it for the syscall,
-uvloop's do not. py-spy --gil on the worker's main thread (`--num-prompts 256 --output-len
-256 --profile worker`, 250 Hz, two runs each) counted 136 and 143 samples holding the lock
-with uvloop, 91 and 59 with asyncio: 1.5-2.4x longer held, for less CPU; on the H200 a
-worker on uvloop served concurrency 32 at ITL p50 1.84/2.11 ms against 1.44/1.96 on asyncio
-(benchmarks/RESULTS.md, 2026-12-02 fifth session). So by default (`auto`) the router and
-`pdserve bench` run uvloop where it is installed and a worker runs asyncio's loop. A worker
-whose engine runs in a process of its own (CUDA's default, worker/engine_client.py) has no
-engine thread beside its loop, so the reason is gone there; on the 2-core VM such a worker's
-loop spent 19.6 ms per 1,000 tokens on uvloop and 21.3 on asyncio's, inside the runs' spread
-(benchmarks/RESULTS.md, 2026-12-05 f), so it keeps asyncio's until a GPU run tells them apart.
+uvloop's do not. On uvloop, then, a worker's loop holds the lock longer, for less CPU, and the
+engine's tick, hence the served inter-token gap, grows (benchmarks/RESULTS.md, 2026-12-02
+fourth and fifth sessions). So by default (`auto`) the router and `pdserve bench` run uvloop
+where it is installed and a worker runs asyncio's loop. A worker whose engine runs in a
+process of its own (CUDA's default, worker/engine_client.py) has no engine thread beside its
+loop, so the reason is gone there; the two loops cost such a worker the same within the runs'
+spread, so it keeps asyncio's until a measurement tells them apart (benchmarks/RESULTS.md,
+2026-12-05 f).
 `PDSERVE_EVENT_LOOP=uvloop` or `=asyncio` puts the servers and `pdserve bench` on one loop (a
 process started by `pdserve launch` inherits it; a bad value stops any `pdserve` command at
 once); `uvloop` demands that it be installed.

@@ -3,11 +3,10 @@
 Python's cyclic garbage collector walks every tracked container object on each full (oldest
 generation) collection. A serving process allocates a few objects per token (outputs, lists),
 so full collections keep coming, and each one walks the whole heap: the model's modules and
-tensors, the tokenizer's tables, the imported libraries. Measured on the 2-core VM: with
-transformers imported (as a benchmark process has it), 337,000 tracked objects and one full
-collection of 186 ms in the middle of a batch-256 decode; after `gc.freeze()` following
-startup, 266 tracked objects and no full collection in 200 steps (`tick` 3.4 -> 2.1 ms on
-average, and no 186 ms stall in the ITL tail). vLLM and SGLang freeze their startup heap the
+tensors, the tokenizer's tables, the imported libraries: a full collection is then a stall of
+a whole decode step or more in the ITL tail. After `gc.freeze()` following startup a full
+collection has almost nothing to walk, and none ran in a measured decode
+(benchmarks/RESULTS.md, 2026-12-01 second session). vLLM and SGLang freeze their startup heap the
 same way. Frozen objects are still freed by reference counting; only cycles among them are no
 longer collected, and startup makes none that die.
 """

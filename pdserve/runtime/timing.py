@@ -87,7 +87,7 @@ LOG_REPEAT_WINDOW_S = 10.0  # a repeated log line is cut after 20 per this windo
 # issued, else its request computes those tokens instead (its pages stay out of use until the
 # copy ends). A healthy load takes milliseconds (a prompt's pages over PCIe at ~25 GB/s: 1 GB
 # in 40 ms); a copy still running after seconds is a stuck copy engine, and recomputing a
-# prompt on an H200 takes well under this.
+# prompt on a GPU takes well under this.
 HOST_LOAD_TIMEOUT_S = 5.0
 
 # The bounds (seconds) of every latency histogram, the engine's (TTFT, ITL, end to end) and the

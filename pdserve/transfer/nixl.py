@@ -22,16 +22,15 @@ Descriptors: the pool is bytes [pages, page_bytes] (kvcache/pool.py), so one pag
 layer and buffer is one contiguous run of `layout.page_bytes` at `base + page * page_bytes`,
 whatever the buffers' dtypes. Both sides prepare the list of their pages once; a write is one
 transfer request that picks rows by index, and NIXL's make_prepped_xfer merges rows that are
-consecutive on *both* sides into one descriptor (NIXL 1.5's trace log: "merged 16 indices
-into 1 descriptors"): exactly the spans `page_spans` computes (`NixlTransfer.descriptors`).
-Each descriptor is one UCX operation (over cuda_ipc, one copy): on the H200 a write of 128
-scattered pages (24 MiB) ran at 60% of one contiguous raw WRITE (benchmarks/RESULTS.md;
-benchmarks/transfer.py separates the pages' pattern from pdserve's own cost). So the
-allocators hand out the lowest free pages in order (kvcache/allocator.py): a request's pages
-are one span on a quiet pool and a few under churn (128 pages: median 22 spans in the
-benchmark's churn, against 128 when freed pages queued at the back). The Python around a
-write (indices, make_prepped_xfer, release) is ~10 us for 128 pages on the CPU; a prepared
-request cannot be reused, as each write names other pages and another notification.
+consecutive on *both* sides into one descriptor (its trace log says so): exactly the spans
+`page_spans` computes (`NixlTransfer.descriptors`). Each descriptor is one UCX operation (over
+cuda_ipc, one copy), so a write of scattered pages runs well below one contiguous write
+(benchmarks/RESULTS.md, 2026-12-01 and its second session; benchmarks/transfer.py separates
+the pages' pattern from pdserve's own cost). So the allocators hand out the lowest free pages
+in order (kvcache/allocator.py): a request's pages are one span on a quiet pool and a few
+under churn, where freed pages queued at the back would scatter them. The Python around a
+write (indices, make_prepped_xfer, release) is small beside the copy; a prepared request
+cannot be reused, as each write names other pages and another notification.
 """
 
 from __future__ import annotations
@@ -62,10 +61,9 @@ INSTALL_HINT = (
 )
 NOTIF_PREFIX = b"pdkv1"
 # UCX's progress thread, as NIXL's Python API starts it, busy-polls a core for ever (its delay
-# is hard-coded to 0). It stole that core from torch's compute threads (on a 16-core host a
-# 24 MiB torch copy ran at 3.65 GB/s beside it, 32-37 GB/s without: benchmarks/RESULTS.md)
-# and made writes slower, not faster (1.7 vs 3.1-3.7 GB/s on 2 cores): on one host UCX
-# copies through CMA inside the posting call anyway. So agents run without it and the
+# is hard-coded to 0). It steals that core from torch's compute threads and makes writes
+# slower, not faster (benchmarks/RESULTS.md, 2026-11-29 later): on one host UCX copies
+# through CMA inside the posting call anyway. So agents run without it and the
 # engine drives UCX as it polls (every tick; every 0.5 ms while a transfer is open). Set
 # PDSERVE_NIXL_PROGRESS_THREAD=1 where UCX moves data over TCP between hosts, so bytes keep
 # moving through a long compute step.
@@ -77,10 +75,9 @@ class BackendUnavailable(RuntimeError):
 
 
 # NIXL ships one wheel per CUDA major, each its own module; `nixl` is a source build. A UCX
-# built for another CUDA cannot register VRAM: on the H200's CUDA 13 host the cu12 wheel's
-# UCX has no CUDA support, while nixl-cu13 moved VRAM to VRAM at 2.0 TB/s between two
-# processes. So the wheel that matches torch's CUDA is tried first; on a CPU-only host any
-# of them moves DRAM.
+# built for another CUDA cannot register VRAM: on a CUDA 13 host the cu12 wheel's UCX has no
+# CUDA support, while nixl-cu13 moves VRAM to VRAM between two processes. So the wheel that
+# matches torch's CUDA is tried first; on a CPU-only host any of them moves DRAM.
 NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl._api")
 
 

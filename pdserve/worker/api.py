@@ -25,6 +25,7 @@ are SamplingParams' wire form (`SamplingParams.from_builtins`), as in a PrefillR
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from aiohttp import web
@@ -32,17 +33,12 @@ from aiohttp import web
 from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.body import read_body
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
+from pdserve.worker.aborted_ids import AbortedIds
 from pdserve.worker.channels import TIMED_OUT, ChannelError, Channels
 from pdserve.worker.generate_body import check_request_id, parse_generate
-
-
-def params_to_json(p: SamplingParams) -> dict[str, Any]:
-    """SamplingParams' wire form (`to_builtins`), for a /generate body or a PrefillRequest."""
-    return p.to_builtins()
 
 
 def _channel_error(e: ChannelError) -> web.Response:
@@ -60,6 +56,7 @@ class WorkerApi:
         self.model_name = model_name
         self.info_extra = info
         self.channels = Channels()
+        self.aborted = AbortedIds()  # an abort can overtake its /generate
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -102,7 +99,9 @@ class WorkerApi:
                 rids = [check_request_id(body.get("request_id"))]
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
+        now = time.monotonic()
         for rid in dict.fromkeys(rids):  # checked, all of them, before any reaches the engine
+            self.aborted.add(rid, now)
             self.engine.abort(rid)
         return web.json_response({"ok": True})
 
@@ -112,6 +111,9 @@ class WorkerApi:
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
         rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s
+        if self.aborted.refuse(rid, time.monotonic()):
+            err = ApiError(409, f"request {rid} was aborted before it arrived", code="aborted")
+            return web.json_response(err.body(), status=409)
         prefill, cid = g.prefill, g.channel
         loop = asyncio.get_running_loop()
         wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S

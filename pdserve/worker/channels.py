@@ -2,7 +2,7 @@
 
 Why: with one `/generate` stream per request, the worker's event loop wakes one handler and
 makes one socket write per request per engine step, and the router reads as many sockets. At
-concurrency 32 on the H200 that is 25,000 chunks a second; the worker's loop shares the GIL
+concurrency 32 that is tens of thousands of chunks a second; the worker's loop shares the GIL
 with the engine thread and the router's loop saturates, so tokens merge into fewer, later
 chunks (docs/architecture.md §Streaming path). Through a channel each burst of engine outputs
 is one write on the worker and one read on the router, whatever the number of requests.

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.commands import Submit
+from pdserve.engine.commands import SubmitCommand
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Room
@@ -39,8 +39,7 @@ from pdserve.runtime.timing import (
 )
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
-from pdserve.worker.api import params_to_json
-from pdserve.worker.decode_rooms import WAIT, Admission, DRoom, blame
+from pdserve.worker.decode_rooms import WAIT, DRoom, HeldSubmit, blame
 from pdserve.worker.prefill_pairing import PrefillPairing
 from pdserve.worker.prefill_peers import PrefillPeers
 from pdserve.worker.roles import RoleStats, SendFailed, enter
@@ -74,7 +73,7 @@ class DecodeRole:
         self.control = control
         self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
-        self.admitting: deque[Admission] = deque()  # waiting for destination pages
+        self.admitting: deque[HeldSubmit] = deque()  # waiting for destination pages
         self._room_ids = itertools.count((secrets.randbits(31) << 31) + 1)
         self.stats = RoleStats()
         self.outbox: list[m.Send] = []
@@ -101,9 +100,9 @@ class DecodeRole:
     # -- inbox -------------------------------------------------------------------------------------
     def handle(self, cmd: object) -> None:
         match cmd:
-            case Submit(request=req, prefill=str() as address):
+            case SubmitCommand(request=req, prefill=str() as address):
                 self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
-                self.admitting.append(Admission(req, address))
+                self.admitting.append(HeldSubmit(req, address))
             case SendFailed(peer=peer, msg=msg, why=why):
                 self.stats.send_failed += 1
                 room = self.by_room.get(msg.room)
@@ -122,7 +121,7 @@ class DecodeRole:
             room = self.by_room.get(cmd.msg.room)
             if room is not None and room.epoch == cmd.msg.epoch and room.peer == cmd.peer:
                 self._apply(room, DEvent.LOCAL_FAIL, why)
-        elif isinstance(cmd, Submit):  # the engine fails its request
+        elif isinstance(cmd, SubmitCommand):  # the engine fails its request
             for sub in [a for a in self.admitting if a.request is cmd.request]:
                 self.admitting.remove(sub)
 
@@ -220,14 +219,14 @@ class DecodeRole:
                 log.warning("could not open a room for %s: %s", req.request_id, e)
                 self._admit_failed(sub, f"could not start the prefill leg: {type(e).__name__}: {e}")
 
-    def _admit_failed(self, sub: Admission, why: str) -> None:
+    def _admit_failed(self, sub: HeldSubmit, why: str) -> None:
         room = self.by_request.get(sub.request.request_id)
         if room is not None:  # the room exists: end it through the table (it owns the pages)
             self._apply(room, DEvent.LOCAL_FAIL, why)
             return
         self._end_detached(sub.request, Event.FAIL, why)  # no room, so no pages were leased
 
-    def _open_room(self, sub: Admission, need: int) -> None:
+    def _open_room(self, sub: HeldSubmit, need: int) -> None:
         """Destination pages, a room, and its PrefillRequest (or a Register first)."""
         req = sub.request
         left = PREFILL_TIMEOUT_S
@@ -266,7 +265,7 @@ class DecodeRole:
                 dst_pages=list(room.lease.pages),
                 # The request's seed, drawn here if the caller gave none: P samples output
                 # position 0 by the same (seed, position) rule as D the rest.
-                params=params_to_json(req.params.replace(seed=req.seed)),
+                params=req.params.replace(seed=req.seed).to_builtins(),
                 write_deadline=room.write_deadline,
             ),
         )

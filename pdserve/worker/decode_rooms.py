@@ -18,7 +18,7 @@ from pdserve.worker.clock_skew import SkewWatch
 
 
 @dataclass(frozen=True)
-class Admission:
+class HeldSubmit:
     """A request waiting for destination pages before its room opens."""
 
     request: Request
@@ -83,9 +83,7 @@ class DRoom:
                 )
             req.prompt_logprobs = list(msg.prompt_logprobs)
         self.first_token = msg.first_token
-        if msg.first_logprob is not None:
-            tid, lp, top = msg.first_logprob
-            self.first_logprob = TokenLogprob(tid, lp, tuple((a, b) for a, b in top))
+        self.first_logprob = msg.first_logprob
         return None
 
 

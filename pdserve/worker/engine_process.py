@@ -1,10 +1,11 @@
 """The engine process: a worker's engine, role and threads, in a process apart from its event loop.
 
 Why: in one process the engine thread and the worker's event loop share one GIL, and the
-loop's turns (HTTP, the output streams) land inside the engine's tick. On the H200 at
-concurrency 128 that made the served inter-token gap 1.33x the engine's own step
-(docs/architecture.md §Engine process). Here the engine thread shares the GIL only with this
-process's control and data-plane threads and the main thread, which reads the worker's frames.
+loop's turns (HTTP, the output streams) land inside the engine's tick, so at high concurrency
+the served inter-token gap grows well past the engine's own step (docs/architecture.md
+§Engine process; benchmarks/RESULTS.md, 2026-12-05 c and f). Here the engine thread shares
+the GIL only with this process's control and data-plane threads and the main thread, which
+reads the worker's frames.
 
 Started by `EngineClient` (worker/engine_client.py) as
 

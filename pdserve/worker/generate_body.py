@@ -8,9 +8,9 @@ into a typed struct, which checks the ids' types in C, then runs the same field 
 accepts only what the general one accepts (a typed field takes a subset of what the general
 check does; msgspec refuses a lone surrogate and bytes that are not UTF-8, as the general
 decoder does), and anything it refuses, for any reason, goes to the general decoder, which
-names the fault: one message per fault, however the body arrived. On the 2-core VM a 256-token
-body costs the worker's event loop, which shares the GIL with the engine thread, 18 µs instead
-of 85, and 0.37 ms instead of 2.0 for 8,192 tokens (`python benchmarks/generate_body.py`).
+names the fault: one message per fault, however the body arrived. The fast path costs the
+worker's event loop, which shares the GIL with the engine thread, a fraction of the general
+one's time (`python benchmarks/generate_body.py`; benchmarks/RESULTS.md, 2026-12-05).
 """
 
 from __future__ import annotations

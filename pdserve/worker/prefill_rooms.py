@@ -51,13 +51,12 @@ class PRoom:
         """What tells D its KV is complete: the first token (and its logprob), the bytes
         written, and the prompt's logprobs when asked."""
         assert self.first_token is not None  # COMPUTED set it; not input-dependent
-        lp = self.first_logprob
         return m.PrefillDone(
             room=self.room,
             epoch=self.epoch,
             first_token=self.first_token,
             kv_bytes=self.bytes_written,
-            first_logprob=(lp.token_id, lp.logprob, list(lp.top)) if lp is not None else None,
+            first_logprob=self.first_logprob,
             prompt_logprobs=tuple(self.request.prompt_logprobs),
         )
 

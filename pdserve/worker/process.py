@@ -48,7 +48,7 @@ from pdserve.worker.engine_host import LocalEngine, require_key
 log = logging.getLogger(__name__)
 
 # A worker's event loop by default: with the engine in the worker it shares the GIL with the
-# engine thread (runtime/evloop.py; with an engine process, uvloop is not measured on a GPU yet).
+# engine thread (runtime/evloop.py says why; a worker with an engine process keeps it too).
 WORKER_LOOP = "asyncio"
 
 

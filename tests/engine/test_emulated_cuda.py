@@ -25,8 +25,8 @@ from pdserve.attention.triton_backend import TritonBackend
 from pdserve.engine import cuda_graphs
 from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, bucket_for
 from pdserve.engine.offline import build_engine
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefill_graphs import PrefillGraphs
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine.test_overlap import PROMPTS, assorted, run
 from tests.engine.test_prefill_graphs import without_capture
 from tests.helpers import make_engine

@@ -14,7 +14,6 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.offline import generate
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine_flags import add_engine_args, engine_config
@@ -24,6 +23,7 @@ from pdserve.kvcache.layout import BufferSpec, KVLayout
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime import timing
 
 PS = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import stepper as stepper_module
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine
 
 N = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from pdserve.engine.params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import OVERDUE_GRACE_S
 from tests.helpers import make_engine
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine
 from tests.worker.wire import Wire
 
@@ -221,8 +221,8 @@ def test_feed_finds_each_request_row_in_order_or_not_and_names_one_not_in_flight
     import torch
 
     from pdserve.engine.inflight import Feed
-    from pdserve.engine.params import SamplingParams
     from pdserve.engine.request import Request
+    from pdserve.protocol.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=4)
     a, b, c, d = (Request(f"r{i}", [1, 2], sp, lambda _o: None) for i in range(4))

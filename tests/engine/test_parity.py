@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import hf_greedy, make_engine, run
 
 transformers = pytest.importorskip("transformers")

@@ -8,9 +8,9 @@ import torch
 from pdserve.attention.backend import AttentionContext
 from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, StepGraph, bucket_for
 from pdserve.engine.offline import build_engine
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefill_graphs import MAX_SEQS, PrefillGraphs, token_bucket_sizes
 from pdserve.engine.scheduler import Chunk
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine.test_cuda_graphs import staggered_run
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -11,12 +11,12 @@ import torch
 from pdserve.config import SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.offline import build_engine, generate
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.protocol.sampling import SamplingParams
 
 PS = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.params import InvalidParams, SamplingParams
 from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import InvalidParams, SamplingParams
 from tests.helpers import make_engine
 
 transformers = pytest.importorskip("transformers")

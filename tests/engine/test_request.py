@@ -1,9 +1,9 @@
 import pytest
 
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import FINISHED, TRANSITIONS, Event, IllegalTransition, Request, Status
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.lease import Leases
+from pdserve.protocol.sampling import SamplingParams
 
 
 def make() -> Request:
@@ -62,7 +62,7 @@ def test_finished_states_are_sticky_and_live_states_can_end():
     ],
 )
 def test_bad_params_name_the_parameter(kw, param):
-    from pdserve.engine.params import InvalidParams
+    from pdserve.protocol.sampling import InvalidParams
 
     with pytest.raises(InvalidParams) as e:
         SamplingParams(**kw)

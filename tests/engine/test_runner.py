@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pdserve.attention.torch_backend import group_by_length
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Chunk
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine
 
 

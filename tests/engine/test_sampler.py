@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pdserve.engine.isolation import sample_each
-from pdserve.engine.params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling.batch import SamplingBatch
 from pdserve.engine.sampling.processors import apply_penalties
+from pdserve.protocol.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 EOS = 0
 

@@ -14,10 +14,10 @@ import torch
 
 import pdserve.engine.sampler as sampler_module
 import pdserve.engine.sampling.batch as batch_module
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, Status
 from pdserve.engine.sampler import Sampled, Sampler, sample
 from pdserve.engine.sampling.penalty_state import PenaltyState
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine
 
 VOCAB = 24

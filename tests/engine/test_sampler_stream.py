@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling.random_stream import (
@@ -22,6 +21,7 @@ from pdserve.engine.sampling.random_stream import (
     split_key,
     splitmix64,
 )
+from pdserve.protocol.sampling import SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -3,11 +3,11 @@ import random
 import pytest
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.params import SamplingParams
 from pdserve.engine.request import Event, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.lease import LeaseError, Leases, LeaseState
+from pdserve.protocol.sampling import SamplingParams
 
 
 def req(rid: str, n: int, max_tokens: int = 100) -> Request:

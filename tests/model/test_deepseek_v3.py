@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.engine.offline import build_engine, generate
-from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.layout import KVLayout
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import hf_greedy
 from tests.worker.wire import Wire, ended, tokens
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pdserve.engine.offline import build_engine, generate
-from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.layout import BufferSpec, KVLayout
 from pdserve.model import deepseek_v32
 from pdserve.model.config import ModelArch
@@ -26,6 +25,7 @@ from pdserve.model.dsa_indexer import (
     quantize_fp8,
     select,
 )
+from pdserve.protocol.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 hf_v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")

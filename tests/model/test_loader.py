@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.params import SamplingParams
 from pdserve.model import loader, weight_map
 from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.loader import load_model
 from pdserve.model.weight_map import Concat, Stack
+from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine, run
 
 transformers = pytest.importorskip("transformers")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.offline import build_engine, generate
-from pdserve.engine.params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.nixl import nixl_available
 from tests.procs import LaunchedCluster, http
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.nixl import nixl_available
 from tests.helpers import make_engine, run
 from tests.procs import LaunchedCluster, http

@@ -28,7 +28,6 @@ from pdserve.protocol.sampling import (
     SamplingParams,
     validate_prompt,
 )
-from pdserve.worker.api import params_to_json
 from pdserve.worker.generate_body import check_prefill_address, params_from_json
 from tests.server.validation_app import CHAT, HUGE, INF, MAX_LEN, NAN, SURROGATE, VOCAB
 
@@ -210,7 +209,7 @@ def test_params_from_json_raises_only_api_errors_and_what_it_returns_is_usable()
                 assert e.status == 400 and e.param in (name, "params"), (name, v, e.param)
                 continue
             accepted += 1
-            msgspec.msgpack.encode(params_to_json(p))  # what a PrefillRequest carries
+            msgspec.msgpack.encode(p.to_builtins())  # what a PrefillRequest carries
             torch.tensor([p.top_k, p.max_tokens, *p.stop_token_ids])
             if p.seed is not None:
                 torch.Generator().manual_seed(p.seed)

@@ -16,10 +16,10 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.offline import build_engine, generate
-from pdserve.engine.params import SamplingParams
 from pdserve.kvcache.host_pool import HostPool
 from pdserve.kvcache.layout import KVLayout
 from pdserve.model.config import ModelArch
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.dataplane import ShmWriter
 from tests.worker.wire import Wire, ended, tokens
 

@@ -96,8 +96,8 @@ def filter_top_p(z: torch.Tensor, d: Draw) -> None:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64: each row's argmax, as torch's (the first greatest; NaN counts
-    greatest). On CUDA two small Triton kernels (sampling/triton_argmax.py: torch's took 27 µs
-    a step on an H200); a 16-bit row gives the pick its float32 copy would."""
+    greatest). On CUDA two small Triton kernels (sampling/triton_argmax.py says why torch's is
+    slow there); a 16-bit row gives the pick its float32 copy would."""
     if (
         logits.is_cuda
         and logits.dim() == 2

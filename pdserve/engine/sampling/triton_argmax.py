@@ -1,9 +1,9 @@
 """The greedy pick on CUDA: argmax over each row of the logits, as two small Triton kernels.
 
-torch's `argmax(dim=-1)` reduces a row in one thread block: on an H200 it took 27 µs for
-llama3.2-1b-shape's [1, 128256] and [32, 128256] float32 logits alike, as long as the whole
-rest of a batch-1 step's sampling and copies together (benchmarks/gpu_kernels.py --step tick;
-benchmarks/RESULTS.md). Here a row is cut into CHUNK-token pieces, one program each
+torch's `argmax(dim=-1)` reduces a row in one thread block, so over a large vocabulary it
+is slow whatever the batch: as long as the whole rest of a batch-1 step's sampling and copies
+together (benchmarks/gpu_kernels.py --step tick; benchmarks/RESULTS.md, 2026-12-02 second
+session). Here a row is cut into CHUNK-token pieces, one program each
 (`rows x vocab / CHUNK` programs), and a second kernel picks each row's winner among its
 pieces' winners.
 

@@ -1,9 +1,9 @@
 """The Gumbel-max draw as one Triton kernel on CUDA: argmax(z + g(key, token)) per row, with the
 noise computed in registers from the same keyed hash as `random_stream.gumbel_noise`.
 
-Unfused, the draw materialises int64 and float32 [R, V] tensors over ~20 passes: 2.1 ms at
-128 rows x 151,936 tokens on an H200 (benchmarks/RESULTS.md), longer than a decode step of a
-1B model. Here each row is one program streaming its logits once. The integers are the hash's,
+Unfused, the draw materialises int64 and float32 [R, V] tensors over ~20 passes, which at a
+large batch and vocabulary takes longer than a decode step of a 1B model (benchmarks/RESULTS.md,
+2026-12-01). Here each row is one program streaming its logits once. The integers are the hash's,
 bit for bit (int64 arithmetic, every product below 2**63); the two logarithms are libdevice's,
 whose last bit may differ from torch's, so a token differs from the unfused draw only where two
 candidates tie within that bit (the module header of random_stream.py says the same of CPU vs
