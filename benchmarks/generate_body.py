@@ -7,7 +7,7 @@ worker's event loop, which shares the GIL with the engine thread: every µs here
 engine cannot run. Side by side in one run: the general decoder (every JSON endpoint's
 `parse_json_body`, then the field checks, per prompt id in Python: the only path before
 2026-12-05) and `parse_generate` now (msgspec into a typed struct, then the same checks;
-worker/generate_body.py). Both end in the engine's own `validate_prompt`. Median µs per body
+worker/http/generate_body.py). Both end in the engine's own `validate_prompt`. Median µs per body
 of --repeats.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.microbench import us  # noqa: E402
 from pdserve.protocol.sampling import SamplingParams, validate_prompt  # noqa: E402
 from pdserve.server.json_body import parse_json_body  # noqa: E402
-from pdserve.worker import generate_body  # noqa: E402
+from pdserve.worker.http import generate_body  # noqa: E402
 
 VOCAB, MAX_LEN = 128_256, 32_768
 

@@ -3,7 +3,7 @@
     python benchmarks/stream_encode.py [--bursts 1,32,128,256] [--repeats 5]
 
 A burst is what one engine step hands the channel's writer: one RequestOutput per request,
-one token each (worker/channels.py `encode_burst`). It runs on the worker's event loop, which
+one token each (worker/http/channels.py `encode_burst`). It runs on the worker's event loop, which
 shares the GIL with the engine thread, so every µs here is a µs the engine cannot run.
 Side by side in one run: the writer's code before 2026-12-04 (`before_burst` here: the outputs
 grouped by request, then a line per output joined in Python), one msgspec call for the burst
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.microbench import us  # noqa: E402
 from pdserve.protocol.outputs import RequestOutput, encode_line, encode_lines  # noqa: E402
-from pdserve.worker.channels import by_request, encode_burst  # noqa: E402
+from pdserve.worker.http.channels import by_request, encode_burst  # noqa: E402
 
 
 def burst(n: int) -> list[RequestOutput]:
@@ -30,7 +30,7 @@ def burst(n: int) -> list[RequestOutput]:
 
 
 def before_burst(outs: list[RequestOutput]) -> bytes:
-    """worker/channels.py's encode_burst before 2026-12-04, for the comparison (a burst of
+    """worker/http/channels.py's encode_burst before 2026-12-04, for the comparison (a burst of
     one output per request, its common case): the outputs grouped by request first, then a
     line per output joined in Python."""
     if len(by_request(outs)) != len(outs):

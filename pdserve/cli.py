@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.runtime.gpus import pin_to_device
     from pdserve.server.auth import load_api_key
     from pdserve.transfer.receiver import resolve_backend
-    from pdserve.worker.process import run_server
+    from pdserve.worker.server import run_server
 
     try:  # before CUDA starts here: the process sees only the GPU it was given
         args.device = pin_to_device(args.device, os.environ)

@@ -53,8 +53,6 @@ class CacheConfig:
             raise ValueError("a host cache (--host-cache-mb) needs the prefix cache")
 
 
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
@@ -142,7 +140,7 @@ class ServerConfig:
     max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
     http: HttpLimits = field(default_factory=HttpLimits)
     drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
-    # The engine, its role and their threads in a process of their own (worker/engine_process.py).
+    # The engine, its role and their threads in a process of their own (worker/host/process.py).
     # `serve` resolves it: on for CUDA unless told otherwise (engine_flags.use_engine_process).
     engine_process: bool = False
 

@@ -98,7 +98,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_graph_sees_lazy_and_type_checking_imports():
     g = graph()
-    assert "pdserve.engine.engine" in g["pdserve.worker.prefill"]
+    assert "pdserve.engine.engine" in g["pdserve.worker.prefill.role"]
     assert "pdserve.model.builtin" in g["pdserve.launch"]  # imported inside a function
 
 
@@ -144,5 +144,36 @@ def test_packages_import_only_from_lower_layers():
             if dst == src or (src, dst) in ALLOWED_UPWARD:
                 continue
             if LAYERS[dst] >= LAYERS[src]:
+                wrong.add((src, dst))
+    assert wrong == set(), sorted(wrong)
+
+
+# docs/architecture.md §Layers, worker/: each side stands alone. A part imports only itself
+# and the parts named here; the prefill and decode roles never import each other.
+WORKER_PARTS = {
+    "pd_role": set(),  # what both roles share
+    "prefill": {"pd_role"},
+    "decode": {"pd_role"},
+    "host": {"prefill", "decode", "pd_role"},  # builds the engine with its role
+    "http": {"host"},  # the worker's endpoints, over the engine host's surface
+    "server": {"host", "http"},  # the process
+}
+
+
+def worker_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "worker" else None
+
+
+def test_the_worker_s_parts_import_only_what_they_build_on():
+    g = graph()
+    parts = {worker_part(m) for m in g} - {None}
+    assert parts == set(WORKER_PARTS), parts  # a new part is placed in the table
+    wrong = set()
+    for module, imports in g.items():
+        src = worker_part(module)
+        for imported in imports:
+            dst = worker_part(imported)
+            if src and dst and dst != src and dst not in WORKER_PARTS[src]:
                 wrong.add((src, dst))
     assert wrong == set(), sorted(wrong)

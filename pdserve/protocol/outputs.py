@@ -20,7 +20,7 @@ import msgspec
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 LINE_QUOTE_LIMIT = 200  # bytes of a malformed line worth quoting in the error
-MAX_ABORT_IDS = 1024  # request ids in one POST /abort to a worker (worker/api.py)
+MAX_ABORT_IDS = 1024  # request ids in one POST /abort to a worker (worker/http/api.py)
 
 # Bounds msgspec checks when it decodes a line (construction checks nothing: the engine
 # builds an output per token). msgspec's JSON decoder takes ints of any size otherwise.

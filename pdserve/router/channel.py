@@ -1,4 +1,4 @@
-"""The router's end of a worker's shared output stream (the worker's end: worker/channels.py).
+"""The router's end of a worker's shared output stream (the worker's end: worker/http/channels.py).
 
 One `WorkerChannel` per worker: a task holds the worker's `POST /outputs` open and hands each
 output line to the request it names. A request registers its receiver before its `/generate`

@@ -1,4 +1,4 @@
-"""The router's client for one worker's HTTP API (the contract is in pdserve/worker/api.py).
+"""The router's client for one worker's HTTP API (the contract is in pdserve/worker/http/api.py).
 
 Every call carries its own bounded timeout. A failure raises WorkerError, which names the
 worker and says what happened: the worker refused the connection, answered with an HTTP
@@ -92,7 +92,7 @@ class WorkerClient:
         await self.get_json("/health", timeout_s)
 
     async def abort(self, request_ids: Sequence[str], timeout_s: float) -> None:
-        """POST /abort for these requests (at most MAX_ABORT_IDS: worker/api.py)."""
+        """POST /abort for these requests (at most MAX_ABORT_IDS: worker/http/api.py)."""
         if isinstance(request_ids, str):
             raise TypeError("abort() takes a list of request ids, not one id")
         body = {"request_ids": list(request_ids)}
@@ -187,7 +187,7 @@ class WorkerClient:
         `open_timeout_s` (the channel is open: requests may name it). It ends when the worker
         ends the stream; anything else raises WorkerError (connect=True if it never opened:
         refused, or 503), nothing read for `silence_s` included (the worker writes a blank
-        line when it has had nothing to say for a while: worker/channels.py)."""
+        line when it has had nothing to say for a while: worker/http/channels.py)."""
 
         async def answer() -> aiohttp.ClientResponse:
             r = await self.session.post(

@@ -12,7 +12,7 @@ uvloop's do not. On uvloop, then, a worker's loop holds the lock longer, for les
 engine's tick, hence the served inter-token gap, grows (benchmarks/RESULTS.md, 2026-12-02
 fourth and fifth sessions). So by default (`auto`) the router and `pdserve bench` run uvloop
 where it is installed and a worker runs asyncio's loop. A worker whose engine runs in a
-process of its own (CUDA's default, worker/engine_client.py) has no engine thread beside its
+process of its own (CUDA's default, worker/host/client.py) has no engine thread beside its
 loop, so the reason is gone there; the two loops cost such a worker the same within the runs'
 spread, so it keeps asyncio's until a measurement tells them apart (benchmarks/RESULTS.md,
 2026-12-05 f).

@@ -22,7 +22,7 @@ GPU_WAIT_TIMEOUT_S = 120.0
 OVERDUE_GRACE_S = 1.0  # a request or room this far past its deadline is reported by /health
 OVERDUE_EVERY_S = 0.25  # how often the overdue list is recomputed
 
-# -- decode worker D, about its prefill workers (worker/decode.py) --------------------------------
+# -- decode worker D, about its prefill workers (worker/decode/role.py) ---------------------
 PING_EVERY_S = 1.0
 PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead
 # A Pong whose P engine has been inside one tick longer than P's own heartbeat bound does not
@@ -37,7 +37,7 @@ PREFILL_TIMEOUT_S = 60.0  # a prefill leg may not take longer than this
 CLOCK_SKEW_WARN_S = FENCE_MARGIN_S / 2
 CLOCK_SKEW_WARN_EVERY_S = 60.0
 
-# -- prefill worker P, about its decode workers (worker/decode_peers.py) -------------------------
+# -- prefill worker P, about its decode workers (worker/prefill/peers.py) -------------------------
 CLOSE_AFTER_S = 2.0  # a dropped peer's writer is closed this much later (UCX fails its queue)
 PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second) is dead
 
@@ -48,18 +48,18 @@ MAX_SKEW_S = 30.0  # a control frame stamped further than this from our clock is
 HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
 DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often
 
-# -- the decode worker's prefill peers and clocks (worker/prefill_peers.py, clock_skew.py) ---------
+# -- the decode worker's prefill peers and clocks (worker/decode/peers.py, clock_skew.py) ---------
 PEER_IDLE_S = 60.0  # a prefill peer without rooms this long is forgotten and its socket closed
 MAX_RTT_S = 1.0  # a ping round trip slower than this says too little about the clocks' skew
 
-# -- HTTP serving: every process (server/, frontend/, worker/process.py, router/) ---------------
+# -- HTTP serving: every process (server/, frontend/, worker/server.py, router/) ---------------
 BODY_TIMEOUT_S = 30.0  # a request body slower than this is refused (408)
 REFUSE_LINGER_S = 1.0  # a connection refused past the limit is closed this long after its 503
 RETRY_AFTER_S = 1  # the Retry-After a 429 or 503 answers with
 ACCEPT_BACKOFF_S = 1.0  # after EMFILE the accept loop rests this long (asyncio's own delay)
 STREAM_GRACE_S = 10.0  # past an engine's own deadline, how long a stream waits for its final word
 REMOTE_GRACE_S = 5.0  # the router's wait past a request's timeout for D's final word
-# A router's output channel (worker/channels.py, router/channel.py): the worker writes a blank
+# A router's output channel (worker/http/channels.py, router/channel.py): the worker writes a blank
 # line this often, so that a router that has read nothing for CHANNEL_SILENCE_S knows the
 # stream is dead (a host gone without a reset sends nothing, and the router never writes).
 CHANNEL_HEARTBEAT_S = 2.0

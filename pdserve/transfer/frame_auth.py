@@ -21,7 +21,7 @@ The receiver remembers at most MAX_SESSIONS senders' sessions; one not heard fro
 than the skew window is forgotten (its frames would fail check 2 anyway).
 
 Clock assumption: the hosts' clocks agree within MAX_SKEW_S (the fence margin of
-worker/decode.py asks for much less: docs/architecture.md §Clocks).
+worker/decode/role.py asks for much less: docs/architecture.md §Clocks).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_serve_and_router_set_the_choice_before_serving(
 ) -> None:
     seen: list[bool] = []
     if command == "serve":
-        from pdserve.worker import process
+        from pdserve.worker import server as process
 
         monkeypatch.setattr(process, "run_server", lambda cfg: seen.append(fields._reject_unknown))
         argv = ["serve", "--model", str(tiny_dir)]  # serve reads the model's config

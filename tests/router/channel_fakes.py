@@ -22,7 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
 from pdserve.router.registry import Registry
-from pdserve.worker.api import WorkerApi
+from pdserve.worker.http.api import WorkerApi
 
 
 class ScriptedEngine:

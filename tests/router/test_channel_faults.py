@@ -15,7 +15,7 @@ from aiohttp import web
 from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.router import backend as backend_mod
 from pdserve.router import channel as channel_mod
-from pdserve.worker import channels as worker_channels
+from pdserve.worker.http import channels as worker_channels
 from tests.router.channel_fakes import (
     Collected,
     ScriptedEngine,

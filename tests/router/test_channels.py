@@ -1,8 +1,8 @@
 """The shared output channel end to end in this process: the router's RemoteBackend
-(`--worker-streams shared`) against the real worker API (worker/api.py, worker/channels.py)
-over HTTP on 127.0.0.1, with a scripted engine thread instead of a model.
+(`--worker-streams shared`) against the real worker API (worker/http/api.py,
+worker/http/channels.py) over HTTP on 127.0.0.1, with a scripted engine thread instead of a model.
 
-The rules under test (worker/channels.py): every request's tokens arrive in order with exactly
+The rules under test (worker/http/channels.py): every request's tokens arrive in order with exactly
 one finish; an abort reaches the engine and spares the others; the stream's end aborts what it
 carried; a stopping worker ends an idle channel and the router sends new requests elsewhere;
 a worker-side deadline ends in one error. (How the router copes with a worker that
@@ -20,8 +20,8 @@ import pytest
 
 from pdserve.protocol.outputs import RequestOutput, decode_output, encode_line
 from pdserve.router.health import HealthMonitor
-from pdserve.worker import api as api_mod
-from pdserve.worker.channels import TIMED_OUT, encode_burst
+from pdserve.worker.http import api as api_mod
+from pdserve.worker.http.channels import TIMED_OUT, encode_burst
 from tests.router.channel_fakes import (
     Collected,
     ScriptedEngine,
@@ -40,7 +40,7 @@ def test_many_requests_share_one_stream_each_in_order_with_one_finish(monkeypatc
         bursts.append(len({o.request_id for o in outs}))
         return encode_burst(outs)
 
-    monkeypatch.setattr("pdserve.worker.channels.encode_burst", counting)
+    monkeypatch.setattr("pdserve.worker.http.channels.encode_burst", counting)
 
     async def body() -> None:
         async with worker(ScriptedEngine()) as (url, wapi), aiohttp.ClientSession() as s:

@@ -24,7 +24,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.app import Router
 from pdserve.router.config import RouterConfig
 from pdserve.router.health import DEEP_FRESH_S
-from pdserve.worker.api import WorkerApi
+from pdserve.worker.http.api import WorkerApi
 from tests.router.channel_fakes import ScriptedEngine, run
 
 CANARY = "deep-health-"

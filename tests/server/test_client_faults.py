@@ -41,7 +41,7 @@ from pdserve.server.body import (
 )
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import HttpLimits, Listener, bind
-from pdserve.worker.api import WorkerApi
+from pdserve.worker.http.api import WorkerApi
 from tests.server.validation_app import MAX_LEN, FakeEngine, FakeTokenizer
 
 API_KEY = "sk-client-faults-1234"

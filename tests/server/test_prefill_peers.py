@@ -1,4 +1,4 @@
-"""A decode worker's prefill peers stay bounded (worker/prefill_peers.py).
+"""A decode worker's prefill peers stay bounded (worker/decode/peers.py).
 
 (Here rather than under a worker test package: the module is sans-I/O and needs no process.)
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.worker.prefill_peers import PeerLimit, PrefillPeers
+from pdserve.worker.decode.peers import PeerLimit, PrefillPeers
 
 A, B, C = "tcp://10.0.0.1:5000", "tcp://10.0.0.2:5000", "tcp://10.0.0.3:5000"
 

@@ -28,7 +28,7 @@ from pdserve.protocol.sampling import (
     SamplingParams,
     validate_prompt,
 )
-from pdserve.worker.generate_body import check_prefill_address, params_from_json
+from pdserve.worker.http.generate_body import check_prefill_address, params_from_json
 from tests.server.validation_app import CHAT, HUGE, INF, MAX_LEN, NAN, SURROGATE, VOCAB
 
 

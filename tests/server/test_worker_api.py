@@ -57,7 +57,7 @@ def test_abort_unknown_is_harmless_and_invariants_hold(tiny_server):
 
 def test_a_generate_that_its_abort_overtook_is_refused(tiny_server):
     """The router's /abort came on a warm connection before its /generate on a new one: the
-    /generate is refused (409) and never reaches the engine (worker/aborted_ids.py)."""
+    /generate is refused (409) and never reaches the engine (worker/http/aborted_ids.py)."""
     assert http("POST", tiny_server.url + "/abort", {"request_ids": ["late-1"]})[0] == 200
     body = {"request_id": "late-1", "prompt_ids": [5, 6], "params": {"max_tokens": 400}}
     status, answer = http("POST", tiny_server.url + "/generate", body)

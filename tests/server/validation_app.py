@@ -16,7 +16,7 @@ from pdserve.frontend.api import OpenAIApi
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.server.errors import error_middleware
-from pdserve.worker.api import WorkerApi
+from pdserve.worker.http.api import WorkerApi
 
 VOCAB, MAX_LEN = 100, 64
 NAN, INF = float("nan"), float("inf")

@@ -1,8 +1,8 @@
-"""worker/aborted_ids.py: aborted ids kept for a while, in a bounded table."""
+"""worker/http/aborted_ids.py: aborted ids kept for a while, in a bounded table."""
 
 from __future__ import annotations
 
-from pdserve.worker.aborted_ids import AbortedIds
+from pdserve.worker.http.aborted_ids import AbortedIds
 
 
 def test_an_aborted_id_is_refused_until_it_expires():

@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import CLOCK_SKEW_WARN_S
-from pdserve.worker import prefill
-from pdserve.worker.clock_skew import MAX_RTT_S, SkewWatch, estimate_skew
+from pdserve.worker.decode.clock_skew import MAX_RTT_S, SkewWatch, estimate_skew
+from pdserve.worker.prefill import role as prefill
 from tests.worker.wire import P_ADDR, Wire, ended
 
 PROMPT = list(range(3, 40))
@@ -38,7 +38,7 @@ def test_timestamps_that_cannot_tell_give_no_estimate(ping, pong, now):
 
 def test_a_warning_once_per_peer_past_half_the_margin(caplog):
     watch = SkewWatch("tcp://p:1")
-    with caplog.at_level(logging.WARNING, "pdserve.worker.clock_skew"):
+    with caplog.at_level(logging.WARNING, "pdserve.worker.decode.clock_skew"):
         now = time.time()
         watch.observe(now, now + CLOCK_SKEW_WARN_S / 2)  # within: no warning
         assert not caplog.records and watch.skew_s == pytest.approx(CLOCK_SKEW_WARN_S / 2, abs=0.1)
@@ -51,7 +51,7 @@ def test_a_prefill_worker_whose_clock_is_ahead_is_reported(tiny_dir, monkeypatch
     wire = Wire(tiny_dir)
     ahead = SimpleNamespace(time=lambda: time.time() + 5.0, monotonic=time.monotonic)
     monkeypatch.setattr(prefill, "time", ahead)  # P's wall clock runs 5 s ahead
-    with caplog.at_level(logging.WARNING, "pdserve.worker.clock_skew"):
+    with caplog.at_level(logging.WARNING, "pdserve.worker.decode.clock_skew"):
         outs = wire.submit("r", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
         wire.run_until(lambda: ended(outs))
     assert outs[-1].finish_reason == "length"  # skew within the deadlines' slack: still served

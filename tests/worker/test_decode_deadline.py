@@ -14,7 +14,7 @@ from pdserve.frontend.api import failure
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.rooms import DState
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker.decode_rooms import blame
+from pdserve.worker.decode.rooms import blame
 from tests.worker.wire import Wire, ended
 
 PROMPT = [(i * 5) % 200 + 3 for i in range(20)]

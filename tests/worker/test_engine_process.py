@@ -1,5 +1,5 @@
-"""The engine in a process of its own (`serve --engine-process`): worker/engine_process.py,
-worker/engine_client.py and their frames (worker/engine_frames.py)."""
+"""The engine in a process of its own (`serve --engine-process`): worker/host/process.py,
+worker/host/client.py and their frames (worker/host/frames.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 from pdserve.protocol.outputs import RequestOutput, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.pids import signal_pdserve, wait_gone
-from pdserve.worker import engine_frames as f
-from pdserve.worker import engine_process
-from pdserve.worker.engine_client import STATUS_STALE_S
+from pdserve.worker.host import frames as f
+from pdserve.worker.host import process as engine_process
+from pdserve.worker.host.client import STATUS_STALE_S
 from tests.helpers import hf_greedy
 from tests.procs import LaunchedCluster, ServerProcess, http, wait_stopped, worker_args
 

@@ -13,8 +13,8 @@ import pytest
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.server.api_error import ApiError
 from pdserve.server.json_body import parse_json_body
-from pdserve.worker import generate_body
-from pdserve.worker.generate_body import Generate, parse_generate
+from pdserve.worker.http import generate_body
+from pdserve.worker.http.generate_body import Generate, parse_generate
 
 VOCAB, MAX_LEN = 1000, 4096
 

@@ -1,4 +1,4 @@
-"""A decode worker pairs with its prefill workers (worker/prefill_pairing.py), without sockets.
+"""A decode worker pairs with its prefill workers (worker/decode/pairing.py), without sockets.
 
 Sans-I/O: what it sends is read from a list; the rooms are plain DRooms.
 """
@@ -16,15 +16,15 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import PEER_ENGINE_STALL_S, PEER_TIMEOUT_S
-from pdserve.worker.decode_rooms import DRoom, PrefillPeer
-from pdserve.worker.prefill_pairing import PrefillPairing
-from pdserve.worker.prefill_peers import (
+from pdserve.worker.decode.pairing import PrefillPairing
+from pdserve.worker.decode.peers import (
     MAX_UNPROVEN,
     UNPROVEN_BACKOFF_S,
     PeerLimit,
     PrefillPeers,
 )
-from pdserve.worker.roles import RoleStats
+from pdserve.worker.decode.rooms import DRoom, PrefillPeer
+from pdserve.worker.pd_role import RoleStats
 
 P = "tcp://10.0.0.1:5000"
 REGISTER = m.Register(layout={}, backend="shm")

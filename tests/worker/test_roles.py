@@ -15,7 +15,9 @@ from pdserve.engine.offline import build_engine, generate
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker import decode, decode_peers, prefill_peers
+from pdserve.worker.decode import peers as prefill_peers
+from pdserve.worker.decode import role as decode
+from pdserve.worker.prefill import peers as decode_peers
 from tests.worker import wire as wire_module
 from tests.worker.wire import P_ADDR, Wire, ended, tokens
 
@@ -141,7 +143,7 @@ def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch
 
 
 def test_prefill_peers_are_bounded_and_the_idle_one_gives_way(wire):
-    from pdserve.worker.prefill_peers import PrefillPeers
+    from pdserve.worker.decode.peers import PrefillPeers
 
     wire.d_role.peers = PrefillPeers(cap=1, idle_s=60.0)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)

@@ -19,8 +19,8 @@ from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.control import Inbound
-from pdserve.worker.decode import DecodeRole
-from pdserve.worker.prefill import PrefillRole
+from pdserve.worker.decode.role import DecodeRole
+from pdserve.worker.prefill.role import PrefillRole
 
 P_ADDR = "tcp://prefill.test:1"  # what D calls P (never dialled)
 P_ID, D_ID = "prefill-test", "decode-test"

@@ -1,6 +1,6 @@
 """What the prefill role keeps per room: one decode worker's request, its pages and writes.
 
-A room's state moves only through the P table of `protocol/rooms.py` (worker/prefill.py
+A room's state moves only through the P table of `protocol/rooms.py` (worker/prefill/role.py
 drives it). Its source pages pass from the request to the room when the request leaves the
 batch and are released only by FREE_PAGES, once no write reads them (LESSONS #7).
 """

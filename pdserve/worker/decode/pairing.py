@@ -7,7 +7,7 @@ cluster, not merely an address a /generate caller named (nor a relay of another 
 answer: that names the other worker's address). Only then does our Register go out, with the
 pool reference (shm) or NIXL metadata that lets a peer write into our memory. A peer that
 never proves itself is never pinged and is declared dead like any silent peer; its address is
-then refused for a while (worker/prefill_peers.py).
+then refused for a while (worker/decode/peers.py).
 
 A prefill worker computes a decode worker's rooms only once it accepted that worker's Register
 (its KV layout and the data plane to write into). So a room's PrefillRequest waits, queued on
@@ -17,8 +17,8 @@ register again, once per room. Peers are pinged every PING_EVERY_S; any word fro
 it alive, except a Pong saying its engine has been stuck in one tick past PEER_ENGINE_STALL_S.
 
 The peer set itself (its cap, idle eviction, who is due a ping or dead) is `PrefillPeers`
-(worker/prefill_peers.py); what becomes of the rooms stays with the decode role, which owns
-them (worker/decode.py). Sans-I/O: messages go out through `send`, transports close through
+(worker/decode/peers.py); what becomes of the rooms stays with the decode role, which owns
+them (worker/decode/role.py). Sans-I/O: messages go out through `send`, transports close through
 `forget`. Owned by the engine thread, like the rest of the decode role.
 """
 
@@ -32,9 +32,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState
 from pdserve.runtime.timing import PEER_ENGINE_STALL_S
-from pdserve.worker.decode_rooms import DRoom, PrefillPeer
-from pdserve.worker.prefill_peers import PrefillPeers
-from pdserve.worker.roles import RoleStats
+from pdserve.worker.decode.peers import PrefillPeers
+from pdserve.worker.decode.rooms import DRoom, PrefillPeer
+from pdserve.worker.pd_role import RoleStats
 
 log = logging.getLogger(__name__)
 

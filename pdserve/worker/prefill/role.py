@@ -8,7 +8,7 @@ it leaves the batch (its prompt computed, or STOP_COMPUTE) its lease passes to t
 releases it in one place, FREE_PAGES, once no write reads the pages (LESSONS #7). Anything a
 peer sends is answered or counted and dropped: ABORT for an unknown or finished room gets an
 AbortAck with known=False, never an assert (LESSONS #1, #3). The writes themselves are posted
-and polled by `PrefillWrites` (worker/prefill_writes.py).
+and polled by `PrefillWrites` (worker/prefill/writes.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.nixl import NixlAgent
-from pdserve.worker.decode_peers import DecodePeer, DecodePeers
-from pdserve.worker.prefill_rooms import PRoom, check_prefill_request
-from pdserve.worker.prefill_writes import WAITING_FOR_WRITES, PrefillWrites
-from pdserve.worker.roles import RoleStats, SendFailed, enter
-from pdserve.worker.snapshots import prefill_snapshot
+from pdserve.worker.pd_role import RoleStats, SendFailed, enter
+from pdserve.worker.prefill.peers import DecodePeer, DecodePeers
+from pdserve.worker.prefill.rooms import PRoom, check_prefill_request
+from pdserve.worker.prefill.snapshot import prefill_snapshot
+from pdserve.worker.prefill.writes import WAITING_FOR_WRITES, PrefillWrites
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class PrefillRole:
         death, though P's own heartbeat allows 30 s. The Pong says how long the engine has
         been in its current tick; D judges a stall by that. Reads one float of engine state.
         The HelloAck (signed with the cluster key, like every frame) is D's proof that we are
-        a prefill worker of its cluster at the address it dialled (worker/prefill_pairing.py)."""
+        a prefill worker of its cluster at the address it dialled (worker/decode/pairing.py)."""
         if isinstance(inbound.msg, m.Hello):
             ack = m.HelloAck(nonce=inbound.msg.nonce, address=self.address, sender=self.identity)
             return m.Send(inbound.peer, ack)
@@ -284,7 +284,7 @@ class PrefillRole:
 
     # -- the loop's verbs -------------------------------------------------------------------------
     def after_forward(self, plan: StepPlan) -> None:
-        """Post writes of the pages this step completed (worker/prefill_writes.py)."""
+        """Post writes of the pages this step completed (worker/prefill/writes.py)."""
         self.writes.post(plan, self.by_request)
 
     def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
@@ -362,4 +362,5 @@ class PrefillRole:
             self.refusals,
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
+            time.monotonic(),
         )

@@ -7,9 +7,9 @@ the served inter-token gap grows well past the engine's own step (docs/architect
 the GIL only with this process's control and data-plane threads and the main thread, which
 reads the worker's frames.
 
-Started by `EngineClient` (worker/engine_client.py) as
+Started by `EngineClient` (worker/host/client.py) as
 
-    python -m pdserve.worker.engine_process --fd FD --parent PID
+    python -m pdserve.worker.host.process --fd FD --parent PID
 
 with one end of a socketpair as FD. The first frame down is Setup; this process builds
 `LocalEngine` from it (the model loads here, on this process's GPU), starts the engine, control
@@ -42,8 +42,8 @@ from pdserve.runtime import logs
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import THREADS_STOP_S
-from pdserve.worker import engine_frames as f
-from pdserve.worker.engine_host import LocalEngine
+from pdserve.worker.host import frames as f
+from pdserve.worker.host.local_engine import LocalEngine
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class EngineProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve.worker.engine_process")
+    p = argparse.ArgumentParser(prog="pdserve.worker.host.process")
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             pass  # the worker is gone
         code = 0 if why == "stop" and not stuck else 1
     finally:
-        if host.hard_exit:  # worker/process.py run_server says why; also after a raise here
+        if host.hard_exit:  # worker/server.py run_server says why; also after a raise here
             logging.shutdown()
             os._exit(code)
     return code

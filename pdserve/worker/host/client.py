@@ -1,9 +1,9 @@
 """The worker's side of its engine process (`serve --engine-process`): `EngineClient`.
 
-`EngineClient` starts the engine process (worker/engine_process.py), waits for it to be built
+`EngineClient` starts the engine process (worker/host/process.py), waits for it to be built
 (`Ready`), and from then on stands for the engine: the APIs call `validate`, `submit` and
 `abort` on it as on an `Engine`, and the server reads health, pending work, the snapshot,
-the metrics and the fault points through it (the `EngineHost` surface, worker/engine_host.py).
+the metrics and the fault points through it (the `EngineHost` surface, worker/host/local_engine.py).
 
 Everything after `Ready` runs on the worker's event loop: the socket is read by a reader
 callback (`loop.add_reader`), so a tick's outputs reach their sinks in one loop turn with no
@@ -35,7 +35,7 @@ from pdserve.config import EngineConfig, ServerConfig
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.server.stopping import in_thread
-from pdserve.worker import engine_frames as f
+from pdserve.worker.host import frames as f
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class EngineClient:
         self.hard_exit = False  # the engine process leaves its own way
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
-        argv = [sys.executable, "-m", "pdserve.worker.engine_process"]
+        argv = [sys.executable, "-m", "pdserve.worker.host.process"]
         argv += ["--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
         self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()

@@ -2,13 +2,13 @@
 
 After a step, the pages its chunks filled are written to each room's destination pages, one
 write a room, through the writer of the decode worker that sent the room (its current pairing
-only: worker/decode_peers.py). On a GPU every write waits for the step's end (one event a
+only: worker/prefill/peers.py). On a GPU every write waits for the step's end (one event a
 step), so no transfer reads KV still being computed. A write stays in `room.inflight` until it
 completes; meanwhile the scheduler never preempts the request, and a room in
 WAITING_FOR_WRITES waits for it before PrefillDone (or its failure) goes out. A write that
 fails fails its room, never the step; one whose peer's transfer layer disconnected (PeerGone)
 drops that peer, failing every room it had at once. Room events go back to the prefill role
-(worker/prefill.py), which owns the rooms, through `apply` and `drop_peer`.
+(worker/prefill/role.py), which owns the rooms, through `apply` and `drop_peer`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pdserve.kvcache.pool import KVPool
 from pdserve.protocol.rooms import PEvent, PState
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
-from pdserve.worker.decode_peers import DecodePeer, DecodePeers
-from pdserve.worker.prefill_rooms import PRoom
-from pdserve.worker.roles import RoleStats
+from pdserve.worker.pd_role import RoleStats
+from pdserve.worker.prefill.peers import DecodePeer, DecodePeers
+from pdserve.worker.prefill.rooms import PRoom
 
 log = logging.getLogger(__name__)
 

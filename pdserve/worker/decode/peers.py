@@ -13,7 +13,7 @@ naming new addresses would grow a socket per call and the CPU spent reconnecting
   waiting on it) and who is dead: silent for PEER_TIMEOUT_S while rooms wait on it.
 
 An address is only a claim until the peer proves it holds the cluster key (its HelloAck:
-worker/prefill_pairing.py). Whoever can call /generate could name any host, so unproven
+worker/decode/pairing.py). Whoever can call /generate could name any host, so unproven
 addresses are bounded: at most MAX_UNPROVEN at once, never pinged, and one that failed to
 prove itself (declared dead before its HelloAck) is refused for UNPROVEN_BACKOFF_S. An address
 that proved itself once is exempt from the backoff: a real prefill worker that restarts or
@@ -28,7 +28,7 @@ from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from pdserve.runtime.timing import PEER_IDLE_S, PEER_TIMEOUT_S, PING_EVERY_S
-from pdserve.worker.decode_rooms import PrefillPeer
+from pdserve.worker.decode.rooms import PrefillPeer
 
 MAX_PREFILL_PEERS = 64  # prefill workers one decode worker pairs with at once
 MAX_UNPROVEN = 8  # peers at once whose HelloAck has not come yet

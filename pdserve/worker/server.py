@@ -1,4 +1,8 @@
-"""The co-located server process: engine thread + supervisor + aiohttp API.
+"""A worker process (co-located, prefill or decode): its engine, its HTTP app, its lifecycle.
+
+`Server` builds the engine host (in this process, or the engine process: worker/host/), the
+OpenAI API (a co-located worker), the worker API (worker/http/api.py) and the operator
+endpoints (worker/http/ops.py), and runs them on one event loop.
 
 Lifecycle: bind (before the model loads: a busy port is exit status 2 at once) -> startup
 (load, warm up) -> serve (listen, READY) -> drain (stop accepting, let requests finish for at
@@ -16,14 +20,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from aiohttp import web
 
 from pdserve.config import ServerConfig
-from pdserve.frontend.api import OpenAIApi, error_response, prompt_char_bound, read_json
-from pdserve.frontend.protocol import ApiError
+from pdserve.frontend.api import OpenAIApi, prompt_char_bound
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime import evloop
 from pdserve.runtime.gc_freeze import freeze_startup_heap
@@ -41,9 +43,10 @@ from pdserve.server.body import app_args as body_app_args
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import Listener, bind, bind_error
 from pdserve.server.stopping import Stop, in_thread
-from pdserve.worker.api import WorkerApi
-from pdserve.worker.engine_client import CLOSE_TIMEOUT_S, EngineClient, EngineStartFailed
-from pdserve.worker.engine_host import LocalEngine, require_key
+from pdserve.worker.host.client import CLOSE_TIMEOUT_S, EngineClient, EngineStartFailed
+from pdserve.worker.host.local_engine import LocalEngine, require_key
+from pdserve.worker.http.api import WorkerApi
+from pdserve.worker.http.ops import OpsApi
 
 log = logging.getLogger(__name__)
 
@@ -80,115 +83,20 @@ class Server:
         )
         self.worker_api = WorkerApi(engine, cfg.role, cfg.engine.model.name, self.host.info)
         self.admission = Admission(cfg.max_queue)
-        self.started = time.monotonic()
+        started = time.monotonic()
+        self.ops = OpsApi(
+            cfg,
+            self.supervisor,
+            self.host,
+            self.worker_api.channels,
+            lambda: time.monotonic() - started,
+        )
 
     def _on_fatal(self, why: str) -> None:
         self.fatal = why
         loop, stop = getattr(self, "_loop", None), self._stop
         if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.request, f"fatal: {why}")
-
-    # -- endpoints ------------------------------------------------------------------------
-    def problems(self) -> list[str]:
-        return self.supervisor.problems() + self.host.problems()
-
-    async def health(self, request: web.Request) -> web.Response:
-        problems = self.problems()
-        return web.json_response(
-            {"status": "ok" if not problems else "unhealthy", "problems": problems},
-            status=200 if not problems else 503,
-        )
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        try:
-            body = await self.host.metrics_text()
-        except (TimeoutError, ConnectionError) as e:
-            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
-
-    async def debug_state(self, request: web.Request) -> web.Response:
-        state: dict[str, Any] = {
-            "role": self.cfg.role,
-            "model": self.cfg.engine.model.name,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "threads": self.supervisor.snapshot(),
-            "problems": self.problems(),
-            "http": self.listener.snapshot() if self.listener is not None else None,
-            "output_channels": self.worker_api.channels.snapshot(),
-        }
-        try:
-            state["engine"], engine_threads = await self.host.state()
-            state["threads"] += engine_threads  # the engine process's, if it has its own
-        except (TimeoutError, ConnectionError):
-            state["engine"] = {"error": "the engine thread did not answer within 2 s"}
-        return web.json_response(state)
-
-    async def debug_invariants(self, request: web.Request) -> web.Response:
-        """At quiescence: no live request, every page free, every thread alive and fresh. At any
-        time: every page's reference count equals the number of live leases holding it."""
-        try:
-            eng, _ = await self.host.state()
-        except (TimeoutError, ConnectionError):
-            return web.json_response({"ok": False, "violations": ["engine not answering"]})
-        violations = list(self.problems())
-        pool = eng["pool"]
-        if eng["requests"]:
-            violations.append(f"{len(eng['requests'])} requests still live")
-        role = eng.get("role") or {}
-        if role.get("rooms"):
-            violations.append(f"{len(role['rooms'])} transfer rooms still open")
-        if role.get("admitting"):
-            violations.append(f"{role['admitting']} requests still waiting for pages")
-        idle = pool["pages_free"] + pool.get("pages_cached", 0)  # cached pages are evictable
-        if idle != pool["pages_total"]:
-            violations.append(
-                f"pages free {pool['pages_free']} + cached {pool.get('pages_cached', 0)} "
-                f"!= total {pool['pages_total']}"
-            )
-        if pool["leases"]:
-            violations.append(f"{pool['leases']} page leases still live")
-        violations += [f"lease check: {v}" for v in pool["lease_violations"]]
-        # KV bytes are conserved: nothing is reported (P) or decoded on (D) that was not
-        # written (P) or received (D, when the pages pass through it: tcp, nixl).
-        stats = role.get("stats") or {}
-        if self.cfg.role == "prefill" or role.get("counts_bytes"):
-            acked, written = stats.get("bytes_acked", 0), stats.get("bytes_written", 0)
-            if acked > written:
-                violations.append(f"KV bytes acknowledged {acked} > written/received {written}")
-        return web.json_response({"ok": not violations, "violations": violations, "pool": pool})
-
-    async def debug_faults(self, request: web.Request) -> web.Response:
-        try:
-            return web.json_response(await self.host.faults())
-        except (TimeoutError, ConnectionError) as e:
-            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
-
-    async def set_faults(self, request: web.Request) -> web.Response:
-        """{"spec": "point=action...", "seed": 0} replaces every fault point; "" clears them."""
-        if not self.cfg.debug_faults:
-            return error_response(
-                ApiError(
-                    403,
-                    "fault points cannot be set on this server: start it with --debug-faults",
-                    code="debug_faults_off",
-                )
-            )
-        try:
-            body = await read_json(request)
-        except ApiError as e:
-            return error_response(ApiError(400, e.message, param=e.param, code="bad_json"))
-        spec = body.get("spec") if isinstance(body, dict) else None
-        seed = body.get("seed", 0) if isinstance(body, dict) else None
-        if not isinstance(spec, str) or not isinstance(seed, int) or isinstance(seed, bool):
-            return error_response(
-                ApiError(400, 'expected {"spec": str, "seed": int}', code="bad_fault_request")
-            )
-        try:
-            return web.json_response(await self.host.faults(spec, seed))
-        except ValueError as e:
-            return error_response(ApiError(400, str(e), param="spec", code="bad_fault_spec"))
-        except (TimeoutError, ConnectionError) as e:
-            return web.json_response({"error": f"the engine did not answer: {e}"}, status=503)
 
     def app(self, listener: Listener | None = None) -> web.Application:
         # The listener's middleware is the outermost (a connection is busy for all of a
@@ -204,16 +112,7 @@ class Server:
             app.add_routes(self.worker_api.routes())
         else:
             app.add_routes([r for r in self.worker_api.routes() if r.path == "/info"])
-        app.add_routes(
-            [
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics),
-                web.get("/debug/state", self.debug_state),
-                web.get("/debug/invariants", self.debug_invariants),
-                web.get("/debug/faults", self.debug_faults),
-                web.post("/debug/faults", self.set_faults),
-            ]
-        )
+        app.add_routes(self.ops.routes())
         return app
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -222,7 +121,7 @@ class Server:
         self._loop = asyncio.get_running_loop()
         stop = self._stop = Stop()
         stop.install(self._loop)
-        self.listener = listener
+        self.listener = self.ops.listener = listener
         if isinstance(self.host, EngineClient):
             self.host.attach(self._loop, self._on_fatal)
         else:

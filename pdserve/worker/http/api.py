@@ -6,7 +6,7 @@
                       "logprobs": [[id, lp, [[id, lp], ...]], ...], "finish_reason": null |
                       "stop" | "length" | "abort" | "error", "error", "num_prompt_tokens"}
     POST /outputs    {"channel"}  ->  NDJSON stream of RequestOutput lines of every request sent
-                     with "channel" (worker/channels.py: the router holds one per worker)
+                     with "channel" (worker/http/channels.py: the router holds one per worker)
     POST /generate   {..., "channel"}  ->  {"ok": true} once the engine has the request; its
                      outputs go to that channel's stream (503 `channel_closed`: it never
                      reached the engine)
@@ -36,9 +36,9 @@ from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.body import read_body
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
-from pdserve.worker.aborted_ids import AbortedIds
-from pdserve.worker.channels import TIMED_OUT, ChannelError, Channels
-from pdserve.worker.generate_body import check_request_id, parse_generate
+from pdserve.worker.http.aborted_ids import AbortedIds
+from pdserve.worker.http.channels import TIMED_OUT, ChannelError, Channels
+from pdserve.worker.http.generate_body import check_request_id, parse_generate
 
 
 def _channel_error(e: ChannelError) -> web.Response:
@@ -154,7 +154,7 @@ class WorkerApi:
         return resp
 
     async def outputs(self, request: web.Request) -> web.StreamResponse:
-        """A router's shared output stream (worker/channels.py), open until it closes it or
+        """A router's shared output stream (worker/http/channels.py), open until it closes it or
         the worker stops."""
         try:
             body = await read_json(request)

@@ -1,7 +1,7 @@
 """What the decode role keeps: requests waiting for pages, prefill peers, and rooms.
 
 A room is one request's prefill leg with one prefill worker; its state moves only through the
-D table of `protocol/rooms.py` (worker/decode.py drives it).
+D table of `protocol/rooms.py` (worker/decode/role.py drives it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pdserve.kvcache.lease import Lease
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import DState
-from pdserve.worker.clock_skew import SkewWatch
+from pdserve.worker.decode.clock_skew import SkewWatch
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The engine of a worker with its role: built, its threads started, watched and closed.
 
 `LocalEngine` is what runs the requests of one worker: the `Engine` and, for a prefill or
-decode worker, its role (worker/prefill.py, worker/decode.py), the ZMQ control socket and the
-data-plane copier. It runs either inside the worker process, beside the event loop, or alone
-in the engine process (`serve --engine-process`, worker/engine_process.py); the worker's
-server (worker/process.py) reaches it directly or through `EngineClient`
-(worker/engine_client.py), which offer it the same `EngineHost` surface.
+decode worker, its role (worker/prefill/role.py, worker/decode/role.py), the ZMQ control
+socket and the data-plane copier. It runs either inside the worker process, beside the event
+loop, or alone in the engine process (`serve --engine-process`, worker/host/process.py); the
+worker's server (worker/server.py) reaches it directly or through `EngineClient`
+(worker/host/client.py), which offer it the same `EngineHost` surface.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.control_limits import prefill_inbound_bytes
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.receiver import needs_shared_pool
-from pdserve.worker.decode import DecodeRole
-from pdserve.worker.prefill import PrefillRole
-from pdserve.worker.roles import SendFailed
+from pdserve.worker.decode.role import DecodeRole
+from pdserve.worker.pd_role import SendFailed
+from pdserve.worker.prefill.role import PrefillRole
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,10 @@ class EngineHost(Protocol):
     """What the worker's server needs of its engine, wherever it runs."""
 
     info: dict[str, Any]  # what /info adds: the KV layout, the role's identity and address
-    hard_exit: bool  # the process must leave with os._exit (worker/process.py says why)
+
+    @property
+    def hard_exit(self) -> bool:
+        """The process must leave with os._exit (worker/server.py says why)."""
 
     @property
     def frontend(self) -> Any:

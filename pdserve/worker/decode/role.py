@@ -6,7 +6,7 @@ PrefillDone, when its KV is complete, and takes the room's lease with it. Every 
 through the D table of `protocol/rooms.py`; its lease is released only on a transition that
 carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). Pairing with P
 workers (Hello, then Register, before a room's PrefillRequest; Pings) is `PrefillPairing`
-(worker/prefill_pairing.py); one silent for PEER_TIMEOUT_S is declared dead and its rooms
+(worker/decode/pairing.py); one silent for PEER_TIMEOUT_S is declared dead and its rooms
 fenced (LESSONS #7, #8, #9).
 """
 
@@ -39,11 +39,11 @@ from pdserve.runtime.timing import (
 )
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
-from pdserve.worker.decode_rooms import WAIT, DRoom, HeldSubmit, blame
-from pdserve.worker.prefill_pairing import PrefillPairing
-from pdserve.worker.prefill_peers import PrefillPeers
-from pdserve.worker.roles import RoleStats, SendFailed, enter
-from pdserve.worker.snapshots import decode_snapshot
+from pdserve.worker.decode.pairing import PrefillPairing
+from pdserve.worker.decode.peers import PrefillPeers
+from pdserve.worker.decode.rooms import WAIT, DRoom, HeldSubmit, blame
+from pdserve.worker.decode.snapshot import decode_snapshot
+from pdserve.worker.pd_role import RoleStats, SendFailed, enter
 
 log = logging.getLogger(__name__)
 
@@ -395,5 +395,5 @@ class DecodeRole:
             self.receiver,
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
+            time.monotonic(),
         )
-

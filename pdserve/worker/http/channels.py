@@ -7,7 +7,7 @@ with the engine thread and the router's loop saturates, so tokens merge into few
 chunks (docs/architecture.md §Streaming path). Through a channel each burst of engine outputs
 is one write on the worker and one read on the router, whatever the number of requests.
 
-The protocol (worker/api.py):
+The protocol (worker/http/api.py):
     POST /outputs  {"channel": ID}               -> NDJSON: RequestOutput lines of any of the
                                                     channel's requests, for as long as it lasts
     POST /generate {..., "channel": ID}          -> {"ok": true} once the engine has it; its
