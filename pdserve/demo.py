@@ -1,10 +1,12 @@
-"""`make run`: start a PD cluster on the built-in model, talk to it, stop it.
+"""`make run`: start a PD cluster on a real built-in model, talk to it, stop it.
 
-By default (PDSERVE_DEMO_MODE=launch) it starts `pdserve launch --prefill 1 --decode 1` (a
-router over one prefill and one decode worker), sends streaming and non-streaming requests,
-prints the answers, each concurrent request's TTFT, the tokens/s and the KV bytes moved from
-prefill to decode. PDSERVE_DEMO_MODE=serve does the same against one co-located server.
-Everything started is stopped by its pid (SIGTERM, then SIGKILL after a bound).
+The model is `builtin:smollm2-135m-instruct` (SmolLM2-135M-Instruct, a GGUF file an installed
+package ships: model/packaged.py), or PDSERVE_MODEL. By default (PDSERVE_DEMO_MODE=launch) it
+starts `pdserve launch --prefill 1 --decode 1` (a router over one prefill and one decode
+worker), asks a question through the chat template (greedy), sends streaming and non-streaming
+requests, prints the answers, each concurrent request's TTFT, the tokens/s and the KV bytes
+moved from prefill to decode. PDSERVE_DEMO_MODE=serve does the same against one co-located
+server. Everything started is stopped by its pid (SIGTERM, then SIGKILL after a bound).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 from pdserve.runtime.cluster_key import ClusterKey, generate
 
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
 READY_TIMEOUT_S = 300.0
 STOP_S = {"serve": 20.0, "launch": 75.0}  # a launcher stops a router, then its workers
 
@@ -120,7 +124,7 @@ def print_transfer(url: str, key: ClusterKey) -> None:
 
 
 def main() -> int:
-    model = os.environ.get("PDSERVE_MODEL", "builtin:tiny")
+    model = os.environ.get("PDSERVE_MODEL", DEFAULT_MODEL)
     mode = os.environ.get("PDSERVE_DEMO_MODE", "launch")
     if mode not in STOP_S:
         raise SystemExit(f"PDSERVE_DEMO_MODE must be serve or launch, got {mode!r}")
@@ -132,6 +136,18 @@ def main() -> int:
     proc, url = start_server(["--log-level", "WARNING", *cmd, "--model", model, "--port", "0"])
     try:
         print(f"== server ready at {url}\n")
+        r = post(
+            url + "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": QUESTION}],
+                "max_tokens": 48,
+                "temperature": 0,
+            },
+        )
+        print(f"-- chat (greedy)\n{QUESTION}\n{r['choices'][0]['message']['content']}")
+        print(f"   finish_reason={r['choices'][0]['finish_reason']} usage={r['usage']}\n")
+
         prompt = "def fibonacci(n):"
         r = post(
             url + "/v1/completions",

@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default="builtin:tiny",
-        help="builtin:NAME or a local Hugging Face model directory",
+        help="builtin:NAME, a local Hugging Face model directory, or a .gguf file (or a "
+        "directory holding one)",
     )
     g.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     g.add_argument(

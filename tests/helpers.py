@@ -45,8 +45,13 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
     out = []
     with torch.no_grad():
         for p in prompts:
+            x = torch.tensor([p])  # the mask: a prompt token of id 0 is not padding
             ids = model.generate(
-                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
             out.append(ids[0, len(p) :].tolist())
     return out

@@ -1,4 +1,5 @@
-"""`make run` works: the demo launches a 1P+1D cluster, sends its requests and stops it."""
+"""`make run` works: the demo launches a 1P+1D cluster on the real built-in model
+(builtin:smollm2-135m-instruct), sends its requests and stops it."""
 
 from __future__ import annotations
 
@@ -27,5 +28,8 @@ def test_the_demo_runs_end_to_end(model_cache):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     assert proc.returncode == 0, out[-3000:]
+    # The greedy chat answer, through the chat template, the router and both workers.
+    question, answer = out.split("-- chat (greedy)\n", 1)[1].split("\n")[:2]
+    assert question == "What is the capital of France?" and "Paris" in answer, out[-3000:]
     assert "16 requests, 1024 tokens" in out and "KV written to decode workers" in out, out[-2000:]
     assert "== server stopped (exit code 0)" in out

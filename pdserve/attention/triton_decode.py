@@ -202,7 +202,8 @@ def paged_decode(
 ) -> None:
     """out[r] = softmax(q[r] . K[r]^T * scale) . V[r] over the first kv_lens[r] keys of row r's
     pages. Launches depend only on the tensors' shapes (graph-safe). `block_n`, `num_warps`
-    and `num_stages` tune the decode kernel (benchmarks/attention_kernels.py sweeps them)."""
+    and `num_stages` tune the decode kernel (benchmarks/kernels/attention_kernels.py sweeps
+    them)."""
     check_cache(k_cache, "k_cache")
     check_cache(v_cache, "v_cache")
     rows, num_heads, dim = q.shape

@@ -3,7 +3,7 @@
 Every failure is an ErrorKind in the record, never an exception out of `send`: a benchmark
 records what went wrong and carries on. The stream is read in whatever pieces the network
 delivers rather than line by line through aiohttp (a fifth fewer Python calls per request in
-a profile of benchmarks/bench_overhead.py's run), and stream.py makes sense of the lines.
+a profile of benchmarks/serving/bench_overhead.py's run), and stream.py makes sense of the lines.
 """
 
 from __future__ import annotations

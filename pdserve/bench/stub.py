@@ -1,7 +1,7 @@
 """A stub OpenAI server that answers every streamed completion at once, for testing clients.
 
 It answers with a fixed SSE stream (N one-token chunks, a finish chunk, usage, [DONE]) built
-once, so that the client is the only thing being measured: `benchmarks/bench_overhead.py`
+once, so that the client is the only thing being measured: `benchmarks/serving/bench_overhead.py`
 uses it to measure `pdserve bench`'s own requests/s. A prompt that names a Fault makes it
 misbehave in that way instead, which is how the client's error accounting is tested; with
 `fail_every=N` every Nth completion call answers 503 whatever its prompt (a known share of

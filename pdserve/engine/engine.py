@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -48,7 +47,7 @@ from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
-from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S
+from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S, SYSTEM_CLOCK
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,9 @@ class Engine:
         self.role: Role = Colocated()
         self.transport: Callable[[Send], None] = _unsent  # where the role's messages go
         self.inbox: queue.Queue[Command | object] = queue.Queue()  # roles add their own
-        self.last_tick = time.monotonic()
+        # The loop's one source of time; its role gets `now` from it. Tests set a fake one.
+        self.clock = SYSTEM_CLOCK
+        self.last_tick = self.clock.monotonic()
         self.steps = 0
         # Requests and rooms still here past deadline + OVERDUE_GRACE_S, refreshed each tick
         # after the deadlines were applied: non-empty means a deadline did not end something
@@ -165,13 +166,15 @@ class Engine:
         """A validated request whose deadline is capped by the engine's request timeout."""
         self.validate(prompt_ids, params)
         timeout = min(timeout_s or self.cfg.request_timeout_s, self.cfg.request_timeout_s)
+        now = self.clock.monotonic()
         return Request(
             request_id,
             list(prompt_ids),
             params,
             sink,
             self.eos_token_ids,
-            deadline=time.monotonic() + timeout,
+            deadline=now + timeout,
+            arrival=now,
         )
 
     def abort(self, request_id: str) -> None:
@@ -186,20 +189,20 @@ class Engine:
     def on_control(self, inbound: Any) -> None:
         """On the control thread, before `inbound` is queued: the role may answer at once
         (the prefill role's Pong). Reads no engine state but `last_tick`."""
-        reply = self.role.on_control(inbound)
+        reply = self.role.on_control(inbound, self.clock.monotonic())
         if reply is not None:
             self.transport(reply)
 
     # -- the engine thread ----------------------------------------------------------------
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
-        self.last_tick = time.monotonic()
+        self.last_tick = self.clock.monotonic()
         self._drain_inbox(self._wait_s())
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self.role.poll_transfers(now)
         self.role.expire(now)
         self._expire_requests(now)
-        self.role.admit()
+        self.role.admit(now)
         self._send_outbox()  # replies go out before a step that may take seconds on a CPU
         if self.has_work():
             self.step()
@@ -232,27 +235,28 @@ class Engine:
             cmd = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
+        now = self.clock.monotonic()  # what is queued is handled as of one moment
         while True:
             try:
-                self._handle(cmd)
+                self._handle(cmd, now)
             except Exception as e:  # noqa: BLE001 - input must not kill this thread (LESSONS #1)
-                self._command_failed(cmd, e)
+                self._command_failed(cmd, e, now)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _command_failed(self, cmd: Command | object, e: Exception) -> None:
+    def _command_failed(self, cmd: Command | object, e: Exception, now: float) -> None:
         """A command whose handling raised ends its own request or room, and only that one;
         the supervisor's restart budget is for bugs in the loop, not for bad input."""
         self.metrics.command_errors.inc()
         log.warning("engine command %s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
         why = f"could not handle the request: {type(e).__name__}: {e}"
-        self.role.command_failed(cmd, why)
+        self.role.command_failed(cmd, why, now)
         if isinstance(cmd, SubmitCommand):
             self.finish(cmd.request, Event.FAIL, why)
 
-    def _handle(self, cmd: Command | object) -> None:
+    def _handle(self, cmd: Command | object, now: float) -> None:
         match cmd:
             case SubmitCommand(request=req, prefill=None):
                 if self.scheduler.get(req.request_id) is not None:
@@ -261,7 +265,7 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
             case AbortCommand(request_id=rid):
-                if self.role.abort(rid):
+                if self.role.abort(rid, now):
                     return
                 live = self.scheduler.get(rid)
                 if live is not None:  # unknown or already finished: nothing to do
@@ -270,7 +274,7 @@ class Engine:
                 if not fut.done():
                     fut.set_result(self._snapshot())
             case _:  # a remote SubmitCommand, a peer's message, a failed send: the role's
-                self.role.handle(cmd)
+                self.role.handle(cmd, now)
 
     def _expire_requests(self, now: float) -> None:
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -278,7 +282,7 @@ class Engine:
                 self.finish(req, Event.FAIL, f"{DEADLINE_ERROR} in state {req.status.value}")
 
     def _refresh_overdue(self) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._overdue_at < OVERDUE_EVERY_S:
             return  # the loop may tick every 0.5 ms; health needs this a few times a second
         self._overdue_at = now
@@ -295,16 +299,13 @@ class Engine:
         self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
 
     # -- the verbs roles use ----------------------------------------------------------------
-    def emit_token(
-        self, req: Request, tok: int, lp: TokenLogprob | None, now: float | None = None
-    ) -> None:
+    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> None:
         """A token was sampled for `req`: record it, stream it, stop if it ends the request.
         A request that asked for no token (max_tokens 0: it scores its prompt) ends here
-        without it. `now`: when it arrived (monotonic; None: now)."""
+        without it. `now`: when it arrived (the engine clock's monotonic reading)."""
         if req.params.max_tokens == 0:
             self.finish(req, Event.LENGTH)
             return
-        now = time.monotonic() if now is None else now
         req.output_ids.append(tok)
         self._generated += 1  # counted into metrics once a step (a lock per inc)
         if req.first_token_at is None:
@@ -372,7 +373,7 @@ class Engine:
             req.error = error
         reason = FINISH_REASON[req.status]
         self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self.metrics.e2e.observe(self.clock.monotonic() - req.arrival)
         tok, lp = last if last is not None else (None, None)
         req.sink(
             RequestOutput(
@@ -389,7 +390,7 @@ class Engine:
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(
-            self.role.snapshot(),
+            self.role.snapshot(self.clock.monotonic()),
             self.steps,
             self.max_model_len,
             self.pool,

@@ -3,7 +3,7 @@ one graph per bucket of its tokens.
 
 Launched eagerly, a forward costs the host a fixed time a layer (the Python side of each
 Triton launch and cuBLAS call), whatever the tokens, several times a prompt's GPU work
-(benchmarks/mixed_step.py; benchmarks/RESULTS.md, 2026-12-03). Every decoding request waits
+(benchmarks/engine/mixed_step.py; benchmarks/RESULTS.md, 2026-12-03). Every decoding request waits
 through the tick that carries a prompt, so under a steady arrival of prompts that tick sets
 the inter-token latency. So such a step replays a captured graph, as a decode-only step does
 (engine/cuda_graphs.py). The step's decodes are rows of the same graph: one forward reads the

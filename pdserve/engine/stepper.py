@@ -15,7 +15,6 @@ nothing of engine.py. A failure inside a step fails only its requests (engine/is
 from __future__ import annotations
 
 import logging
-import time
 from typing import Protocol
 
 from pdserve.engine.inflight import InFlight, Picks
@@ -27,6 +26,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, sample
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.kvcache.pool import KVPool
+from pdserve.runtime.timing import Clock
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class StepHost(Protocol):
     overlap: bool
     max_model_len: int
 
-    def emit_token(
-        self, req: Request, tok: int, lp: TokenLogprob | None, now: float | None = None
-    ) -> None: ...
+    clock: Clock
+
+    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> None: ...
 
     def finish(self, req: Request, event: Event, error: str | None = None) -> object: ...
 
@@ -101,7 +101,7 @@ class Stepper:
             logits, chunks = forward_each(h.runner, chunks, self.fail, feed)
         for c in chunks:
             c.request.num_computed = c.start + c.length
-        h.role.after_forward(plan)
+        h.role.after_forward(plan, h.clock.monotonic())
         # One row of `logits` each; a request that ends meanwhile keeps its row, and its
         # token is dropped when the step completes.
         sampling = [c.request for c in chunks if c.samples]
@@ -148,12 +148,12 @@ class Stepper:
         h = self.host
         take_token = h.role.take_token if h.role.takes_tokens else None
         emit_token = h.emit_token
-        now = time.monotonic()
+        now = h.clock.monotonic()
         for req, tok, lp in picks:
             if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
                 continue
             try:
-                if take_token is None or not take_token(req, tok, lp):
+                if take_token is None or not take_token(req, tok, lp, now):
                     emit_token(req, tok, lp, now)
             except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
                 log.exception("handling a token of %s failed", req.request_id)
@@ -161,8 +161,9 @@ class Stepper:
 
     def fail(self, req: Request, why: str) -> None:
         """A step failed `req` (only it): the role's to handle, else it ends as FAIL."""
-        if not req.status.finished and not self.host.role.fail(req, why):
-            self.host.finish(req, Event.FAIL, why)
+        h = self.host
+        if not req.status.finished and not h.role.fail(req, why, h.clock.monotonic()):
+            h.finish(req, Event.FAIL, why)
 
     def computing(self, req: Request) -> InFlight | None:
         """The latest launched step that computes `req`, if it may still be running."""

@@ -23,6 +23,7 @@ from typing import Any
 
 from pdserve.frontend.fields import check_unknown, refuse_unsupported
 from pdserve.frontend.tools import parse_tools
+from pdserve.protocol.generate import check_timeout
 from pdserve.protocol.sampling import (
     INT64_MAX,
     INT64_MIN,
@@ -31,7 +32,6 @@ from pdserve.protocol.sampling import (
     InvalidParams,
     SamplingParams,
     is_int,
-    is_number,
     show,
 )
 from pdserve.server.api_error import ApiError as ApiError  # re-exported
@@ -45,7 +45,6 @@ MAX_PROMPTS = 256  # prompts in one completions body
 MAX_CHOICES = 256  # prompts x n: the requests one body may start
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
-MAX_TIMEOUT_S = 1e6
 # Names the chat template renderer sets itself (Tokenizer.apply_chat_template's parameters,
 # its defaults and the special tokens): a chat_template_kwargs key may not replace them.
 RESERVED_TEMPLATE_NAMES = frozenset(
@@ -87,16 +86,12 @@ class GenerationSpec:
 _MISSING = object()
 
 
-def check_timeout(value: Any, param: str) -> float | None:
-    """A client's timeout: None, or a finite number of seconds in (0, MAX_TIMEOUT_S]."""
-    if value is None:
-        return None
-    if not (is_number(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise bad(
-            f"'{param}' must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {show(value)}",
-            param,
-        )
-    return float(value)
+def _timeout(value: Any) -> float | None:
+    """A client's `timeout`: None, or seconds in (0, MAX_TIMEOUT_S] (/generate's rule)."""
+    try:
+        return check_timeout(value, "timeout")
+    except InvalidParams as e:
+        raise bad(str(e), e.param) from e
 
 
 def _get(body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
@@ -230,7 +225,7 @@ def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
         "stop": _stop(body),
         "include_stop_str": _get(body, "include_stop_str_in_output", bool, False),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
-        "timeout_s": check_timeout(body.get("timeout"), "timeout"),
+        "timeout_s": _timeout(body.get("timeout")),
     }
 
 

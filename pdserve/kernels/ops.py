@@ -4,8 +4,8 @@ never loads it.
 
 The weight products (`linear`, `silu_mul_linear`) of a single 16-bit row on CUDA, the
 batch-1 decode step, take the Triton GEMV (kernels/triton_gemv.py), which beat cuBLAS on every
-layer matrix of the built-in shapes (benchmarks/gemv.py); every other product stays on cuBLAS
-through F.linear, float32 (the parity oracle) included."""
+layer matrix of the built-in shapes (benchmarks/kernels/gemv.py); every other product stays on
+cuBLAS through F.linear, float32 (the parity oracle) included."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ in the stream is still finishing, and waits on the device, not in the launch que
 
 Why: a CUDA-graph decode step is a couple of hundred kernels of a few microseconds each, and
 between two of them the GPU drains one grid and only then starts launching the next; those
-gaps add up to a visible share of a step (`benchmarks/gpu_kernels.py --step tick`;
+gaps add up to a visible share of a step (`benchmarks/kernels/gpu_kernels.py --step tick`;
 benchmarks/RESULTS.md, 2026-12-02 second and third sessions). On sm_90 and later a kernel
 launched with PDL may have its blocks placed as soon as the kernel before it lets them
 (`griddepcontrol.launch_dependents`, or that kernel's end); its `griddepcontrol.wait` then

@@ -3,7 +3,7 @@
 Why not cuBLAS: at batch 1 each of a layer's weight products is one pass over W and nothing
 else, and should run at the copy rate. Inside a CUDA graph cuBLAS falls well short of it on
 the built-in shapes' smaller matrices, and this kernel is faster on all but one of them
-(benchmarks/gemv.py; benchmarks/RESULTS.md, 2026-12-02). With two or more rows cuBLAS was as
+(benchmarks/kernels/gemv.py; benchmarks/RESULTS.md, 2026-12-02). With two or more rows cuBLAS was as
 fast as any tiled Triton matmul a sweep tried, so kernels/ops.py sends only single rows here.
 
 The kernel: one program per BLOCK_N output columns streams those rows of W once, BLOCK_K
@@ -88,8 +88,8 @@ def _gemv_kernel(
 
 def config_for(n: int, k: int, silu_mul: bool = False) -> Config:
     """The blocks for a [1, k] x [n, k].T product: the sweep's winners as a rule
-    (`benchmarks/gemv.py --sweep`). Many programs with 1K-element loads: one row of W a program
-    along a long K (the down projection), else 2, or 4 for the widest (gate-up); with
+    (`benchmarks/kernels/gemv.py --sweep`). Many programs with 1K-element loads: one row of W a
+    program along a long K (the down projection), else 2, or 4 for the widest (gate-up); with
     `silu_mul` 8 rows and 8 warps, since every program recomputes silu(gate) * up over all of K
     and more rows share that cost."""
     if silu_mul:

@@ -14,7 +14,7 @@ short. Pages anyone else holds are never evicted.
 
 Order: `allocate` hands out the lowest free pages, ascending (the free list is a heap). A
 request's pages are then consecutive whenever the low end of the pool has a long enough free
-run, always on a quiet pool, and fall into a few runs under churn (benchmarks/transfer.py's
+run, always on a quiet pool, and fall into a few runs under churn (benchmarks/transfer/transfer.py's
 churn: 128 pages in a median of 22 runs; a FIFO list, which queues freed pages at the back,
 gave 128). Pages consecutive on both sides of a KV transfer move as one NIXL descriptor
 instead of one per page (transfer/nixl.py).

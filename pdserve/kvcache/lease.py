@@ -5,7 +5,8 @@ destination pages and the source pages a prefill room keeps while its writes rea
 in token order; the prefix cache's pages have none. `Leases.open` starts one; `extend` adds
 fresh pages, `share` takes references on pages other leases hold (a cached prefix) and `drop`
 gives some back (the cache evicting) in O(pages dropped), not O(pages held): a 2-page drop
-from 32,768 cached pages took 817 us when it rebuilt the list, 9 us now (benchmarks/lease_drop.py).
+from 32,768 cached pages took 817 us when it rebuilt the list, 9 us now
+(benchmarks/engine/lease_drop.py).
 A lease ends exactly once: `release()` drops every reference, or `hand_over(owner)` moves them,
 counts unchanged, to a new lease (a room that outlives its request, a request that inherits
 its room's pages). A lease used after it ended raises LeaseError, so a double release is a

@@ -5,7 +5,8 @@ only in flags (qkv bias, q/k norm, tied embeddings, RoPE scaling), and for DeepS
 adds its latent attention (`mla`) and its routed experts (`moe`), and V3.2 (its indexer, `dsa`).
 Anything we cannot run faithfully is refused here with an error that names the field, never
 guessed at later. DeepSeek's own fields are read in model/deepseek_config.py, the rope fields
-of every family in model/rope_scaling.py.
+of every family in model/rope_scaling.py; a GGUF file's metadata becomes such a config in
+model/gguf_file.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from pdserve.model.deepseek_config import DSAArch, MLAArch, MoEArch, deepseek_v3_fields
 from pdserve.model.errors import ModelConfigError
+from pdserve.model.gguf_file import find_gguf, open_gguf
 from pdserve.model.rope_scaling import RopeScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = {
@@ -72,6 +74,11 @@ class ModelArch:
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelArch:
+        """From an HF directory's config.json, or a GGUF file's metadata (a .gguf, or a
+        directory holding one and no config.json)."""
+        gguf = find_gguf(Path(path))
+        if gguf is not None:
+            return cls.from_hf_config(open_gguf(gguf).hf_config(), where=str(gguf))
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ModelConfigError(f"{path} is not a model directory: config.json is missing")

@@ -1,4 +1,5 @@
-"""Load an HF checkpoint directory (single or sharded safetensors) into a CausalLM.
+"""Load an HF checkpoint directory (single or sharded safetensors) into a CausalLM; or a GGUF
+file, whose tensors model/gguf_file.py reads in HF's names and layout, dequantised.
 
 Peak memory is the model in its final dtype plus one read chunk (CHUNK_BYTES):
   * the model is built on the meta device and each parameter is then created empty, in the
@@ -10,7 +11,7 @@ Peak memory is the model in its final dtype plus one read chunk (CHUNK_BYTES):
 We read the files with plain reads rather than safetensors' safe_open: safe_open maps the whole
 file, and every page a tensor touches stays resident, counted in the process's RSS, until the
 handle closes: about 600 MiB over the model for qwen2-0.5b-shape's first shard (see
-benchmarks/load_memory.py). The safetensors format is an
+benchmarks/models/load_memory.py). The safetensors format is an
 8-byte little-endian header length, a JSON header (dtype, shape, data_offsets per tensor) and
 the raw little-endian bytes of each tensor in C order.
 
@@ -40,6 +41,7 @@ from torch import nn
 from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
+from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
 from pdserve.model.weight_map import Placement, plan, rules_for
 
@@ -176,26 +178,51 @@ def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> Lo
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """An HF directory's model, or a GGUF file's (a .gguf, or a directory holding one)."""
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return _load_gguf(open_gguf(gguf), dtype, device)
     arch = ModelArch.from_dir(path)
-    rules = rules_for(arch.architecture)
     stored = checkpoint_tensors(weight_files(path))
     _skip_mtp_layers(stored, arch)
     scales = _fp8_scales(stored, arch, str(path))
     model = empty_model(arch, dtype, device)
-    params = dict(model.named_parameters())  # one name per tensor: a tied lm_head is not here
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
-    placements = plan(
-        {name: t.shape for name, t in stored.items()},
-        {name: tuple(p.shape) for name, p in params.items()},
-        rules,
-        aliases,
-        where=str(path),
-    )
+    shapes = {name: t.shape for name, t in stored.items()}
+    placements, params = _plan(model, shapes, arch, str(path))
     copy_placements(stored, placements, params, scales)
     model.eval()
     log.info(
         "loaded %s (%s) from %s on %s as %s", arch.architecture, arch.family, path, device, dtype
     )
+    return model
+
+
+def _plan(
+    model: LoadedModel, shapes: dict[str, tuple[int, ...]], arch: ModelArch, where: str
+) -> tuple[list[Placement], dict[str, nn.Parameter]]:
+    """weight_map.plan() for `model`'s parameters (one name per tensor: a tied lm_head is an
+    alias, not a parameter), and the parameters by name."""
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    targets = {name: tuple(p.shape) for name, p in params.items()}
+    return plan(shapes, targets, rules_for(arch.architecture), aliases, where=where), params
+
+
+def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A GGUF file's tensors (model/gguf_file.py: HF names and layout, dequantised to float32
+    one at a time) placed by the same plan as a directory's, and its rotary frequencies."""
+    arch = ModelArch.from_hf_config(file.hf_config(), where=str(file.path))
+    model = empty_model(arch, dtype, device)
+    placements, params = _plan(model, file.shapes(), arch, str(file.path))
+    with torch.no_grad():
+        for p in placements:
+            p.destination(params[p.target]).copy_(torch.from_numpy(file.read(p.source)))
+    divisors = file.rope_freq_divisors()  # [head_dim / 2]: Llama 3's rope scaling, llama.cpp's way
+    if divisors is not None and isinstance(model, CausalLM):
+        model.inv_freq = model.inv_freq / torch.from_numpy(divisors).to(model.inv_freq.device)
+    model.eval()
+    log.info("loaded %s from %s (%s) on %s as %s", arch.architecture, file.path,
+             file.stored_types(), device, dtype)  # fmt: skip
     return model
 
 

@@ -1,7 +1,8 @@
 """Tokenizer: text <-> token ids, chat templates and streaming detokenization for one model dir.
 
 Wraps an HF `tokenizer.json` (the `tokenizers` library does the work) plus the facts that live
-in the other HF files: which ids end generation, which id is the BOS, the chat template.
+in the other HF files: which ids end generation, which id is the BOS, the chat template; or the
+same built from a GGUF file's metadata (model/gguf_tokenizer.py).
 Chat templates are rendered the way HF transformers renders them (same jinja environment
 options, globals and filters), so a prompt built here tokenizes to the same ids as HF's.
 
@@ -27,26 +28,14 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve.model.byte_level import CHAR_TO_BYTE
+from pdserve.model.gguf_file import find_gguf, open_gguf
+from pdserve.model.gguf_tokenizer import gguf_tokenizer
+
 # Bytes of an unfinished UTF-8 character decode to this; it means "wait for more tokens".
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): the printable
-    Latin-1 bytes stand for themselves, the other 68 take the code points from 256 on, in
-    byte order. Inverted: stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-_UNICODE_TO_BYTE = _byte_level_alphabet()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -92,8 +81,13 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
         """Read tokenizer.json (required) and tokenizer_config.json, generation_config.json,
-        config.json and chat_template.jinja (optional) from an HF model directory."""
+        config.json and chat_template.jinja (optional) from an HF model directory; or build the
+        tokenizer a GGUF file describes (model/gguf_tokenizer.py), given the file or a
+        directory holding it."""
         path = Path(path)
+        gguf = find_gguf(path)
+        if gguf is not None:
+            return cls(*gguf_tokenizer(open_gguf(gguf)))
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(
@@ -153,8 +147,8 @@ class Tokenizer:
         byte = _BYTE_TOKEN.fullmatch(piece)
         if byte is not None:
             return bytes([int(byte.group(1), 16)])
-        if piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
-            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        if piece and all(ch in CHAR_TO_BYTE for ch in piece):
+            return bytes(CHAR_TO_BYTE[ch] for ch in piece)
         return text.encode()
 
     def token_to_str(self, token_id: int) -> str:

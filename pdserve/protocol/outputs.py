@@ -69,7 +69,7 @@ def encode_line(out: RequestOutput) -> bytes:
 
 def encode_lines(outs: Sequence[RequestOutput]) -> bytes:
     """`encode_line` of each, joined, in one C call: it runs on the worker's event loop, which
-    shares the GIL with the engine thread (benchmarks/stream_encode.py)."""
+    shares the GIL with the engine thread (benchmarks/codec/stream_encode.py)."""
     return _encoder.encode_lines(outs)
 
 

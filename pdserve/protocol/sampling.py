@@ -177,11 +177,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise InvalidParams(
                 f"unknown sampling params {show(sorted(map(str, unknown)))}", "params"
             )
+        wrong_type: Exception
         try:
             return msgspec.convert(d, cls)
         except msgspec.ValidationError as e:
             if isinstance(e.__cause__, InvalidParams):  # raised by __post_init__
                 raise e.__cause__ from None
+            wrong_type = e
+        except UnicodeEncodeError as e:  # a lone surrogate where no string belongs
             wrong_type = e
         # msgspec refused a field's type before our checks ran: run them for the usual message.
         kw = dict(d)

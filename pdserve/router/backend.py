@@ -31,6 +31,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from pdserve.protocol.generate import Generate
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
 from pdserve.router.channel import Receiver, WorkerChannel
@@ -48,17 +51,11 @@ Sink = Callable[[RequestOutput], None]
 
 def generate_body(
     request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float, route: Route
-) -> dict[str, Any]:
-    """D's /generate body; "prefill" names P's control address, absent for a co-located D."""
-    body: dict[str, Any] = {
-        "request_id": request_id,
-        "prompt_ids": list(prompt_ids),
-        "params": params.to_builtins(),
-        "timeout_s": timeout_s,
-    }
-    if route.prefill is not None:
-        body["prefill"] = route.prefill.control
-    return body
+) -> Generate:
+    """D's /generate body; `prefill` names P's control address (router/discovery.py checked
+    it at startup), absent for a co-located D."""
+    prefill = msgspec.UNSET if route.prefill is None else str(route.prefill.control)
+    return Generate(request_id, prompt_ids, params, timeout_s, prefill)
 
 
 def error_output(request_id: str, message: str) -> RequestOutput:
@@ -258,9 +255,7 @@ class RemoteBackend:
             live.route = None
             self.registry.release(route)
 
-    async def run_once(
-        self, route: Route, body: dict[str, Any], wait_s: float
-    ) -> list[RequestOutput]:
+    async def run_once(self, route: Route, body: Generate, wait_s: float) -> list[RequestOutput]:
         """One request on `route` the way the clients' go (on D's channel, or its own stream),
         outside their bookkeeping (no outstanding count, no metrics): every output, the last
         with its finish; WorkerError if it failed or took longer than `wait_s`. The health
@@ -271,7 +266,7 @@ class RemoteBackend:
         live = _Live(outs.append)
         channel = self.channels.get(route.decode.url)
         if channel is not None:
-            await self._on_channel(channel, dict(body), wait_s, live, route, None)
+            await self._on_channel(channel, body, wait_s, live, route, None)
         else:
             await self._on_own_stream(body, wait_s, live, route, None)
         return outs
@@ -301,7 +296,7 @@ class RemoteBackend:
     async def _on_channel(
         self,
         channel: WorkerChannel,
-        body: dict[str, Any],
+        body: Generate,
         wait_s: float,
         live: _Live,
         route: Route,
@@ -309,7 +304,7 @@ class RemoteBackend:
     ) -> str:
         """The request on D's output channel: its outcome once the finish came (the sink has
         had every output) within `wait_s`; WorkerError otherwise, as `_attempt` reads it."""
-        rid, url = body["request_id"], route.decode.url
+        rid, url = body.request_id, route.decode.url
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         done: asyncio.Future[str] = loop.create_future()
@@ -341,7 +336,7 @@ class RemoteBackend:
     async def _send_on(
         self,
         channel: WorkerChannel,
-        body: dict[str, Any],
+        body: Generate,
         receiver: Receiver,
         done: asyncio.Future[str],
         deadline: float,
@@ -351,15 +346,15 @@ class RemoteBackend:
         then failed), False to try again (the channel ended or D no longer knows it),
         TimeoutError if the channel did not open by then, WorkerError for anything else
         (`_attempt` reads it)."""
-        rid, url = body["request_id"], channel.client.url
+        rid, url = body.request_id, channel.client.url
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(deadline):
             cid = await channel.ready()
-        body["channel"] = cid
         if not channel.register(cid, rid, receiver):
             return False
         try:
-            await self.clients[url].submit(body, max(deadline - loop.time(), 0.001))
+            on_channel = msgspec.structs.replace(body, channel=cid)
+            await self.clients[url].submit(on_channel, max(deadline - loop.time(), 0.001))
             return True
         except WorkerError as e:
             if done.done() and not done.cancelled() and done.exception() is None:
@@ -375,7 +370,7 @@ class RemoteBackend:
             raise
 
     async def _on_own_stream(
-        self, body: dict[str, Any], wait_s: float, live: _Live, route: Route, t0: float | None
+        self, body: Generate, wait_s: float, live: _Live, route: Route, t0: float | None
     ) -> str:
         """The request on a /generate stream of its own; its outcome, as `_on_channel`."""
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()

@@ -174,7 +174,7 @@ def add_router_command(sub: Any) -> None:
     r.add_argument(
         "--model",
         required=True,
-        help="builtin:NAME or a local model directory (the router needs its tokenizer)",
+        help="builtin:NAME, a local model directory or .gguf file (the router needs its tokenizer)",
     )
     r.add_argument(
         "--served-model-name",

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
-import msgspec
 
+from pdserve.protocol.generate import Generate, encode_generate
 from pdserve.protocol.outputs import RequestOutput, decode_line, decode_output
 
 ERROR_BODY_LIMIT = 2000  # characters of a worker's error body worth quoting
@@ -50,12 +50,11 @@ class WorkerClient:
         self.url = url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
 
-    def _encode(self, body: dict[str, Any]) -> bytes:
-        """A /generate body as JSON; WorkerError (the request never left) if it cannot be.
-        msgspec, on the router's event loop: a fraction of json.dumps's time for a long prompt
-        (benchmarks/RESULTS.md, 2026-12-05)."""
+    def _encode(self, body: Generate) -> bytes:
+        """A /generate body as JSON (protocol/generate.py); WorkerError (the request never
+        left) if it cannot be."""
         try:
-            return msgspec.json.encode(body)
+            return encode_generate(body)
         except (TypeError, ValueError, OverflowError) as e:  # a lone surrogate, a huge int
             raise WorkerError(self.url, f"the /generate body cannot be encoded: {e}") from e
 
@@ -109,16 +108,14 @@ class WorkerClient:
         except aiohttp.ClientError as e:
             raise WorkerError(self.url, f"POST /abort failed: {e!r}") from e
 
-    async def generate(
-        self, body: dict[str, Any], timeout_s: float
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, body: Generate, timeout_s: float) -> AsyncIterator[RequestOutput]:
         """POST /generate and yield its outputs; the last one yielded carries a finish_reason.
 
         Anything short of that (HTTP error, broken or malformed stream, no end within
         timeout_s) raises WorkerError. Closing the generator early closes the connection,
         which the worker takes as an abort.
         """
-        rid = str(body["request_id"])
+        rid = body.request_id
         try:
             async with self.session.post(
                 self.url + "/generate",
@@ -148,7 +145,7 @@ class WorkerClient:
         except ValueError as e:  # a malformed line (decode_line), a line over MAX_LINE_BYTES
             raise WorkerError(self.url, f"POST /generate sent a bad stream: {e}") from e
 
-    async def submit(self, body: dict[str, Any], timeout_s: float) -> None:
+    async def submit(self, body: Generate, timeout_s: float) -> None:
         """POST /generate with a "channel": returns once the worker's engine has the request.
 
         WorkerError with connect=True when the request surely never reached the engine: the

@@ -39,7 +39,7 @@ class RouterConfig:
     protect_health: bool = False  # /health and /metrics need a key too
     max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
     # "shared": one output stream per worker carries every request's outputs (router/channel.py);
-    # "per-request": each /generate streams its own (the A/B of benchmarks/gpu_serving.py).
+    # "per-request": each /generate streams its own (the A/B of benchmarks/serving/gpu_serving.py).
     worker_streams: str = "shared"
     # Bind with SO_REUSEPORT: one of several routers on one port (router/pool.py).
     reuse_port: bool = False

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.protocol.generate import Generate
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.backend import generate_body
@@ -43,7 +44,7 @@ from pdserve.server.admission import Admission
 log = logging.getLogger(__name__)
 
 CANARY_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-RunOnce = Callable[[Route, dict[str, Any], float], Awaitable[list[RequestOutput]]]
+RunOnce = Callable[[Route, Generate, float], Awaitable[list[RequestOutput]]]
 DEEP_FRESH_S = 1.0  # a full round this recent answers /health/deep without a new one
 ROUND_GRACE_S = 2.0  # past a round's own bound (every probe is bounded by deep_timeout_s)
 

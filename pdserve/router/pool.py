@@ -20,7 +20,7 @@ How:
   drain as a single router does, a second makes each stop at once. A child still running
   past its drain and stop bounds is killed. Children die with the parent (PR_SET_PDEATHSIG).
 * A child that exits while serving is started again (its clients' streams broke with it, the
-  others' did not), at most MAX_RESTARTS times in RESTART_WINDOW_S; past that every child
+  others' did not), at most MAX_RESTARTS times in POOL_RESTART_WINDOW_S; past that every child
   is stopped and the parent exits 1. A child that fails before READY fails the start.
 * Metrics: every child keeps its series in files in one directory (PROMETHEUS_MULTIPROC_DIR,
   router/metrics.py), so a scrape of any child answers for all of them.
@@ -47,17 +47,18 @@ from pdserve.router.metrics import SHARED_DIR_ENV
 from pdserve.runtime.child import _die_with_parent
 from pdserve.runtime.logs import TAG_ENV
 from pdserve.runtime.ready import announce_ready
-from pdserve.runtime.timing import ROUTER_STOP_S
+from pdserve.runtime.timing import (
+    POOL_POLL_S,
+    POOL_RESTART_WINDOW_S,
+    POOL_START_GRACE_S,
+    POOL_STOP_GRACE_S,
+)
 from pdserve.server.listener import bind, bind_error
 
 log = logging.getLogger(__name__)
 
 MAX_PROCESSES = 64
-MAX_RESTARTS = 3  # child restarts allowed within RESTART_WINDOW_S
-RESTART_WINDOW_S = 60.0
-START_GRACE_S = 30.0  # a child's start beyond the fleet's discovery: imports, the tokenizer
-STOP_GRACE_S = 2 * ROUTER_STOP_S + 5.0  # past a child's drain: its health loop, aborts, aiohttp
-POLL_S = 0.2  # the parent's loop: output, signals, exits
+MAX_RESTARTS = 3  # child restarts allowed within POOL_RESTART_WINDOW_S
 
 
 def child_argv(argv: list[str], port: int, max_queue: int) -> list[str]:
@@ -209,9 +210,9 @@ class Pool:
         """Start every child and wait for its READY; None once all serve, else the code."""
         for child in self.children:
             self._spawn(child)
-        deadline = time.monotonic() + self.cfg.startup_timeout_s + START_GRACE_S
+        deadline = time.monotonic() + self.cfg.startup_timeout_s + POOL_START_GRACE_S
         while not all(c.ready for c in self.children):
-            self._pump(POLL_S)
+            self._pump(POOL_POLL_S)
             if self.signals:
                 log.info("signal %d during startup: stopping", self.signals[0])
                 return 0
@@ -232,14 +233,14 @@ class Pool:
     def _serve(self) -> int | None:
         """Until a signal (None: stop normally) or too many child deaths (1)."""
         while not self.signals:
-            self._pump(POLL_S)
+            self._pump(POOL_POLL_S)
             for c in self.children:
                 code = c.poll()
                 if code is None:
                     continue
                 self._reap(c)
                 now = time.monotonic()
-                while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+                while self.restarts and now - self.restarts[0] > POOL_RESTART_WINDOW_S:
                     self.restarts.popleft()
                 if len(self.restarts) >= MAX_RESTARTS:
                     log.error(
@@ -248,7 +249,7 @@ class Pool:
                         c.pid,
                         code,
                         MAX_RESTARTS + 1,
-                        RESTART_WINDOW_S,
+                        POOL_RESTART_WINDOW_S,
                     )
                     return 1
                 log.error("!!! %s (pid %d) exited with %d; starting it again", c.name, c.pid, code)
@@ -274,13 +275,13 @@ class Pool:
         live = [c for c in self.children if c.poll() is None]
         if not self.signals:
             self.signals.append(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.drain_timeout_s + STOP_GRACE_S
+        deadline = time.monotonic() + self.cfg.drain_timeout_s + POOL_STOP_GRACE_S
         while live and time.monotonic() < deadline:
             while self.signals:
                 sig = self.signals.popleft()
                 for c in live:
                     c.signal(sig)
-            self._pump(POLL_S)
+            self._pump(POOL_POLL_S)
             live = [c for c in live if c.poll() is None]
         codes = []
         for c in self.children:

@@ -24,7 +24,7 @@ _clock = threading.local()
 def waited_s() -> float:
     """Seconds the calling thread has spent in `wait_event` polling an event not yet reached,
     since it started: a tick's wall time minus this is the host's share of the tick
-    (benchmarks/engine_load.py), which tells a host-bound engine from a GPU-bound one."""
+    (benchmarks/engine/engine_load.py), which tells a host-bound engine from a GPU-bound one."""
     return float(getattr(_clock, "waited", 0.0))
 
 

@@ -1,14 +1,24 @@
 """Every time bound of pdserve's processes in one place, with why it has its value: the engine,
-the PD protocol, transfers, HTTP serving, the launcher. (The tools' own timeouts, chaos, bench,
-doctor and the demo, stay with them.)
+the engine process, the PD protocol, transfers, HTTP serving, the router's processes, the
+launcher. (The tools' own timeouts, chaos, bench, doctor and the demo, stay with them.)
 
 The bounds depend on each other (a peer is declared dead well before a fence ends; a Pong's
 engine stall is judged by P's own heartbeat bound), so they are read together here. Modules
-import the names they use; tests may monkeypatch a module's copy to shorten a wait.
+import the names they use. The PD roles take theirs as one value, `PdTiming` (at the end; its
+defaults are these constants), and time from the engine's `Clock`: the loop passes each verb
+`now` (monotonic), and a role reads only the wall clock itself, from that clock, for what
+crosses hosts (write deadlines, ping stamps). So the roles' tests advance a fake clock instead
+of racing the real one (tests/worker/fake_clock.py); tests of the HTTP paths still shorten a
+wait by patching a module's copy of its bound.
 docs/architecture.md §Deadlines and §Clocks describe how they combine.
 """
 
 from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 # -- the engine loop (engine/engine.py) -----------------------------------------------------------
 # With no batch to run but transfers in flight or rooms waiting on a peer, the loop wakes this
@@ -21,6 +31,23 @@ ENGINE_HEARTBEAT_S = 30.0  # the engine thread's heartbeat bound: a CPU step can
 GPU_WAIT_TIMEOUT_S = 120.0
 OVERDUE_GRACE_S = 1.0  # a request or room this far past its deadline is reported by /health
 OVERDUE_EVERY_S = 0.25  # how often the overdue list is recomputed
+# The control and data-plane threads' heartbeat bound: their ticks block 0.1 s at most (a poll,
+# a queue wait), so a tick this late is a thread stuck in a call.
+IO_HEARTBEAT_S = 5.0
+
+# -- the engine in its own process (worker/host/client.py, process.py) ----------------------
+ENGINE_START_TIMEOUT_S = 1800.0  # a large checkpoint's load and its CUDA graphs' capture
+ENGINE_STATUS_EVERY_S = 0.1  # how fresh the worker's view of health and pending work is
+# The engine process reports every ENGINE_STATUS_EVERY_S; this long without, it is wedged.
+ENGINE_STATUS_STALE_S = 10.0
+ENGINE_SETUP_TIMEOUT_S = 30.0  # the worker sends Setup right after starting the process
+# A worker that reads nothing from its engine process this long is wedged: the send raises.
+ENGINE_SEND_TIMEOUT_S = 30.0
+# Stop -> Stopped: the engine process's threads get THREADS_STOP_S (5 s) of it.
+ENGINE_STOP_TIMEOUT_S = 15.0
+ENGINE_EXIT_TIMEOUT_S = 5.0  # Stopped -> the process gone
+# The worker's bound on closing its engine process: the stop, the exit, and a second's slack.
+ENGINE_CLOSE_TIMEOUT_S = ENGINE_STOP_TIMEOUT_S + ENGINE_EXIT_TIMEOUT_S + 1.0
 
 # -- decode worker D, about its prefill workers (worker/decode/role.py) ---------------------
 PING_EVERY_S = 1.0
@@ -51,6 +78,10 @@ DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this ofte
 # -- the decode worker's prefill peers and clocks (worker/decode/peers.py, clock_skew.py) ---------
 PEER_IDLE_S = 60.0  # a prefill peer without rooms this long is forgotten and its socket closed
 MAX_RTT_S = 1.0  # a ping round trip slower than this says too little about the clocks' skew
+# An address that failed to prove it is a prefill worker of the cluster (no signed HelloAck
+# before PEER_TIMEOUT_S) is refused this long: no /generate caller can make D knock on a host
+# again and again.
+UNPROVEN_BACKOFF_S = 10.0
 
 # -- HTTP serving: every process (server/, frontend/, worker/server.py, router/) ---------------
 BODY_TIMEOUT_S = 30.0  # a request body slower than this is refused (408)
@@ -76,6 +107,17 @@ ROUTER_STOP_S = 5.0  # the router's bound on stopping its health loop and aiohtt
 STOP_POLL_S = 0.05  # how often a draining server looks whether it is idle
 INFO_CALL_S = 5.0  # the router's one /info call to a worker at startup
 DISCOVERY_RETRY_S = 0.5  # ...retried this often (a worker may still be binding its port)
+# A decode worker remembers an aborted request id this long and refuses a /generate naming it
+# (worker/http/aborted_ids.py): far longer than a connection's accept can lag behind another's.
+ABORTED_KEEP_S = 60.0
+
+# -- the router's processes, `router --processes N` (router/pool.py) ---------------------------
+POOL_RESTART_WINDOW_S = 60.0  # a child's restarts are counted within this window
+# A child's start may take this long past the fleet's discovery: imports, the tokenizer.
+POOL_START_GRACE_S = 30.0
+# A child still running this long past its drain is killed: its health loop, aborts, aiohttp.
+POOL_STOP_GRACE_S = 2 * ROUTER_STOP_S + 5.0
+POOL_POLL_S = 0.2  # the parent's loop: its children's output, signals, exits
 
 # -- the launcher and logs (runtime/) ---------------------------------------------------------
 LAUNCH_POLL_S = 0.05  # the startup barrier's look at the children's logs
@@ -93,3 +135,60 @@ HOST_LOAD_TIMEOUT_S = 5.0
 # The bounds (seconds) of every latency histogram, the engine's (TTFT, ITL, end to end) and the
 # router's alike, so the two sides of one request bin alike: 1 ms to a minute.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+# -- the PD roles' bounds as one value, and the clock they read ------------------------------
+
+
+@dataclass(frozen=True)
+class PdTiming:
+    """The time bounds a prefill or decode role is built with (worker/prefill/role.py,
+    worker/decode/role.py); the defaults are this module's constants, whose comments say why."""
+
+    # D about its prefill workers
+    ping_every_s: float = PING_EVERY_S
+    peer_timeout_s: float = PEER_TIMEOUT_S
+    peer_engine_stall_s: float = PEER_ENGINE_STALL_S
+    abort_ack_timeout_s: float = ABORT_ACK_TIMEOUT_S
+    fence_s: float = FENCE_S
+    fence_margin_s: float = FENCE_MARGIN_S
+    prefill_timeout_s: float = PREFILL_TIMEOUT_S
+    peer_idle_s: float = PEER_IDLE_S
+    unproven_backoff_s: float = UNPROVEN_BACKOFF_S
+    max_rtt_s: float = MAX_RTT_S
+    clock_skew_warn_s: float = CLOCK_SKEW_WARN_S
+    clock_skew_warn_every_s: float = CLOCK_SKEW_WARN_EVERY_S
+    # P about its decode workers
+    peer_silence_s: float = PEER_SILENCE_S
+    close_after_s: float = CLOSE_AFTER_S
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"PdTiming.{f.name} must be a finite number > 0, got {value!r}")
+
+
+PD_TIMING = PdTiming()  # the constants above, as a role's default
+
+
+class Clock(Protocol):
+    """Where time comes from: `monotonic()` for local deadlines, `wall()` (unix seconds) for
+    what crosses hosts (a room's write deadline, a Ping's and a Pong's stamps)."""
+
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class SystemClock:
+    """The process's clocks: `time.monotonic` and `time.time`."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+SYSTEM_CLOCK: Clock = SystemClock()

@@ -1,8 +1,14 @@
 """A JSON request body's bytes -> its value, refusing what no JSON endpoint can take (400).
-Shared by the OpenAI API and the worker API."""
+
+`parse_json_body` is the OpenAI API's (Python's json, then a walk for depth and lone
+surrogates); `utf8_body` gives a typed decoder that reads only UTF-8 (the worker's /generate,
+protocol/generate.py) the body in UTF-8, from whatever charset its Content-Type declares, with
+the same messages for a charset neither can read.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Any
 
@@ -20,13 +26,7 @@ def parse_json_body(raw: bytes, charset: str | None) -> Any:
     UTF-8 encoding in the tokenizer or in the response). NaN and Infinity do parse: the
     field checks refuse them and name the field.
     """
-    encoding = charset or "utf-8"
-    try:
-        text = raw.decode(encoding)
-    except LookupError as e:  # also a codec that is not a text encoding ("hex", "rot13")
-        raise bad(f"unsupported charset {show(charset)} in Content-Type; send UTF-8") from e
-    except UnicodeError as e:
-        raise bad(f"the request body is not valid JSON in {show(encoding)}: {e}") from e
+    text = _text(raw, charset or "utf-8")
     try:
         value = json.loads(text)
     except RecursionError as e:
@@ -35,6 +35,36 @@ def parse_json_body(raw: bytes, charset: str | None) -> Any:
         raise bad(f"the request body is not valid JSON: {e}") from e
     check_json(value)
     return value
+
+
+def utf8_body(raw: bytes, charset: str | None) -> bytes:
+    """A body's bytes in UTF-8: as they came if the charset is UTF-8's or none (JSON's own; the
+    decoder checks the bytes), else decoded from the charset and encoded again; 400 if they
+    cannot be."""
+    if charset is None or is_utf8(charset):
+        return raw
+    text = _text(raw, charset)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, which some codecs decode to
+        raise bad(_surrogate_message(text[e.start])) from e
+
+
+def is_utf8(charset: str) -> bool:
+    """Whether a Content-Type charset names UTF-8 ("utf-8", "UTF8", "U8", ...)."""
+    try:
+        return codecs.lookup(charset).name == "utf-8"
+    except LookupError:
+        return False
+
+
+def _text(raw: bytes, encoding: str) -> str:
+    try:
+        return raw.decode(encoding)
+    except LookupError as e:  # also a codec that is not a text encoding ("hex", "rot13")
+        raise bad(f"unsupported charset {show(encoding)} in Content-Type; send UTF-8") from e
+    except UnicodeError as e:
+        raise bad(f"the request body is not valid JSON in {show(encoding)}: {e}") from e
 
 
 def check_json(value: Any) -> None:
@@ -67,7 +97,8 @@ def _check_text(s: str, param: str | None) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise bad(
-            f"a string holds a lone surrogate (U+{ord(s[e.start]):04X}), which is not text",
-            param,
-        ) from e
+        raise bad(_surrogate_message(s[e.start]), param) from e
+
+
+def _surrogate_message(char: str) -> str:
+    return f"a string holds a lone surrogate (U+{ord(char):04X}), which is not text"

@@ -19,7 +19,7 @@ itself proves membership, keyed from the cluster key, in one of two ways:
   `zmq-curve-server` / `zmq-curve-client` sub-keys. The server's public key is never sent
   (the client must know it beforehand), so only members complete the handshake, and no ZAP
   handler is needed. It also encrypts every frame, the tcp backend's KV pages included, which
-  costs (benchmarks/control_curve.py); so it is the choice against a network that can be
+  costs (benchmarks/transfer/control_curve.py); so it is the choice against a network that can be
   read, not the default.
 
 Frame authentication stays on top either way: it names the sender and refuses replays.

@@ -25,7 +25,7 @@ transfer request that picks rows by index, and NIXL's make_prepped_xfer merges r
 consecutive on *both* sides into one descriptor (its trace log says so): exactly the spans
 `page_spans` computes (`NixlTransfer.descriptors`). Each descriptor is one UCX operation (over
 cuda_ipc, one copy), so a write of scattered pages runs well below one contiguous write
-(benchmarks/RESULTS.md, 2026-12-01 and its second session; benchmarks/transfer.py separates
+(benchmarks/RESULTS.md, 2026-12-01 and its second session; benchmarks/transfer/transfer.py separates
 the pages' pattern from pdserve's own cost). So the allocators hand out the lowest free pages
 in order (kvcache/allocator.py): a request's pages are one span on a quiet pool and a few
 under churn, where freed pages queued at the back would scatter them. The Python around a

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,12 +53,13 @@ class Room(Protocol):
     reason: str
 
 
-def enter(room: Room, out: Outcome, event: str, reason: str, stats: RoleStats) -> bool:
-    """Record a table outcome on a room; a stale event is counted and changes nothing."""
+def enter(room: Room, out: Outcome, event: str, reason: str, stats: RoleStats, now: float) -> bool:
+    """Record a table outcome on a room as of `now` (monotonic); a stale event is counted and
+    changes nothing."""
     if out.stale:
         stats.stale[event] += 1
         return False
     room.state = out.state
-    room.since = time.monotonic()
+    room.since = now
     room.reason = room.reason or reason
     return True

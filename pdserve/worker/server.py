@@ -34,6 +34,7 @@ from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
     ABORT_GRACE_S,
     DRAIN_S,
+    ENGINE_CLOSE_TIMEOUT_S,
     HANDLERS_STOP_S,
     THREADS_STOP_S,
 )
@@ -43,7 +44,7 @@ from pdserve.server.body import app_args as body_app_args
 from pdserve.server.errors import error_middleware
 from pdserve.server.listener import Listener, bind, bind_error
 from pdserve.server.stopping import Stop, in_thread
-from pdserve.worker.host.client import CLOSE_TIMEOUT_S, EngineClient, EngineStartFailed
+from pdserve.worker.host.client import EngineClient, EngineStartFailed
 from pdserve.worker.host.local_engine import LocalEngine, require_key
 from pdserve.worker.http.api import WorkerApi
 from pdserve.worker.http.ops import OpsApi
@@ -149,7 +150,7 @@ class Server:
             log.warning("stopped at once: %d connections dropped", len(listener.connections))
             return code
         # The engine process's threads stop now, behind this process's (it has none of them).
-        stuck = await stop.unless_forced(self.host.close(stuck), CLOSE_TIMEOUT_S)
+        stuck = await stop.unless_forced(self.host.close(stuck), ENGINE_CLOSE_TIMEOUT_S)
         if stop.exit_code is not None:
             self.forced = True
             return stop.exit_code

@@ -1,5 +1,5 @@
-"""benchmarks/engine_load.py on the CPU at the tiny model: the closed loop serves every prompt
-in full and measures inside its window. Its timings are not asserted."""
+"""benchmarks/engine/engine_load.py on the CPU at the tiny model: the closed loop serves every
+prompt in full and measures inside its window. Its timings are not asserted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import engine_load
+from benchmarks.engine import engine_load
 
 
 @pytest.mark.parametrize("jitter_ms", [0.0, 5.0])

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_decode.py on the CPU at the tiny model: it drives the engine it measures
+"""benchmarks/engine/gpu_decode.py on the CPU at the tiny model: it drives the engine it measures
 (prefill, a planned decode step, ticks, aborts) and counts the roofline's bytes and FLOPs
 exactly. Its timings are not asserted."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_decode
+from benchmarks.engine import gpu_decode
 from pdserve.model.builtin_specs import builtin_spec
 
 

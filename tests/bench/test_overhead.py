@@ -2,7 +2,7 @@
 
 The figure is printed (run with -s to see it), never asserted: timing on a shared machine is
 not a test result. What is asserted is that 2000 requests sent at once all complete and are
-counted exactly. benchmarks/bench_overhead.py records the figure in RESULTS.md.
+counted exactly. benchmarks/serving/bench_overhead.py records the figure in RESULTS.md.
 """
 
 from __future__ import annotations

@@ -166,3 +166,12 @@ def test_logit_bias_and_include_stop_str_keep_their_values_over_the_wire() -> No
         with pytest.raises(InvalidParams) as e:
             SamplingParams.from_builtins({"include_stop_str_in_output": v})
         assert e.value.param == "include_stop_str_in_output"
+
+
+@pytest.mark.parametrize("name", ["temperature", "seed", "stop_token_ids", "ignore_eos"])
+def test_a_lone_surrogate_where_no_string_belongs_is_invalid_params(name: str) -> None:
+    # msgspec.convert raises UnicodeEncodeError on it; from_builtins raises nothing but this.
+    value: Any = ["\udc00"] if name == "stop_token_ids" else "a\ud800"
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams.from_builtins({name: value})
+    assert e.value.param == name

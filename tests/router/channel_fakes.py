@@ -47,6 +47,7 @@ class ScriptedEngine:
         validate_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams, sink: Any, *a: Any):
+        self.validate(prompt, params)  # as an engine's submit does
         with self.lock:
             self.submitted.append(rid)
             self.live[rid] = [sink, 0, params.max_tokens]

@@ -1,5 +1,6 @@
-"""The benchmarks' `Pdserve` (benchmarks/launched.py) stops what its launch left behind, by pid,
-and only pdserve processes: a listed pid the kernel gave to another program is left alone.
+"""The benchmarks' `Pdserve` (benchmarks/serving/launched.py) stops what its launch left behind,
+by pid, and only pdserve processes: a listed pid the kernel gave to another program is left
+alone.
 
 A stand-in launcher (a few lines of Python, no model) prints READY, writes the cluster table
 with a leftover worker that outlives it (a pdserve process) and a stranger's pid (as a reused
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launched import Pdserve
+from benchmarks.serving.launched import Pdserve
 from pdserve.runtime.pids import is_pdserve, pid_alive
 
 pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)

@@ -12,6 +12,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from pdserve.protocol.generate import Generate
 from pdserve.protocol.outputs import RequestOutput, encode_line
 from pdserve.router import backend as backend_mod
 from pdserve.router import channel as channel_mod
@@ -326,7 +327,7 @@ def test_a_canary_is_held_to_its_own_bound_while_the_channel_opens():
             route = b.registry.choose()
             t0 = time.monotonic()
             try:
-                await b.run_once(route, {"request_id": "deep-1", "prompt_ids": [1]}, 0.3)
+                await b.run_once(route, Generate(request_id="deep-1", prompt_ids=[1]), 0.3)
             except backend_mod.WorkerError as e:
                 assert "no output stream within 0.3s" in e.what
             else:
@@ -344,7 +345,7 @@ def test_after_close_nothing_opens_a_channel_again():
             await b.close("the router is shutting down")
             route = b.registry.choose()
             for call in (
-                b.run_once(route, {"request_id": "deep-2", "prompt_ids": [1]}, 1.0),
+                b.run_once(route, Generate(request_id="deep-2", prompt_ids=[1]), 1.0),
                 b.channels[url].ready(),
             ):
                 try:

@@ -272,3 +272,27 @@ def test_the_canary_goes_the_way_client_requests_go():
             await b.close("test over")
 
     run(body())
+
+
+def test_a_request_the_engine_refuses_on_a_channel_is_400_and_leaves_no_trace():
+    """The engine's own check runs in its `submit`: a prompt it can never serve is a 400 naming
+    the field, and the channel forgets the id, which may then come again (worker/http/api.py)."""
+
+    async def main() -> None:
+        engine = ScriptedEngine(frozen=True)
+        async with (
+            worker(engine) as (url, _),
+            aiohttp.ClientSession() as s,
+            s.post(url + "/outputs", json={"channel": "one"}) as stream,
+        ):
+            assert stream.status == 200
+            bad = {"request_id": "r", "prompt_ids": [engine.vocab_size], "channel": "one"}
+            async with s.post(url + "/generate", json=bad) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "prompt"
+            good = {**bad, "prompt_ids": [1]}
+            async with s.post(url + "/generate", json=good) as r:
+                assert r.status == 200 and await r.json() == {"ok": True}
+            assert engine.submitted == ["r"]
+
+    run(main())

@@ -20,6 +20,7 @@ from pdserve.frontend.protocol import (
     parse_completion,
     parse_json_body,
 )
+from pdserve.protocol.generate import check_prefill, decode_generate
 from pdserve.protocol.sampling import (
     INT64_MAX,
     SEED_MAX,
@@ -28,7 +29,7 @@ from pdserve.protocol.sampling import (
     SamplingParams,
     validate_prompt,
 )
-from pdserve.worker.http.generate_body import check_prefill_address, params_from_json
+from pdserve.server.json_body import utf8_body
 from tests.server.validation_app import CHAT, HUGE, INF, MAX_LEN, NAN, SURROGATE, VOCAB
 
 
@@ -174,7 +175,7 @@ def test_parsers_raise_only_api_errors(parse: Any) -> None:
                 assert e.status == 400 and len(e.message) < 600, (key, v)
 
 
-# -- SamplingParams, validate_prompt, params_from_json ----------------------------------------
+# -- SamplingParams, validate_prompt, from_builtins, the prefill address --------------------
 def test_sampling_params_bounds() -> None:
     assert SamplingParams(temperature=1e-40).greedy
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-5).greedy
@@ -199,14 +200,16 @@ def test_validate_prompt_checks_stop_token_ids_against_the_vocab() -> None:
     )
 
 
-def test_params_from_json_raises_only_api_errors_and_what_it_returns_is_usable() -> None:
+def test_from_builtins_raises_only_invalid_params_and_what_it_returns_is_usable() -> None:
+    """A peer's params (PrefillRequest): InvalidParams, which every API answers as a 400 naming
+    the field, and nothing else."""
     accepted = 0
     for name in SamplingParams.__struct_fields__:
         for v in HOSTILE:
             try:
-                p = params_from_json({name: v})
-            except ApiError as e:
-                assert e.status == 400 and e.param in (name, "params"), (name, v, e.param)
+                p = SamplingParams.from_builtins({name: v})
+            except InvalidParams as e:
+                assert e.param in (name, "params"), (name, v, e.param)
                 continue
             accepted += 1
             msgspec.msgpack.encode(p.to_builtins())  # what a PrefillRequest carries
@@ -215,7 +218,9 @@ def test_params_from_json_raises_only_api_errors_and_what_it_returns_is_usable()
                 torch.Generator().manual_seed(p.seed)
     assert accepted >= 10  # the legal values among HOSTILE did get through
     for bad in ([1], "x", None, {"nope": 1}, {1: 2}):
-        assert err(params_from_json, bad).param == "params"
+        with pytest.raises(InvalidParams) as e:
+            SamplingParams.from_builtins(bad)
+        assert e.value.param == "params"
 
 
 @pytest.mark.parametrize(
@@ -242,9 +247,11 @@ def test_params_from_json_raises_only_api_errors_and_what_it_returns_is_usable()
 )
 def test_prefill_address(address: Any, ok: bool) -> None:
     if ok:
-        assert check_prefill_address(address) == address
+        assert check_prefill(address) == address
     else:
-        assert err(check_prefill_address, address).param == "prefill"
+        with pytest.raises(InvalidParams) as e:
+            check_prefill(address)
+        assert e.value.param == "prefill"
 
 
 # -- the JSON body --------------------------------------------------------------------------
@@ -268,3 +275,24 @@ def test_json_body_checks() -> None:
         with pytest.raises(ApiError) as e:
             parse_json_body(raw, charset)
         assert e.value.status == 400 and words in e.value.message, (raw[:20], e.value.message)
+
+
+def test_a_generate_body_in_any_charset_python_reads_decodes_as_in_utf8() -> None:
+    text = json.dumps({"request_id": "é-1", "prompt_ids": [1]}, ensure_ascii=False)
+    for name in ("utf-8", "UTF-8", "utf8", "U8"):  # UTF-8 by any name: the bytes as they came
+        raw = text.encode()
+        assert utf8_body(raw, name) is raw
+    assert utf8_body(text.encode(), None) == text.encode()
+    for charset in ("latin-1", "utf-16", "utf-8-sig", "cp1252"):
+        raw = text.encode(charset)
+        assert decode_generate(utf8_body(raw, charset)).request_id == "é-1", charset
+    for raw, charset, words in [
+        (b"{}", "no-such-charset", "unsupported charset"),
+        (b"{}", "hex", "unsupported charset"),
+        (b"{}", "rot13", "unsupported charset"),
+        (b"\x00\xd8", "utf-16-le", "not valid JSON in 'utf-16-le'"),
+        (b'{"request_id": "+2AA-"}', "utf-7", "lone surrogate (U+D800)"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            utf8_body(raw, charset)
+        assert e.value.status == 400 and words in e.value.message, (charset, e.value.message)

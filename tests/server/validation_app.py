@@ -26,7 +26,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 class FakeEngine:
-    """validate/submit/abort, max_model_len, vocab_size, cfg: what WorkerApi uses."""
+    """validate/submit/abort, max_model_len, vocab_size, cfg: what the APIs use. `submit`
+    validates first, as an engine's does (the worker API leaves the engine's check to it)."""
 
     vocab_size, max_model_len = VOCAB, MAX_LEN
     cfg = SimpleNamespace(request_timeout_s=5.0)
@@ -40,6 +41,7 @@ class FakeEngine:
 
     def submit(self, rid: str, prompt: list[int], params: Any, sink: Any, timeout_s: Any = None,
                **extra: Any) -> None:  # fmt: skip
+        self.validate(prompt, params)
         self.submitted.append((rid, prompt, params, timeout_s, extra))
         sink(RequestOutput(rid, (7,), (), "length", None, len(prompt)))
 

@@ -1,11 +1,10 @@
 """A request whose own timeout passes while P has it (issue 41 item 6: `"timeout": 0.001` in
 PD mode was a 500). P refuses a write deadline already past, or fails a room whose writes
 outlive it; D ends the request as its deadline's doing, which the front end answers 408, not
-500. The roles run against each other in one process (tests/worker/wire.py)."""
+500. The roles run against each other in one process (tests/worker/wire.py), on a fake clock."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +28,7 @@ def test_a_refusal_past_the_requests_own_deadline_is_a_408(tiny_dir):
     outs = wire.submit("late", PROMPT, GREEDY, timeout_s=TIMEOUT_S)
     sent = len(wire.sent)
     wire.run_until(lambda: ("d>p", "PrefillRequest") in wire.sent[sent:], p=False)
-    time.sleep(TIMEOUT_S + 0.05)  # the request's deadline passes with its PrefillRequest at P
+    wire.clock.advance(TIMEOUT_S + 0.05)  # its deadline passes with its PrefillRequest at P
     wire.tick(d=False)  # P refuses it: "arrived ... after its write deadline"
     wire.tick(p=False)  # D reads the refusal before its own deadline check runs
     assert ("p>d", "PrefillReject") in wire.sent[sent:]
@@ -42,14 +41,16 @@ def test_a_refusal_past_the_requests_own_deadline_is_a_408(tiny_dir):
 
 
 @pytest.mark.parametrize(
-    ("deadline_in_s", "deadline_error"), [(-0.001, True), (60.0, False), (None, False)]
+    ("deadline_in_s", "deadline_error"),
+    [(-0.001, True), (0.0, True), (0.001, False), (60.0, False), (None, False)],
 )
 @pytest.mark.parametrize("why", ["prefill worker refused: x", "prefill failed: KV write failed"])
 def test_an_end_by_p_is_the_clients_timeout_only_once_that_passed(
     deadline_in_s, deadline_error, why
 ):
-    deadline = None if deadline_in_s is None else time.monotonic() + deadline_in_s
+    now = 1000.0
+    deadline = None if deadline_in_s is None else now + deadline_in_s
     room = SimpleNamespace(request=SimpleNamespace(deadline=deadline), state=DState.PREFILLING)
-    said = blame(room, why)  # type: ignore[arg-type]
+    said = blame(room, why, now)  # type: ignore[arg-type]
     assert is_deadline_error(said) is deadline_error and why in said
     assert failure(said).status == (408 if deadline_error else 500)

@@ -124,7 +124,7 @@ def test_incident_bf16_index_k_under_load_with_aborts(ds_dir, monkeypatch) -> No
             wire.tick()
         wire.d.abort(rid)
         aborted.append(rid)
-    wire.run_until(lambda: all(ended(o) for o in outs.values()), timeout_s=120)
+    wire.run_until(lambda: all(ended(o) for o in outs.values()))
     wire.run_until(wire.idle)
     assert wrong == []
     finished = {rid: o[-1].finish_reason for rid, o in outs.items()}

@@ -19,9 +19,9 @@ import pytest
 from pdserve.protocol.outputs import RequestOutput, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.pids import signal_pdserve, wait_gone
+from pdserve.runtime.timing import ENGINE_STATUS_STALE_S
 from pdserve.worker.host import frames as f
 from pdserve.worker.host import process as engine_process
-from pdserve.worker.host.client import STATUS_STALE_S
 from tests.helpers import hf_greedy
 from tests.procs import LaunchedCluster, ServerProcess, http, wait_stopped, worker_args
 
@@ -233,7 +233,7 @@ def test_a_client_gone_mid_stream_ends_its_request_in_the_engine(split) -> None:
 
 @pytest.mark.process
 def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
-    """SIGSTOP: no Status comes, and /health says so once STATUS_STALE_S passed; the debug
+    """SIGSTOP: no Status comes, and /health says so once ENGINE_STATUS_STALE_S passed; the debug
     endpoints answer within their own bound meanwhile. SIGCONT: green again."""
     pid = _engine_pid(split)
     assert signal_pdserve(pid, signal.SIGSTOP)
@@ -242,8 +242,8 @@ def test_a_stopped_engine_process_turns_health_red_and_back(split) -> None:
         t0 = time.monotonic()
         status, state = http("GET", split.url + "/debug/state", timeout=10)
         assert status == 200 and "did not answer" in state["engine"]["error"]
-        assert time.monotonic() - t0 < STATUS_STALE_S  # its 2 s bound, not a hang
-        deadline = time.monotonic() + STATUS_STALE_S + 10
+        assert time.monotonic() - t0 < ENGINE_STATUS_STALE_S  # its 2 s bound, not a hang
+        deadline = time.monotonic() + ENGINE_STATUS_STALE_S + 10
         while (health := http("GET", split.url + "/health"))[0] == 200:
             assert time.monotonic() < deadline, "health stayed green"
             time.sleep(0.2)

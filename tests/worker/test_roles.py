@@ -15,9 +15,7 @@ from pdserve.engine.offline import build_engine, generate
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState, PState
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker.decode import peers as prefill_peers
-from pdserve.worker.decode import role as decode
-from pdserve.worker.prefill import peers as decode_peers
+from pdserve.runtime.timing import FENCE_MARGIN_S, FENCE_S, PEER_SILENCE_S, PEER_TIMEOUT_S
 from tests.worker import wire as wire_module
 from tests.worker.wire import P_ADDR, Wire, ended, tokens
 
@@ -112,28 +110,43 @@ def test_an_abort_in_each_state_ends_the_request_and_frees_both_pools(wire, poin
     assert ("p>d", "PrefillDone") in wire.sent if point == "decoding" else True
 
 
-def test_a_silent_prefill_worker_is_declared_dead_and_its_pages_fenced(wire, monkeypatch):
-    monkeypatch.setattr(prefill_peers, "PEER_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(decode, "FENCE_S", 0.1)
-    monkeypatch.setattr(decode, "FENCE_MARGIN_S", 0.1)
-    outs = wire.submit("r", PROMPT * 4, GREEDY, timeout_s=2.0)
+def test_a_silent_prefill_worker_is_declared_dead_and_its_pages_fenced(wire):
+    timeout_s = 20.0  # the room's write deadline: P may write until then, so D fences past it
+    outs = wire.submit("r", PROMPT * 4, GREEDY, timeout_s=timeout_s)
     wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, outs))
     wire.to_p = wire.to_d = False  # P vanishes: nothing reaches it, nothing comes back
-    wire.run_until(lambda: ended(outs), p=False)
+    wire.run_until(lambda: not wire.d.inbox.qsize(), p=False)  # what P sent before is read
+    wire.clock.advance(PEER_TIMEOUT_S)  # silent for exactly the bound: not yet dead
+    wire.tick(p=False)
+    assert not ended(outs) and _d_room(wire).state is DState.PREFILLING
+    wire.clock.advance(0.1)
+    wire.tick(p=False)  # past it: declared dead
     assert outs[-1].finish_reason == "error" and "died" in (outs[-1].error or ""), outs[-1]
     room = _d_room(wire)
     assert room is not None and room.state is DState.FENCED  # P might still write: quarantined
-    assert wire.d.pool.allocator.num_held > 0
-    wire.run_until(lambda: _d_room(wire) is None, p=False)  # the fence expires
+    # Until the write deadline (wall-clock, set when the room opened) and the margin past it.
+    fence_left = room.write_deadline + FENCE_MARGIN_S - wire.clock.wall()
+    assert fence_left > FENCE_S and room.deadline == pytest.approx(wire.clock.now + fence_left)
+    held = wire.d.pool.allocator.num_held
+    assert held > 0
+    wire.clock.advance(fence_left)
+    wire.tick(p=False)
+    assert _d_room(wire) is room and wire.d.pool.allocator.num_held == held  # not a tick early
+    wire.clock.advance(0.1)
+    wire.tick(p=False)  # the fence expires
+    assert _d_room(wire) is None
     assert wire.d.pool.allocator.num_held == 0 and wire.d.leases.violations() == []
 
 
-def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire, monkeypatch):
+def test_a_silent_decode_worker_is_dropped_and_its_rooms_freed(wire):
     wire.submit("r", PROMPT * 4, GREEDY)
     wire.run_until(lambda: ABORT_POINTS["prefilling"](wire, []))
     wire.to_p = wire.to_d = False  # D vanishes mid-prefill
-    monkeypatch.setattr(decode_peers, "PEER_SILENCE_S", 0.05)
-    time.sleep(0.1)
+    wire.run_until(lambda: not wire.p.inbox.qsize(), d=False)  # what D sent before is read
+    wire.clock.advance(PEER_SILENCE_S)  # silent for exactly the bound: not yet dropped
+    wire.tick(d=False)
+    assert wire.p_role.stats.peers_dropped == {} and _p_room(wire) is not None
+    wire.clock.advance(0.1)
     wire.tick(d=False)  # P's first tick past the silence drops D and aborts its room
     assert wire.p_role.stats.peers_dropped == {"silent": 1}
     # PEER_DEAD stops the compute and ends the room as an abort once no write is in flight.

@@ -5,11 +5,15 @@ Each engine's transport hands the messages its role returns to the other engine'
 thread first, as `Engine.on_control` does on the control thread). KV moves over the real shm
 data plane: the decode engine's pool is shared memory that the prefill role maps. Links can be
 cut in either direction to play a lost peer.
+
+Both engines read time from one fake clock (`wire.clock`, tests/worker/fake_clock.py): it
+stands still while the engines tick, so no deadline passes, no ping falls due and no peer goes
+silent unless the test advances it. (Pages are copied inside `write()`, with no copier, so the
+transfer layer's own deadline checks, on the real clock, never run here.)
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +25,11 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.control import Inbound
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.worker.prefill.role import PrefillRole
+from tests.worker.fake_clock import FakeClock
 
 P_ADDR = "tcp://prefill.test:1"  # what D calls P (never dialled)
 P_ID, D_ID = "prefill-test", "decode-test"
+MAX_TICKS = 2_000  # a run_until that needs more is stuck (the longest test needs about 60)
 
 
 class Wire:
@@ -37,6 +43,7 @@ class Wire:
         index_k: tuple[str, str] = ("auto", "auto"),  # V3.2's index-K mode on P, on D
         dtype: str = "float32",
         d_kv_mb: float = 4.0,  # D's pool (a small one: memory pressure, preemption on D)
+        p_wall_ahead_s: float = 0.0,  # P's wall clock this far ahead of D's (another host's)
     ) -> None:
         def engine(shared: bool) -> Engine:
             return build_engine(
@@ -52,6 +59,8 @@ class Wire:
             )
 
         self.p, self.d = engine(False), engine(True)
+        self.clock = FakeClock()
+        self.p.clock, self.d.clock = self.clock.ahead(p_wall_ahead_s), self.clock
         self.p_role = PrefillRole(self.p, P_ID, address=P_ADDR)
         self.forgotten: list[str] = []  # prefill addresses whose transport D closed
         self.d_role = DecodeRole(self.d, D_ID, "shm", forget=self.forgotten.append)
@@ -91,13 +100,15 @@ class Wire:
             self.p.tick()
 
     def run_until(
-        self, done: Callable[[], bool], timeout_s: float = 30.0, p: bool = True, d: bool = True
+        self, done: Callable[[], bool], max_ticks: int = MAX_TICKS, p: bool = True, d: bool = True
     ) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not done after {timeout_s}s; messages: {self.sent}")
+        """Tick (D, then P) until `done()`; the clock stands still meanwhile."""
+        for _ in range(max_ticks):
+            if done():
+                return
             self.tick(p, d)
+        if not done():
+            raise AssertionError(f"not done after {max_ticks} ticks; messages: {self.sent}")
 
     def idle(self) -> bool:
         """No room open on either side and no page held: nothing leaked."""

@@ -2,7 +2,7 @@
 
 torch's `argmax(dim=-1)` reduces a row in one thread block, so over a large vocabulary it
 is slow whatever the batch: as long as the whole rest of a batch-1 step's sampling and copies
-together (benchmarks/gpu_kernels.py --step tick; benchmarks/RESULTS.md, 2026-12-02 second
+together (benchmarks/kernels/gpu_kernels.py --step tick; benchmarks/RESULTS.md, 2026-12-02 second
 session). Here a row is cut into CHUNK-token pieces, one program each
 (`rows x vocab / CHUNK` programs), and a second kernel picks each row's winner among its
 pieces' winners.

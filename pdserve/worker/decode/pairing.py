@@ -13,25 +13,25 @@ A prefill worker computes a decode worker's rooms only once it accepted that wor
 (its KV layout and the data plane to write into). So a room's PrefillRequest waits, queued on
 its peer, for the RegisterAck, with at most one Register in flight per peer; a refusal fails
 every room queued on it. A P that restarted and forgot us rejects a room as unregistered: we
-register again, once per room. Peers are pinged every PING_EVERY_S; any word from one proves
-it alive, except a Pong saying its engine has been stuck in one tick past PEER_ENGINE_STALL_S.
+register again, once per room. Peers are pinged every `ping_every_s`; any word from one proves
+it alive, except a Pong saying its engine has been stuck in one tick past `peer_engine_stall_s`
+(runtime/timing.py `PdTiming`).
 
 The peer set itself (its cap, idle eviction, who is due a ping or dead) is `PrefillPeers`
 (worker/decode/peers.py); what becomes of the rooms stays with the decode role, which owns
 them (worker/decode/role.py). Sans-I/O: messages go out through `send`, transports close through
-`forget`. Owned by the engine thread, like the rest of the decode role.
+`forget`, and the caller passes the time (`now` monotonic, `wall` unix). Owned by the engine
+thread, like the rest of the decode role.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import DState
-from pdserve.runtime.timing import PEER_ENGINE_STALL_S
 from pdserve.worker.decode.peers import PrefillPeers
 from pdserve.worker.decode.rooms import DRoom, PrefillPeer
 from pdserve.worker.pd_role import RoleStats
@@ -48,30 +48,32 @@ class PrefillPairing:
         forget: Callable[[str], None],
         stats: RoleStats,
     ) -> None:
-        """`send(address, msg)`: queue a message to a prefill worker; `register()`: this decode
-        worker's Register; `forget(address)`: close the transport to a peer no longer paired."""
+        """`peers`: the peer set, whose `timing` bounds the pairing too. `send(address, msg)`:
+        queue a message to a prefill worker; `register()`: this decode worker's Register;
+        `forget(address)`: close the transport to a peer no longer paired."""
         self.peers = peers
         self.send = send
         self.register = register
         self.forget = forget
         self.stats = stats
 
-    def heard(self, address: str, msg: m.Msg) -> None:
+    def heard(self, address: str, msg: m.Msg, now: float, wall: float) -> None:
         """Any message from `address` proves it alive; a Pong also times its clock."""
+        timing = self.peers.timing
         peer = self.peers.get(address)
-        stalled = isinstance(msg, m.Pong) and msg.engine_busy_s > PEER_ENGINE_STALL_S
+        stalled = isinstance(msg, m.Pong) and msg.engine_busy_s > timing.peer_engine_stall_s
         if peer is not None and not stalled:
-            peer.last_pong = time.monotonic()  # any word from P proves it alive...
+            peer.last_pong = now  # any word from P proves it alive...
         if stalled:  # ...but a Pong from a P whose engine is stuck in one tick does not
             self.stats.stale["pong_engine_stalled"] += 1
         if peer is not None and isinstance(msg, m.Pong):
-            peer.clock.observe(msg.ping_sent_at, msg.sent_at)
+            peer.clock.observe(msg.ping_sent_at, msg.sent_at, wall, now, timing)
 
-    def open(self, address: str, busy: Collection[str]) -> PrefillPeer:
+    def open(self, address: str, busy: Collection[str], now: float) -> PrefillPeer:
         """The peer at `address`, before a room leases pages for it. Raises PeerLimit when all
         MAX_PREFILL_PEERS are busy (that request fails, leasing nothing); closes the transports
         of peers forgotten to make room. `busy`: the addresses with open rooms."""
-        peer, gone = self.peers.open(address, time.monotonic(), busy)
+        peer, gone = self.peers.open(address, now, busy)
         for forgotten in gone:
             self.forget(forgotten)
         return peer
@@ -107,7 +109,9 @@ class PrefillPairing:
                 self.send(peer.address, m.Hello(nonce=peer.hello_nonce))
         peer.queued.append(room)
 
-    def hello_acked(self, address: str, msg: m.HelloAck) -> tuple[list[int], str | None]:
+    def hello_acked(
+        self, address: str, msg: m.HelloAck, now: float
+    ) -> tuple[list[int], str | None]:
         """A HelloAck from `address`: ([], None) once it proved itself (our Register is on its
         way and the rooms keep waiting for the RegisterAck); (the rooms that waited, why) when
         it names another address; ([], None), counted, for one we did not ask for."""
@@ -123,7 +127,7 @@ class PrefillPairing:
             )
             log.error("%s", why)
             queued, peer.queued, peer.refused = peer.queued, [], why
-            self.peers.failed_proof(address, time.monotonic())
+            self.peers.failed_proof(address, now)
             return queued, why
         self.peers.proved(address)
         if peer.queued:
@@ -142,18 +146,21 @@ class PrefillPairing:
             log.error("prefill worker %s refused us: %s", address, refused)
         return queued, refused
 
-    def liveness(self, now: float, waiting: Mapping[str, Sequence[DRoom]]) -> list[str]:
-        """Ping the peers due a ping; return the addresses declared dead: silent for
-        PEER_TIMEOUT_S while rooms wait on them. `waiting`: those rooms, by address."""
+    def liveness(
+        self, now: float, wall: float, waiting: Mapping[str, Sequence[DRoom]]
+    ) -> list[str]:
+        """Ping the peers due a ping (stamped `wall`); return the addresses declared dead:
+        silent for `peer_timeout_s` while rooms wait on them. `waiting`: those rooms, by
+        address."""
         since = {address: min(r.since for r in rooms) for address, rooms in waiting.items()}
         pings, dead = self.peers.liveness(now, since)
         for peer in pings:
-            self.send(peer.address, m.Ping(sent_at=time.time()))
+            self.send(peer.address, m.Ping(sent_at=wall))
         for peer, waited in dead:
             log.warning("prefill worker %s silent for %.1fs: declared dead", peer.address, waited)
         return [peer.address for peer, _ in dead]
 
     def evict_idle(self, now: float, busy: Collection[str]) -> None:
-        """Forget the peers idle for PEER_IDLE_S and close their transports."""
+        """Forget the peers idle for the set's `idle_s` and close their transports."""
         for address in self.peers.evict_idle(now, busy):
             self.forget(address)

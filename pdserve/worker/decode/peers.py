@@ -5,21 +5,22 @@ opens a ZMQ DEALER to it that reconnects forever, unreachable or not. Unbounded,
 naming new addresses would grow a socket per call and the CPU spent reconnecting them. So:
 
 * a peer is **busy** while a room or a Register uses it, else **idle** since it was last used;
-* `evict_idle` forgets peers idle for PEER_IDLE_S (the decode role then asks the control plane
+* `evict_idle` forgets peers idle for `idle_s` (the decode role then asks the control plane
   to close their sockets); a peer that comes back later simply pairs again;
 * `open` on a new address when the set is full first forgets the peer idle the longest; if
   every peer is busy it raises PeerLimit, and only that request fails, saying why;
-* `liveness` says whom to ping (every PING_EVERY_S while it is registered, or proven with rooms
-  waiting on it) and who is dead: silent for PEER_TIMEOUT_S while rooms wait on it.
+* `liveness` says whom to ping (every `ping_every_s` while it is registered, or proven with
+  rooms waiting on it) and who is dead: silent for `peer_timeout_s` while rooms wait on it.
 
 An address is only a claim until the peer proves it holds the cluster key (its HelloAck:
 worker/decode/pairing.py). Whoever can call /generate could name any host, so unproven
 addresses are bounded: at most MAX_UNPROVEN at once, never pinged, and one that failed to
-prove itself (declared dead before its HelloAck) is refused for UNPROVEN_BACKOFF_S. An address
+prove itself (declared dead before its HelloAck) is refused for `unproven_backoff_s`. An address
 that proved itself once is exempt from the backoff: a real prefill worker that restarts or
 stalls is paired again as soon as it answers.
 
-Sans-I/O and owned by the engine thread, like the rest of the decode role.
+Sans-I/O and owned by the engine thread, like the rest of the decode role: the caller passes
+`now`, and the bounds are a `PdTiming` (runtime/timing.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
-from pdserve.runtime.timing import PEER_IDLE_S, PEER_TIMEOUT_S, PING_EVERY_S
+from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.worker.decode.rooms import PrefillPeer
 
 MAX_PREFILL_PEERS = 64  # prefill workers one decode worker pairs with at once
 MAX_UNPROVEN = 8  # peers at once whose HelloAck has not come yet
-UNPROVEN_BACKOFF_S = 10.0  # an address that failed to prove itself is refused this long
 MAX_REMEMBERED = 1024  # proven and failed addresses remembered, each (the oldest forgotten)
 
 
@@ -41,10 +41,17 @@ class PeerLimit(ValueError):
 
 
 class PrefillPeers:
-    def __init__(self, cap: int = MAX_PREFILL_PEERS, idle_s: float = PEER_IDLE_S) -> None:
+    def __init__(
+        self,
+        cap: int = MAX_PREFILL_PEERS,
+        idle_s: float | None = None,
+        timing: PdTiming = PD_TIMING,
+    ) -> None:
+        """`idle_s`: how long an idle peer is kept (None: `timing.peer_idle_s`)."""
+        idle_s = timing.peer_idle_s if idle_s is None else idle_s
         if cap < 1 or not idle_s > 0:
             raise ValueError(f"need cap >= 1 and idle_s > 0, got {cap}, {idle_s}")
-        self.cap, self.idle_s = cap, idle_s
+        self.cap, self.idle_s, self.timing = cap, idle_s, timing
         self._peers: dict[str, PrefillPeer] = {}
         self._used: dict[str, float] = {}  # address -> when a room or Register last used it
         self._proven: dict[str, None] = {}  # addresses that proved the key once, oldest first
@@ -88,7 +95,7 @@ class PrefillPeers:
             oldest = min(idle, key=lambda a: self._used.get(a, 0.0))
             self._forget(oldest)
             forgotten.append(oldest)
-        peer = self._peers[address] = PrefillPeer(address)
+        peer = self._peers[address] = PrefillPeer(address, last_pong=now)
         return peer, forgotten
 
     def _check_unproven(self, address: str, now: float) -> None:
@@ -96,12 +103,13 @@ class PrefillPeers:
         if address in self._proven:
             return
         failed = self._failed.get(address)
-        if failed is not None and now - failed < UNPROVEN_BACKOFF_S:
+        backoff = self.timing.unproven_backoff_s
+        if failed is not None and now - failed < backoff:
             self.unproven_refused += 1
             raise PeerLimit(
                 f"{address} did not prove it is a prefill worker of this cluster (no HelloAck "
                 f"signed with the cluster key) {now - failed:.1f}s ago; refused for "
-                f"{UNPROVEN_BACKOFF_S:.0f}s"
+                f"{backoff:.0f}s"
             )
         others = sum(not p.proven for a, p in self._peers.items() if a != address)
         if others >= MAX_UNPROVEN:
@@ -119,7 +127,7 @@ class PrefillPeers:
 
     def failed_proof(self, address: str, now: float) -> None:
         """The peer at `address` did not prove itself (silent, or a HelloAck naming another
-        address): refuse it for UNPROVEN_BACKOFF_S unless it proved itself before."""
+        address): refuse it for `unproven_backoff_s` unless it proved itself before."""
         if address not in self._proven:
             _remember(self._failed, address, now)
 
@@ -135,10 +143,10 @@ class PrefillPeers:
         return queued, None
 
     def replace(self, address: str) -> PrefillPeer:
-        """A fresh record for a known address (after it refused us or was declared dead)."""
-        if address not in self._peers:
-            raise KeyError(address)
-        peer = self._peers[address] = PrefillPeer(address)
+        """A fresh record for a known address (after it refused us or was declared dead); when
+        it last spoke carries over (its silence counts from the rooms that wait on it)."""
+        old = self._peers[address]  # KeyError for an address not known
+        peer = self._peers[address] = PrefillPeer(address, last_pong=old.last_pong)
         return peer
 
     def liveness(
@@ -155,13 +163,13 @@ class PrefillPeers:
             since = waiting_since.get(peer.address)
             if since is None and not peer.registered:
                 continue
-            if peer.proven and now - peer.last_ping > PING_EVERY_S:
+            if peer.proven and now - peer.last_ping > self.timing.ping_every_s:
                 peer.last_ping = now
                 pings.append(peer)
             if since is None:
                 continue
             waited = now - max(peer.last_pong, since)
-            if waited > PEER_TIMEOUT_S:
+            if waited > self.timing.peer_timeout_s:
                 peer.registered = False  # re-register when it comes back
                 peer.refused = "declared dead"
                 peer.queued = []  # those rooms end as PEER_DEAD: the peer is idle now

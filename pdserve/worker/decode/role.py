@@ -6,8 +6,10 @@ PrefillDone, when its KV is complete, and takes the room's lease with it. Every 
 through the D table of `protocol/rooms.py`; its lease is released only on a transition that
 carries FREE_PAGES (P confirmed it stopped writing, or the fence expired). Pairing with P
 workers (Hello, then Register, before a room's PrefillRequest; Pings) is `PrefillPairing`
-(worker/decode/pairing.py); one silent for PEER_TIMEOUT_S is declared dead and its rooms
-fenced (LESSONS #7, #8, #9).
+(worker/decode/pairing.py); one silent for `peer_timeout_s` is declared dead and its rooms
+fenced (LESSONS #7, #8, #9). Time is an input: every verb takes the engine loop's `now`; the
+wall clock (write deadlines, ping stamps) is read from the engine's clock, and the bounds are
+the role's `PdTiming` (runtime/timing.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -31,12 +32,7 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
 from pdserve.runtime.faults import FAULTS
-from pdserve.runtime.timing import (
-    ABORT_ACK_TIMEOUT_S,
-    FENCE_MARGIN_S,
-    FENCE_S,
-    PREFILL_TIMEOUT_S,
-)
+from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
 from pdserve.worker.decode.pairing import PrefillPairing
@@ -62,11 +58,14 @@ class DecodeRole:
         backend: str,
         control: Control | None = None,
         forget: Callable[[str], None] | None = None,
+        timing: PdTiming = PD_TIMING,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender); `backend`: how
         KV reaches its pool; `control`: only read for /debug/state's counters; `forget`: close
-        the transport to a prefill worker no longer paired (Control.forget)."""
+        the transport to a prefill worker no longer paired (Control.forget); `timing`: the PD
+        protocol's bounds. The clock is the engine's (`engine.clock`)."""
         self.engine = engine
+        self.timing = timing
         self.pool = engine.pool
         self.identity = identity
         self.receiver: KVReceiver = open_receiver(backend, identity, self.pool)
@@ -78,7 +77,7 @@ class DecodeRole:
         self.stats = RoleStats()
         self.outbox: list[m.Send] = []
         self.pairing = PrefillPairing(
-            PrefillPeers(),  # at most MAX_PREFILL_PEERS, idle ones forgotten
+            PrefillPeers(timing=timing),  # at most MAX_PREFILL_PEERS, idle ones forgotten
             self._send,
             lambda: register_message(self.receiver, self.pool),
             forget or (lambda address: None),
@@ -98,7 +97,7 @@ class DecodeRole:
         return out
 
     # -- inbox -------------------------------------------------------------------------------------
-    def handle(self, cmd: object) -> None:
+    def handle(self, cmd: object, now: float) -> None:
         match cmd:
             case SubmitCommand(request=req, prefill=str() as address):
                 self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -107,31 +106,30 @@ class DecodeRole:
                 self.stats.send_failed += 1
                 room = self.by_room.get(msg.room)
                 if isinstance(msg, m.PrefillRequest) and room is not None:
-                    self._apply(
-                        room, DEvent.REJECT, f"could not reach prefill worker {peer}: {why}"
-                    )
+                    reason = f"could not reach prefill worker {peer}: {why}"
+                    self._apply(room, DEvent.REJECT, now, reason)
             case Inbound():
-                self._inbound(cmd)
+                self._inbound(cmd, now)
             case _:
                 raise TypeError(f"decode inbox: unexpected {type(cmd).__name__}")
 
-    def command_failed(self, cmd: object, why: str) -> None:
+    def command_failed(self, cmd: object, why: str, now: float) -> None:
         """A message or submission whose handling raised ends its own room or request only."""
         if isinstance(cmd, Inbound):
             room = self.by_room.get(cmd.msg.room)
             if room is not None and room.epoch == cmd.msg.epoch and room.peer == cmd.peer:
-                self._apply(room, DEvent.LOCAL_FAIL, why)
+                self._apply(room, DEvent.LOCAL_FAIL, now, why)
         elif isinstance(cmd, SubmitCommand):  # the engine fails its request
             for sub in [a for a in self.admitting if a.request is cmd.request]:
                 self.admitting.remove(sub)
 
-    def _inbound(self, cmd: Inbound) -> None:
+    def _inbound(self, cmd: Inbound, now: float) -> None:
         msg = cmd.msg
-        self.pairing.heard(cmd.peer, msg)
+        self.pairing.heard(cmd.peer, msg, now, self.engine.clock.wall())
         if isinstance(msg, m.HelloAck):
-            return self._paired(*self.pairing.hello_acked(cmd.peer, msg))
+            return self._paired(*self.pairing.hello_acked(cmd.peer, msg, now), now)
         if isinstance(msg, m.RegisterAck):
-            return self._paired(*self.pairing.acked(cmd.peer, msg))
+            return self._paired(*self.pairing.acked(cmd.peer, msg), now)
         if isinstance(msg, m.Pong):
             return
         room = self.by_room.get(msg.room)
@@ -140,38 +138,38 @@ class DecodeRole:
             return
         match msg:
             case m.PrefillAccept():
-                self._apply(room, DEvent.ACCEPT)
+                self._apply(room, DEvent.ACCEPT, now)
             case m.PrefillReject(reason=reason):
                 if not (msg.unregistered and self.pairing.register_again(room)):
-                    self._apply(
-                        room, DEvent.REJECT, blame(room, f"prefill worker refused: {reason}")
-                    )
+                    why = blame(room, f"prefill worker refused: {reason}", now)
+                    self._apply(room, DEvent.REJECT, now, why)
             case m.PrefillDone():
                 room.done = msg
-                self._try_done(room)
+                self._try_done(room, now)
             case m.PrefillFailed(reason=reason):
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.FAILED
-                self._apply(room, event, blame(room, f"prefill failed: {reason}"))
+                self._apply(room, event, now, blame(room, f"prefill failed: {reason}", now))
             case m.AbortAck():
                 event = DEvent.WRITES_CANCELLED if msg.writes_cancelled else DEvent.ABORT_ACK
-                self._apply(room, event, "prefill worker cancelled writes it could not confirm")
+                why = "prefill worker cancelled writes it could not confirm"
+                self._apply(room, event, now, why)
             case m.KVChunk():
-                self._kv_chunk(room, msg, cmd.frames)
+                self._kv_chunk(room, msg, cmd.frames, now)
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
-    def _try_done(self, room: DRoom) -> None:
+    def _try_done(self, room: DRoom, now: float) -> None:
         """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
         problem = room.take_done(self.receiver.counts_bytes, self.receiver.bytes_may_trail)
         if problem == WAIT:
             return
         if problem is not None:
-            return self._apply(room, DEvent.FAILED, problem)
+            return self._apply(room, DEvent.FAILED, now, problem)
         assert room.done is not None
         self.stats.bytes_acked += room.done.kv_bytes
-        self._apply(room, DEvent.DONE)
+        self._apply(room, DEvent.DONE, now)
 
-    def _take_landed(self) -> None:
+    def _take_landed(self, now: float) -> None:
         """Count what the receiver says landed (tcp frames, nixl notifications) per room."""
         for rid, epoch, nbytes in self.receiver.landed():
             room = self.by_room.get(rid)
@@ -181,30 +179,30 @@ class DecodeRole:
             room.bytes_received += nbytes
             self.stats.bytes_written += nbytes
             if room.done is not None:
-                self._try_done(room)
+                self._try_done(room, now)
 
-    def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...]) -> None:
+    def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...], now: float) -> None:
         if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.lease.pages):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
         try:
             self.receiver.accept_frames(room.room, room.epoch, msg.dst_pages, frames)
         except ValueError as e:
-            self._apply(room, DEvent.FAILED, f"bad KV chunk: {e}")
+            self._apply(room, DEvent.FAILED, now, f"bad KV chunk: {e}")
             return
-        self._take_landed()  # counted now: its PrefillDone may be next in the inbox
+        self._take_landed(now)  # counted now: its PrefillDone may be next in the inbox
 
-    def _paired(self, queued: list[int], refused: str | None) -> None:
+    def _paired(self, queued: list[int], refused: str | None, now: float) -> None:
         """The rooms that waited on a pairing step: refused, or sent on once registered."""
         for rid in queued:
             room = self.by_room.get(rid)
             if room is not None and refused is not None:
-                self._apply(room, DEvent.REJECT, refused)
+                self._apply(room, DEvent.REJECT, now, refused)
             elif room is not None and room.state is DState.PENDING:
                 self._send_prefill(room)
 
     # -- admission ---------------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self, now: float) -> None:
         """Open a room for each waiting submission, in order, while its pages fit."""
         while self.admitting:
             sub = self.admitting[0]
@@ -214,26 +212,27 @@ class DecodeRole:
                 return
             self.admitting.popleft()
             try:
-                self._open_room(sub, need)
+                self._open_room(sub, need, now)
             except Exception as e:  # noqa: BLE001 - one bad submission must not wedge admission
                 log.warning("could not open a room for %s: %s", req.request_id, e)
-                self._admit_failed(sub, f"could not start the prefill leg: {type(e).__name__}: {e}")
+                why = f"could not start the prefill leg: {type(e).__name__}: {e}"
+                self._admit_failed(sub, why, now)
 
-    def _admit_failed(self, sub: HeldSubmit, why: str) -> None:
+    def _admit_failed(self, sub: HeldSubmit, why: str, now: float) -> None:
         room = self.by_request.get(sub.request.request_id)
         if room is not None:  # the room exists: end it through the table (it owns the pages)
-            self._apply(room, DEvent.LOCAL_FAIL, why)
+            self._apply(room, DEvent.LOCAL_FAIL, now, why)
             return
         self._end_detached(sub.request, Event.FAIL, why)  # no room, so no pages were leased
 
-    def _open_room(self, sub: HeldSubmit, need: int) -> None:
+    def _open_room(self, sub: HeldSubmit, need: int, now: float) -> None:
         """Destination pages, a room, and its PrefillRequest (or a Register first)."""
         req = sub.request
-        left = PREFILL_TIMEOUT_S
+        left = self.timing.prefill_timeout_s
         if req.deadline is not None:
-            left = min(left, req.deadline - time.monotonic())
+            left = min(left, req.deadline - now)
         # Pairing first: past the peer limit this request fails and leases nothing.
-        peer = self.pairing.open(sub.prefill, self._busy_peers())
+        peer = self.pairing.open(sub.prefill, self._busy_peers(), now)
         rid = next(self._room_ids)
         # The lease is opened last and the room registered at once: nothing between can raise,
         # so a failed admission either has a room that owns the pages or holds none.
@@ -242,9 +241,10 @@ class DecodeRole:
             1,
             req,
             sub.prefill,
-            time.monotonic() + left,
+            now + left,
             self.engine.leases.open(f"room {rid}", need),
-            write_deadline=time.time() + left,
+            since=now,
+            write_deadline=self.engine.clock.wall() + left,
         )
         self.by_room[room.room] = room
         self.by_request[req.request_id] = room
@@ -271,23 +271,24 @@ class DecodeRole:
         )
 
     # -- the room machine --------------------------------------------------------------------------
-    def _apply(self, room: DRoom, event: DEvent, reason: str = "") -> None:
+    def _apply(self, room: DRoom, event: DEvent, now: float, reason: str = "") -> None:
         out = step_d(room.state, event)
-        if not enter(room, out, event.value, reason, self.stats):
+        if not enter(room, out, event.value, reason, self.stats, now):
             return
+        t = self.timing
         if room.state is DState.ABORTING:
-            room.deadline = time.monotonic() + ABORT_ACK_TIMEOUT_S
+            room.deadline = now + t.abort_ack_timeout_s
         elif room.state is DState.FENCED:
-            # P may still write until write_deadline; quarantine the pages past it.
-            until_unix = max(time.time() + FENCE_S, room.write_deadline + FENCE_MARGIN_S)
-            room.deadline = time.monotonic() + (until_unix - time.time())
+            # P may still write until write_deadline (unix time); quarantine the pages past it.
+            past_writes = room.write_deadline + t.fence_margin_s - self.engine.clock.wall()
+            room.deadline = now + max(t.fence_s, past_writes)
         for c in out.commands:
-            self._run_command(room, c)
+            self._run_command(room, c, now)
         if room.state in D_TERMINAL:
             self.by_room.pop(room.room, None)
             self.by_request.pop(room.request.request_id, None)
 
-    def _run_command(self, room: DRoom, c: Cmd) -> None:
+    def _run_command(self, room: DRoom, c: Cmd, now: float) -> None:
         req = room.request
         match c:
             case Cmd.SEND_ABORT:
@@ -302,11 +303,8 @@ class DecodeRole:
                 self.stats.done += 1
                 req.num_computed = len(req.prompt_ids)
                 self.engine.scheduler.adopt(req, room.lease.hand_over(req.request_id))
-                self.engine.emit_token(
-                    req,
-                    room.first_token,
-                    room.first_logprob if req.params.logprobs is not None else None,
-                )
+                lp = room.first_logprob if req.params.logprobs is not None else None
+                self.engine.emit_token(req, room.first_token, lp, now)
             case _:
                 raise ValueError(f"decode role cannot run {c}")
 
@@ -315,11 +313,11 @@ class DecodeRole:
         self.engine.finish(req, event, error)
 
     # -- the loop's verbs ---------------------------------------------------------------
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, now: float) -> bool:
         room = self.by_request.get(request_id)
         if room is not None:
             self._end_detached(room.request, Event.ABORT, None)
-            self._apply(room, DEvent.LOCAL_ABORT)
+            self._apply(room, DEvent.LOCAL_ABORT, now)
             return True
         for sub in list(self.admitting):
             if sub.request.request_id == request_id:
@@ -334,24 +332,24 @@ class DecodeRole:
     def has_work(self) -> bool:
         return bool(self.by_room or self.admitting)
 
-    def fail(self, req: Request, why: str) -> bool:
+    def fail(self, req: Request, why: str, now: float) -> bool:
         return False  # a scheduled request has no room left: the engine fails it
 
-    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
+    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
         return False  # streamed by the engine
 
-    def after_forward(self, plan: StepPlan) -> None:
+    def after_forward(self, plan: StepPlan, now: float) -> None:
         pass
 
-    def on_control(self, inbound: Inbound) -> m.Send | None:
+    def on_control(self, inbound: Inbound, now: float) -> m.Send | None:
         return None
 
     def poll_transfers(self, now: float) -> None:
-        self._take_landed()
+        self._take_landed(now)
 
     def expire(self, now: float) -> None:
         """Submissions and rooms past their deadlines end; prefill workers are pinged, and one
-        silent for PEER_TIMEOUT_S while rooms wait on it is declared dead."""
+        silent for `peer_timeout_s` while rooms wait on it is declared dead."""
         for sub in list(self.admitting):
             if sub.request.deadline is not None and now > sub.request.deadline:
                 self.admitting.remove(sub)
@@ -363,18 +361,18 @@ class DecodeRole:
                 req_deadline = room.request.deadline
                 own = req_deadline is not None and now >= req_deadline  # the client's timeout
                 what = DEADLINE_ERROR if own else "prefill deadline passed"
-                self._apply(room, event, f"{what} in state {room.state.value}")
+                self._apply(room, event, now, f"{what} in state {room.state.value}")
         waiting: dict[str, list[DRoom]] = {}
         for room in self.by_room.values():
             if room.state in (DState.PENDING, DState.PREFILLING, DState.ABORTING):
                 waiting.setdefault(room.peer, []).append(room)
-        for address in self.pairing.liveness(now, waiting):
+        for address in self.pairing.liveness(now, self.engine.clock.wall(), waiting):
             peer = self.peers.get(address)
             # A peer that never proved itself never had our Register: it cannot write into
             # these pages, so they need no fence (a stranger must not hold pages for a minute).
             event = DEvent.PEER_DEAD if peer is None or peer.proven else DEvent.REJECT
             for room in waiting[address]:
-                self._apply(room, event, f"prefill worker {address} died")
+                self._apply(room, event, now, f"prefill worker {address} died")
         self.pairing.evict_idle(now, self._busy_peers())
 
     def _busy_peers(self) -> set[str]:
@@ -387,7 +385,7 @@ class DecodeRole:
     def hard_exit(self) -> bool:
         return self.receiver.hard_exit
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, now: float) -> dict[str, Any]:
         return decode_snapshot(
             self.peers,
             self.by_room.values(),
@@ -395,5 +393,5 @@ class DecodeRole:
             self.receiver,
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
-            time.monotonic(),
+            now,
         )

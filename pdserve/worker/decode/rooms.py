@@ -6,7 +6,6 @@ D table of `protocol/rooms.py` (worker/decode/role.py drives it).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, TokenLogprob
@@ -28,13 +27,13 @@ class HeldSubmit:
 @dataclass
 class PrefillPeer:
     address: str
+    last_pong: float  # monotonic: when it last said anything (or when we first opened it)
     # Proven: its HelloAck came back signed with the cluster key, with our nonce and this
     # address. Until then it gets a Hello and nothing else (no Register, no Ping).
     proven: bool = False
     hello_nonce: int | None = None  # the Hello in flight
     registered: bool = False
     refused: str | None = None
-    last_pong: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
     queued: list[int] = field(default_factory=list)  # rooms waiting for RegisterAck
     clock: SkewWatch = field(init=False)
@@ -53,8 +52,8 @@ class DRoom:
     # The destination pages. Released only by FREE_PAGES; on START_DECODE handed over to the
     # request (LESSONS #7).
     lease: Lease
+    since: float  # monotonic: when it entered its state
     state: DState = DState.PENDING
-    since: float = field(default_factory=time.monotonic)
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
     reason: str = ""
@@ -90,13 +89,13 @@ class DRoom:
 WAIT = "wait"  # DRoom.take_done: the KV bytes are still on their way
 
 
-def blame(room: DRoom, why: str) -> str:
+def blame(room: DRoom, why: str, now: float) -> str:
     """Why a room that P refused or failed ended, saying whose fault it was. P refuses a write
     deadline already past and fails a room whose writes outlive it, and a room's write
     deadline is the client's own timeout when that is the nearer one (`_open_room`): an end
     that finds the request past its own deadline is that deadline's doing (the client's 408,
-    by the same rule as `expire`); any other is P's (a 500)."""
+    by the same rule as `expire`); any other is P's (a 500). `now`: monotonic."""
     deadline = room.request.deadline
-    if deadline is not None and time.monotonic() >= deadline:
+    if deadline is not None and now >= deadline:
         return f"{DEADLINE_ERROR} in state {room.state.value} ({why})"
     return why

@@ -34,16 +34,17 @@ from typing import Any
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
+from pdserve.runtime.timing import (
+    ENGINE_EXIT_TIMEOUT_S,
+    ENGINE_START_TIMEOUT_S,
+    ENGINE_STATUS_STALE_S,
+    ENGINE_STOP_TIMEOUT_S,
+)
 from pdserve.server.stopping import in_thread
 from pdserve.worker.host import frames as f
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 1800.0  # a large checkpoint's load and its CUDA graphs' capture
-STATUS_STALE_S = 10.0  # the engine process reports every 0.1 s; this long without, it is wedged
-STOP_TIMEOUT_S = 15.0  # Stop -> Stopped: the engine process's threads get 5 s of it
-EXIT_TIMEOUT_S = 5.0  # Stopped -> the process gone
-CLOSE_TIMEOUT_S = STOP_TIMEOUT_S + EXIT_TIMEOUT_S + 1.0  # the worker's bound on `close`
 MAX_BACKLOG = 64 * 2**20  # bytes the engine process has not read: past this it is not reading
 RECV_BYTES = 1 << 20
 RECVS_PER_TURN = 8  # then the loop's other callbacks run
@@ -97,7 +98,7 @@ class EngineClient:
 
     def _wait_ready(self) -> tuple[f.Ready, list[Any]]:
         """Ready, and the frames that came with it (handled once attached)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if not select.select([self._sock], [], [], 1.0)[0]:
                 if self.proc.poll() is not None:
@@ -113,9 +114,11 @@ class EngineClient:
                 if not isinstance(frame, f.Status):
                     raise EngineStartFailed(f"the engine process sent {frame!r} first", 1)
         else:
-            raise EngineStartFailed(f"the engine was not ready within {START_TIMEOUT_S:.0f}s", 1)
+            raise EngineStartFailed(
+                f"the engine was not ready within {ENGINE_START_TIMEOUT_S:.0f}s", 1
+            )
         try:
-            code = self.proc.wait(EXIT_TIMEOUT_S)
+            code = self.proc.wait(ENGINE_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = 1
         # A signal's death (negative) exits the worker as a shell reports it: 128 + signal.
@@ -174,7 +177,7 @@ class EngineClient:
             return [f"the engine process failed: {self.failed}"]
         out = list(self._status.problems)
         age = time.monotonic() - self._status_at
-        if age > STATUS_STALE_S:
+        if age > ENGINE_STATUS_STALE_S:
             out.append(f"the engine process has not reported for {age:.1f}s")
         return out
 
@@ -213,13 +216,13 @@ class EngineClient:
             self._stopped = loop.create_future()
             self._send(f.Stop())
             try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
+                async with asyncio.timeout(ENGINE_STOP_TIMEOUT_S):
                     stuck = await self._stopped
             except (TimeoutError, ConnectionError) as e:
                 log.error("the engine process did not stop: %s", e or "no answer in time")
         self._close_link()
         try:  # a daemon thread: a second signal's stop-now need not wait for it
-            code = await in_thread(lambda: self.proc.wait(EXIT_TIMEOUT_S))
+            code = await in_thread(lambda: self.proc.wait(ENGINE_EXIT_TIMEOUT_S))
         except subprocess.TimeoutExpired:
             log.error("the engine process (pid %d) did not exit: killing it", self.proc.pid)
             await in_thread(self.kill)
@@ -232,7 +235,7 @@ class EngineClient:
         if self.proc.poll() is None:
             self.proc.kill()
             try:
-                self.proc.wait(EXIT_TIMEOUT_S)
+                self.proc.wait(ENGINE_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 log.error("the engine process (pid %d) outlived SIGKILL", self.proc.pid)
 

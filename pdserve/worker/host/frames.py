@@ -93,7 +93,7 @@ class Outputs(Frame, frozen=True):
 
 
 class Status(Frame, frozen=True):
-    """Sent every STATUS_EVERY_S: what the worker's /health and its drain read."""
+    """Sent every ENGINE_STATUS_EVERY_S: what the worker's /health and its drain read."""
 
     problems: list[str]  # the engine process's: its threads, the engine's tick, overdue requests
     has_work: bool

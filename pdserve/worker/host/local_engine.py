@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -24,7 +23,7 @@ from pdserve.protocol.messages import Msg, Send
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.supervisor import Supervisor
-from pdserve.runtime.timing import ENGINE_HEARTBEAT_S
+from pdserve.runtime.timing import ENGINE_HEARTBEAT_S, IO_HEARTBEAT_S
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.control_limits import prefill_inbound_bytes
 from pdserve.transfer.copier import Copier
@@ -148,14 +147,14 @@ class LocalEngine:
 
         supervisor.spawn("engine", tick, heartbeat_timeout_s=ENGINE_HEARTBEAT_S)
         if self.control is not None:
-            supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=5.0)
+            supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=IO_HEARTBEAT_S)
         if self.copier is not None:
-            supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=5.0)
+            supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=IO_HEARTBEAT_S)
 
     def problems(self) -> list[str]:
         """The engine's own: a loop that stopped ticking, requests past their deadline."""
         out = []
-        stale = time.monotonic() - self.engine.last_tick
+        stale = self.engine.clock.monotonic() - self.engine.last_tick
         if stale > ENGINE_HEARTBEAT_S:
             out.append(f"engine loop has not ticked for {stale:.1f}s")
         overdue = self.engine.overdue

@@ -14,9 +14,9 @@ Started by `EngineClient` (worker/host/client.py) as
 with one end of a socketpair as FD. The first frame down is Setup; this process builds
 `LocalEngine` from it (the model loads here, on this process's GPU), starts the engine, control
 and data-plane threads under its own supervisor, and answers Ready. Then its main thread reads
-Submit, Abort, Query and SetFaults frames, and sends a Status every STATUS_EVERY_S; the engine
-thread sends each tick's outputs as one Outputs frame. Stop, or the worker closing the
-socket, stops the threads and ends the process. It dies with the worker: SIGKILL when the
+Submit, Abort, Query and SetFaults frames, and sends a Status every ENGINE_STATUS_EVERY_S;
+the engine thread sends each tick's outputs as one Outputs frame. Stop, or the worker closing
+the socket, stops the threads and ends the process. It dies with the worker: SIGKILL when the
 worker process dies (PR_SET_PDEATHSIG), and it ignores SIGINT and SIGTERM, which a terminal or
 a process group sends to both: the worker decides when the engine stops.
 """
@@ -41,15 +41,17 @@ from pdserve.protocol.outputs import RequestOutput
 from pdserve.runtime import logs
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.supervisor import Supervisor
-from pdserve.runtime.timing import THREADS_STOP_S
+from pdserve.runtime.timing import (
+    ENGINE_SEND_TIMEOUT_S,
+    ENGINE_SETUP_TIMEOUT_S,
+    ENGINE_STATUS_EVERY_S,
+    THREADS_STOP_S,
+)
 from pdserve.worker.host import frames as f
 from pdserve.worker.host.local_engine import LocalEngine
 
 log = logging.getLogger(__name__)
 
-STATUS_EVERY_S = 0.1  # how fresh the worker's view of health and pending work is
-SETUP_TIMEOUT_S = 30.0  # the worker sends Setup right after starting this process
-SEND_TIMEOUT_S = 30.0  # a worker that reads nothing this long is wedged: the send raises
 RECV_BYTES = 1 << 20
 OUTPUTS_FRAME_BYTES = 16 * 2**20  # a tick's outputs are split into frames of about this
 PR_SET_PDEATHSIG = 1
@@ -60,7 +62,7 @@ class Uplink:
     sink, and `flush` sends what the engine emitted since the last one, in frames of at most
     OUTPUTS_FRAME_BYTES where it can.
 
-    A send that fails (the worker gone, or not reading for SEND_TIMEOUT_S) may have left part
+    A send that fails (the worker gone, or not reading for ENGINE_SEND_TIMEOUT_S) may have left part
     of a frame on the socket, after which nothing can be read again: the link is then shut
     down for good, the worker sees its end (its fatal error, every live request ended with an
     error there), and every later send raises at once."""
@@ -123,11 +125,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _read_setup(sock: socket.socket, frames: f.Frames) -> f.Setup:
-    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    deadline = time.monotonic() + ENGINE_SETUP_TIMEOUT_S
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([sock], [], [], left)[0]:
-            raise TimeoutError(f"no Setup frame from the worker within {SETUP_TIMEOUT_S:.0f}s")
+            raise TimeoutError(
+                f"no Setup frame from the worker within {ENGINE_SETUP_TIMEOUT_S:.0f}s"
+            )
         data = sock.recv(RECV_BYTES)
         if not data:
             raise ConnectionError("the worker closed the link before its Setup")
@@ -163,7 +167,7 @@ class EngineProcess:
             now = time.monotonic()
             if now >= next_status:
                 self.uplink.send(self.status())
-                next_status = now + STATUS_EVERY_S
+                next_status = now + ENGINE_STATUS_EVERY_S
             if not select.select([self.sock], [], [], max(0.0, next_status - now))[0]:
                 continue
             data = self.sock.recv(RECV_BYTES)
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     uplink = Uplink(sock)
     proc = EngineProcess(sock, host, uplink)
     host.start(proc.supervisor, after_tick=uplink.flush)
-    sock.settimeout(SEND_TIMEOUT_S)  # sends; the reads below wait in select
+    sock.settimeout(ENGINE_SEND_TIMEOUT_S)  # sends; the reads below wait in select
     engine = host.engine
     uplink.send(f.Ready(host.info, engine.max_model_len, engine.vocab_size, os.getpid()))
     freeze_startup_heap()  # as the worker does: no full GC pass over the model mid-decode

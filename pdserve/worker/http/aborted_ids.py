@@ -7,17 +7,18 @@ accept, under a storm, waits in the listen backlog). The abort of an id the engi
 know is a no-op, so without this the /generate that came second would run with no client
 until its outputs reached the router's channel, which aborts it again (LESSONS #17): a
 queued request could hold pages for seconds. So every aborted id is remembered for
-ABORTED_KEEP_S (far longer than a connection's accept can lag), at most MAX_ABORTED of them,
-and a /generate naming one is refused (409) before it reaches the engine. Ids are unique per
-request: the router never sends an id again after aborting it. Sans-I/O: the caller passes
-the time.
+ABORTED_KEEP_S (runtime/timing.py: far longer than a connection's accept can lag), at most
+MAX_ABORTED of them, and a /generate naming one is refused (409) before it reaches the
+engine. Ids are unique per request: the router never sends an id again after aborting it.
+Sans-I/O: the caller passes the time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-ABORTED_KEEP_S = 60.0
+from pdserve.runtime.timing import ABORTED_KEEP_S
+
 MAX_ABORTED = 65_536
 
 

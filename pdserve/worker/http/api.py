@@ -17,9 +17,10 @@
 A request's last line always carries a finish_reason. A client that disconnects aborts its
 request (a channel's: every request it carries). Served by co-located workers and decode
 workers alike. Every field of a body is checked before the engine sees it (the engine thread
-would fail on a string seed or a list for an address): the same body and SamplingParams
-checks as the OpenAI API, plus the request id, the timeout and the prefill address. The params
-are SamplingParams' wire form (`SamplingParams.from_builtins`), as in a PrefillRequest.
+would fail on a string seed or a list for an address). /generate's body is
+protocol/generate.py's `Generate`, read by its one decoder (`decode_generate`); whether the
+model can serve the request is the engine's own check, which `engine.submit` runs before it
+takes anything (InvalidParams, answered 400 like a bad field).
 """
 
 from __future__ import annotations
@@ -32,13 +33,21 @@ from aiohttp import web
 
 from pdserve.frontend.api import read_json
 from pdserve.frontend.protocol import ApiError, bad
+from pdserve.protocol.generate import check_request_id, decode_generate
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
+from pdserve.protocol.sampling import InvalidParams
 from pdserve.runtime.timing import STREAM_GRACE_S
 from pdserve.server.body import read_body
+from pdserve.server.json_body import utf8_body
 from pdserve.server.output_stream import OutputStream, StreamTimeout, handoff, merge_runs
 from pdserve.worker.http.aborted_ids import AbortedIds
 from pdserve.worker.http.channels import TIMED_OUT, ChannelError, Channels
-from pdserve.worker.http.generate_body import check_request_id, parse_generate
+
+
+def _refused(e: ApiError | InvalidParams) -> web.Response:
+    """The 400 (or other) answer to a request refused before the engine took it."""
+    err = bad(str(e), e.param) if isinstance(e, InvalidParams) else e
+    return web.json_response(err.body(), status=err.status)
 
 
 def _channel_error(e: ChannelError) -> web.Response:
@@ -48,7 +57,8 @@ def _channel_error(e: ChannelError) -> web.Response:
 
 
 class WorkerApi:
-    """`engine` is anything with validate/submit/abort, max_model_len, vocab_size."""
+    """`engine` is anything with submit/abort, cfg, max_model_len, vocab_size; `submit` raises
+    InvalidParams for a request the engine can never serve, before taking it."""
 
     def __init__(self, engine: Any, role: str, model_name: str, info: dict[str, Any]) -> None:
         self.engine = engine
@@ -97,8 +107,8 @@ class WorkerApi:
                 rids = [check_request_id(v, "request_ids") for v in ids]
             else:
                 rids = [check_request_id(body.get("request_id"))]
-        except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+        except (ApiError, InvalidParams) as e:
+            return _refused(e)
         now = time.monotonic()
         for rid in dict.fromkeys(rids):  # checked, all of them, before any reaches the engine
             self.aborted.add(rid, now)
@@ -107,33 +117,40 @@ class WorkerApi:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            g = parse_generate(await read_body(request), request.charset, self.engine.validate)
-        except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            g = decode_generate(utf8_body(await read_body(request), request.charset))
+        except (ApiError, InvalidParams) as e:
+            return _refused(e)
         rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s
         if self.aborted.refuse(rid, time.monotonic()):
             err = ApiError(409, f"request {rid} was aborted before it arrived", code="aborted")
             return web.json_response(err.body(), status=409)
-        prefill, cid = g.prefill, g.channel
         loop = asyncio.get_running_loop()
         wait_s = (timeout or self.engine.cfg.request_timeout_s) + STREAM_GRACE_S
+        prefill = g.prefill if isinstance(g.prefill, str) else None
         extra = {"prefill": prefill} if self.role == "decode" and prefill is not None else {}
         push = handoff(loop).push
-        if cid is not None:
+        if isinstance(g.channel, str):
             try:
-                ch = self.channels.admit(cid, rid, wait_s)
+                ch = self.channels.admit(g.channel, rid, wait_s)
             except ChannelError as e:
                 return _channel_error(e)
             put = ch.put
             try:
                 self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
-            except BaseException:
+            except InvalidParams as e:
                 ch.discard(rid)  # the engine never took it
+                return _refused(e)
+            except BaseException:
+                ch.discard(rid)
                 raise
             return web.json_response({"ok": True})
         stream: OutputStream[RequestOutput] = OutputStream(loop, loop.time() + wait_s)
         put = stream.put
-        self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
+        try:
+            self.engine.submit(rid, prompt, params, lambda o: push(put, o), timeout, **extra)
+        except InvalidParams as e:
+            stream.close()
+            return _refused(e)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
         try:
@@ -161,8 +178,8 @@ class WorkerApi:
             if not isinstance(body, dict) or set(body) != {"channel"}:
                 raise bad("the body must be {'channel': str}", "channel")
             cid = check_request_id(body["channel"], "channel")
-        except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+        except (ApiError, InvalidParams) as e:
+            return _refused(e)
         try:
             ch = self.channels.open(asyncio.get_running_loop(), cid, self.engine.abort)
         except ChannelError as e:

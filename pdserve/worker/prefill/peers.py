@@ -4,22 +4,22 @@ A peer is paired when its Register message checks out (same KV layout; the data 
 names can be opened: its shm pool, its control socket, its NIXL agent). `generation` numbers
 each pairing: the same decode worker may register again (after it declared this P dead), and
 a write that fails for an earlier pairing must not drop the current one. A dropped peer's
-writer is closed CLOSE_AFTER_S later, after the engine's ticks (`tick`) let UCX fail what it
-still had queued for that peer: tearing a UCX endpoint down with requests queued can abort
-the process. Owned by the prefill engine thread, like everything it touches.
+writer is closed `close_after_s` (runtime/timing.py) later, after the engine's ticks (`tick`)
+let UCX fail what it still had queued for that peer: tearing a UCX endpoint down with requests
+queued can abort the process. Owned by the prefill engine thread, like everything it touches;
+it reads no clock: its caller passes `now`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.protocol import messages as m
-from pdserve.runtime.timing import CLOSE_AFTER_S, PEER_SILENCE_S
+from pdserve.runtime.timing import PdTiming
 from pdserve.transfer.control import Control
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import PeerWriter
@@ -33,16 +33,22 @@ class DecodePeer:
     writer: PeerWriter
     num_pages: int
     generation: int  # which pairing: the same D may register again
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float  # monotonic: when it last sent anything
 
 
 class DecodePeers:
     def __init__(
-        self, pool: KVPool, identity: str, control: Control | None, copier: Copier | None
+        self,
+        pool: KVPool,
+        identity: str,
+        control: Control | None,
+        copier: Copier | None,
+        timing: PdTiming,
     ) -> None:
         """`identity`: this prefill worker's; `control`: the tcp backend sends pages on it
         (None: no tcp peer can pair)."""
         self.pool = pool
+        self.timing = timing
         self.identity = identity
         self.control = control
         self.copier = copier
@@ -62,7 +68,7 @@ class DecodePeers:
         peer = self.by_id.get(identity)
         return peer if peer is not None and peer.generation == generation else None
 
-    def register(self, identity: str, msg: m.Register) -> DecodePeer:
+    def register(self, identity: str, msg: m.Register, now: float) -> DecodePeer:
         """Pair with a decode worker; raises (ValueError, OSError, NIXL's errors) saying why not."""
         ours = self.pool.layout
         theirs = KVLayout.from_dict(dict(msg.layout))
@@ -82,7 +88,8 @@ class DecodePeers:
             nixl_agent=self._nixl_agent,
         )
         self.pairings += 1
-        peer = self.by_id[identity] = DecodePeer(identity, writer, msg.num_pages, self.pairings)
+        peer = DecodePeer(identity, writer, msg.num_pages, self.pairings, last_seen=now)
+        self.by_id[identity] = peer
         return peer
 
     def _nixl_agent(self) -> NixlAgent:
@@ -90,20 +97,20 @@ class DecodePeers:
             self.nixl = NixlAgent(self.identity, self.pool)
         return self.nixl
 
-    def drop(self, peer: DecodePeer) -> None:
-        """Forget the peer now; its writer is closed CLOSE_AFTER_S later (see the header)."""
+    def drop(self, peer: DecodePeer, now: float) -> None:
+        """Forget the peer now; its writer is closed `close_after_s` later (see the header)."""
         del self.by_id[peer.identity]
-        self.closing.append((time.monotonic() + CLOSE_AFTER_S, peer.writer))
+        self.closing.append((now + self.timing.close_after_s, peer.writer))
 
     def silent(self, now: float) -> list[DecodePeer]:
-        return [p for p in self.by_id.values() if now - p.last_seen > PEER_SILENCE_S]
+        """The peers silent for longer than `peer_silence_s` (D pings every second)."""
+        return [p for p in self.by_id.values() if now - p.last_seen > self.timing.peer_silence_s]
 
-    def tick(self) -> None:
+    def tick(self, now: float) -> None:
         """Every engine tick: drive UCX (no progress thread of its own), retry handle
         releases NIXL refused, close the writers of peers dropped long enough ago."""
         if self.nixl is not None:
             self.nixl.progress()
             self.nixl.retry_releases()
-        now = time.monotonic()
         while self.closing and self.closing[0][0] <= now:
             self.closing.popleft()[1].close()

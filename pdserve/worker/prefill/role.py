@@ -8,13 +8,14 @@ it leaves the batch (its prompt computed, or STOP_COMPUTE) its lease passes to t
 releases it in one place, FREE_PAGES, once no write reads the pages (LESSONS #7). Anything a
 peer sends is answered or counted and dropped: ABORT for an unknown or finished room gets an
 AbortAck with known=False, never an assert (LESSONS #1, #3). The writes themselves are posted
-and polled by `PrefillWrites` (worker/prefill/writes.py).
+and polled by `PrefillWrites` (worker/prefill/writes.py). Time is an input: every verb takes
+the engine loop's `now`, and the wall clock (write deadlines, a Pong's stamp) is read from
+the engine's clock; the bounds are the role's `PdTiming` (runtime/timing.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from typing import Any
 
@@ -26,6 +27,7 @@ from pdserve.engine.role import Room
 from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
+from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.nixl import NixlAgent
@@ -54,19 +56,22 @@ class PrefillRole:
         control: Control | None = None,
         copier: Copier | None = None,
         address: str | None = None,
+        timing: PdTiming = PD_TIMING,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender). `control`: the
         tcp backend's data plane sends page frames on it (the role's own messages go out
         through `take_outbox`); None where no tcp peer may register. `copier`: the data-plane
         worker that runs shm/tcp page copies off the engine thread. `address`: the control
-        address decode workers dial (HelloAck names it); default: `control`'s bound one."""
+        address decode workers dial (HelloAck names it); default: `control`'s bound one.
+        `timing`: the PD protocol's bounds. The clock is the engine's (`engine.clock`)."""
         self.engine = engine
+        self.timing = timing
         self.pool = engine.pool
         self.identity = identity
         self.address = address if address is not None else (control.address if control else "")
         self.control = control
         self.copier = copier
-        self.peers = DecodePeers(self.pool, identity, control, copier)
+        self.peers = DecodePeers(self.pool, identity, control, copier, timing)
         self.by_room: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
@@ -78,7 +83,7 @@ class PrefillRole:
             self.peers,
             self.stats,
             self._apply,
-            lambda peer, why: self._drop_peer(peer, why, lost=True),
+            lambda peer, why, now: self._drop_peer(peer, why, now, lost=True),
         )
         engine.scheduler.pinned = self._pinned
 
@@ -95,56 +100,56 @@ class PrefillRole:
         return out
 
     # -- inbox ------------------------------------------------------------------------------
-    def handle(self, cmd: object) -> None:
+    def handle(self, cmd: object, now: float) -> None:
         if isinstance(cmd, SendFailed):
             self.stats.send_failed += 1
             lost = self.by_room.get((cmd.peer, cmd.msg.room))
             if isinstance(cmd.msg, m.KVChunk) and lost is not None and lost.epoch == cmd.msg.epoch:
-                self._apply(lost, PEvent.WRITE_FAILED, f"KV chunk not sent: {cmd.why}")
+                self._apply(lost, PEvent.WRITE_FAILED, now, f"KV chunk not sent: {cmd.why}")
             return
         if not isinstance(cmd, Inbound):
             raise TypeError(f"prefill inbox: unexpected {type(cmd).__name__}")
         peer = self.peers.get(cmd.peer)
         if peer is not None:
-            peer.last_seen = time.monotonic()
+            peer.last_seen = now
         msg = cmd.msg
         match msg:
             case m.Register():
-                self._register(cmd.peer, msg)
+                self._register(cmd.peer, msg, now)
             case m.PrefillRequest():
-                self._prefill_request(cmd.peer, msg)
+                self._prefill_request(cmd.peer, msg, now)
             case m.Abort():
                 room = self.by_room.get((cmd.peer, msg.room))
                 if room is None or room.epoch != msg.epoch:
                     self._reply(cmd.peer, m.AbortAck(room=msg.room, epoch=msg.epoch, known=False))
                 else:
-                    self._apply(room, PEvent.ABORT)
+                    self._apply(room, PEvent.ABORT, now)
             case m.Ping() | m.Hello():
                 pass  # answered on the control thread (on_control); here it only proves D alive
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
-    def command_failed(self, cmd: object, why: str) -> None:
+    def command_failed(self, cmd: object, why: str, now: float) -> None:
         """A peer's message whose handling raised fails its room (or is refused), nothing more."""
         if not isinstance(cmd, Inbound):
             return
         msg = cmd.msg
         room = self.by_room.get((cmd.peer, msg.room))
         if room is not None and room.epoch == msg.epoch:
-            self._apply(room, PEvent.LOCAL_FAIL, why)
+            self._apply(room, PEvent.LOCAL_FAIL, now, why)
         elif isinstance(msg, m.PrefillRequest):
             self.stats.rejected += 1
             self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
 
-    def fail(self, req: Request, why: str) -> bool:
+    def fail(self, req: Request, why: str, now: float) -> bool:
         """A step failed this room's request: the room fails (D hears PrefillFailed)."""
         room = self.by_request.get(req.request_id)
         if room is None:
             return False
-        self._apply(room, PEvent.LOCAL_FAIL, why)
+        self._apply(room, PEvent.LOCAL_FAIL, now, why)
         return True
 
-    def on_control(self, inbound: Inbound) -> m.Send | None:
+    def on_control(self, inbound: Inbound, now: float) -> m.Send | None:
         """Pings and Hellos are answered here, on the control thread. Answering from the engine
         made a step longer than D's 5 s silence bound (a big prompt chunk on a CPU) look like
         death, though P's own heartbeat allows 30 s. The Pong says how long the engine has
@@ -156,12 +161,12 @@ class PrefillRole:
             return m.Send(inbound.peer, ack)
         if not isinstance(inbound.msg, m.Ping):
             return None
-        busy = round(max(0.0, time.monotonic() - self.engine.last_tick), 3)
+        busy = round(max(0.0, now - self.engine.last_tick), 3)
         pong = m.Pong(
             nonce=inbound.msg.nonce,
             engine_busy_s=busy,
             ping_sent_at=inbound.msg.sent_at,
-            sent_at=time.time(),
+            sent_at=self.engine.clock.wall(),
             sender=self.identity,
         )
         return m.Send(inbound.peer, pong)
@@ -169,19 +174,19 @@ class PrefillRole:
     def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
         self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity), frames))
 
-    def _register(self, peer: str, msg: m.Register) -> None:
+    def _register(self, peer: str, msg: m.Register, now: float) -> None:
         ours = self.pool.layout.to_dict()
         try:
-            self.peers.register(peer, msg)
+            self.peers.register(peer, msg, now)
         except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why
             log.warning("refused registration of %s: %s", peer[:80], e)
-            self.refusals.append((time.monotonic(), peer[:80], str(e)[:300]))
+            self.refusals.append((now, peer[:80], str(e)[:300]))
             self._reply(peer, m.RegisterAck(ok=False, error=str(e), layout=ours))
             return
         log.info("registered decode worker %s (%s)", peer, msg.backend)
         self._reply(peer, m.RegisterAck(ok=True, layout=ours))
 
-    def _prefill_request(self, peer_id: str, msg: m.PrefillRequest) -> None:
+    def _prefill_request(self, peer_id: str, msg: m.PrefillRequest, now: float) -> None:
         def reject(reason: str, unregistered: bool = False) -> None:
             self.stats.rejected += 1
             self._reply(
@@ -197,11 +202,12 @@ class PrefillRole:
         if (peer_id, msg.room) in self.by_room:
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
-        checked = check_prefill_request(msg, peer.num_pages, need, self.engine.validate)
+        wall = self.engine.clock.wall()
+        checked = check_prefill_request(msg, peer.num_pages, need, self.engine.validate, wall)
         if isinstance(checked, str):
             return reject(checked)
         params, left = checked
-        deadline = time.monotonic() + min(left, self.engine.cfg.request_timeout_s)
+        deadline = now + min(left, self.engine.cfg.request_timeout_s)
         req = Request(
             f"{peer_id}:{msg.room}:{msg.epoch}",
             list(msg.prompt_ids),
@@ -209,6 +215,7 @@ class PrefillRole:
             sink=lambda _o: None,
             eos_token_ids=self.engine.eos_token_ids,  # min_tokens bans EOS here too
             deadline=deadline,
+            arrival=now,
         )
         room = PRoom(
             peer_id,
@@ -218,6 +225,7 @@ class PrefillRole:
             req,
             list(msg.dst_pages),
             deadline,
+            since=now,
             write_deadline=msg.write_deadline,
         )
         self.by_room[(peer_id, msg.room)] = room
@@ -227,14 +235,14 @@ class PrefillRole:
         self._reply(peer_id, m.PrefillAccept(room=msg.room, epoch=msg.epoch))
 
     # -- the room machine ---------------------------------------------------------------------
-    def _apply(self, room: PRoom, event: PEvent, reason: str = "") -> None:
+    def _apply(self, room: PRoom, event: PEvent, now: float, reason: str = "") -> None:
         out = step_p(room.state, event)
-        if not enter(room, out, event.value, reason, self.stats):
+        if not enter(room, out, event.value, reason, self.stats, now):
             return
         for c in out.commands:
             self._run_command(room, c)
         if room.state in WAITING_FOR_WRITES and not room.inflight:
-            self._apply(room, PEvent.WRITES_DONE)
+            self._apply(room, PEvent.WRITES_DONE, now)
         if room.state in P_TERMINAL:
             self.by_room.pop((room.peer, room.room), None)
             self.by_request.pop(room.request.request_id, None)
@@ -283,11 +291,11 @@ class PrefillRole:
                 raise ValueError(f"prefill role cannot run {c}")
 
     # -- the loop's verbs -------------------------------------------------------------------------
-    def after_forward(self, plan: StepPlan) -> None:
+    def after_forward(self, plan: StepPlan, now: float) -> None:
         """Post writes of the pages this step completed (worker/prefill/writes.py)."""
-        self.writes.post(plan, self.by_request)
+        self.writes.post(plan, self.by_request, now, self.engine.clock.wall())
 
-    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> bool:
+    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
         """The first token of a room's prompt: the room is computed (P streams nothing)."""
         room = self.by_request.get(req.request_id)
         if room is None:  # not a room (cannot happen: P serves no local requests)
@@ -295,7 +303,7 @@ class PrefillRole:
         room.first_token, room.first_logprob = tok, lp
         self.engine.metrics.generated_tokens.inc()
         self._leave_batch(room, Event.STOP)  # the prompt is computed; writes still read it
-        self._apply(room, PEvent.COMPUTED)
+        self._apply(room, PEvent.COMPUTED, now)
         return True
 
     def _leave_batch(self, room: PRoom, event: Event) -> None:
@@ -304,16 +312,16 @@ class PrefillRole:
         if lease is not None:  # the request leaves the batch once, so the room had none
             room.lease = lease
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, now: float) -> bool:
         room = self.by_request.get(request_id)
         if room is not None:
-            self._apply(room, PEvent.ABORT)
+            self._apply(room, PEvent.ABORT, now)
         return room is not None
 
     def rooms(self) -> list[Room]:
         return list(self.by_room.values())
 
-    def admit(self) -> None:
+    def admit(self, now: float) -> None:
         pass  # work arrives as PrefillRequests, each admitted when handled
 
     def has_work(self) -> bool:
@@ -321,18 +329,18 @@ class PrefillRole:
 
     def poll_transfers(self, now: float) -> None:
         """Collect completed writes; a failed or overdue one fails its room."""
-        self.peers.tick()
-        self.writes.poll(self.by_room.values())
+        self.peers.tick(now)
+        self.writes.poll(self.by_room.values(), now)
 
     def expire(self, now: float) -> None:
         """Rooms past their deadline fail; decode workers silent too long are dropped."""
         for room in list(self.by_room.values()):
             if now > room.deadline:
-                self._apply(room, PEvent.DEADLINE, "prefill deadline passed")
+                self._apply(room, PEvent.DEADLINE, now, "prefill deadline passed")
         for peer in self.peers.silent(now):
-            self._drop_peer(peer, f"silent for {now - peer.last_seen:.0f}s", lost=False)
+            self._drop_peer(peer, f"silent for {now - peer.last_seen:.0f}s", now, lost=False)
 
-    def _drop_peer(self, peer: DecodePeer, why: str, *, lost: bool) -> None:
+    def _drop_peer(self, peer: DecodePeer, why: str, now: float, *, lost: bool) -> None:
         """Forget a decode worker and fail every room it had, at once.
 
         `lost`: the transfer layer said the peer disconnected, so no write to it can complete:
@@ -342,10 +350,10 @@ class PrefillRole:
         D pairs again by registering anew."""
         log.warning("decode worker %s: %s; dropping it and failing its rooms", peer.identity, why)
         self.stats.peers_dropped["disconnected" if lost else "silent"] += 1
-        self.peers.drop(peer)
+        self.peers.drop(peer, now)
         event = PEvent.PEER_LOST if lost else PEvent.PEER_DEAD
         for room in [r for r in self.by_room.values() if r.peer == peer.identity]:
-            self._apply(room, event, f"decode worker gone: {why}")
+            self._apply(room, event, now, f"decode worker gone: {why}")
 
     def settle(self) -> None:
         if self.nixl is not None:
@@ -355,12 +363,12 @@ class PrefillRole:
     def hard_exit(self) -> bool:
         return self.nixl is not None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, now: float) -> dict[str, Any]:
         return prefill_snapshot(
             self.peers,
             self.by_room.values(),
             self.refusals,
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
-            time.monotonic(),
+            now,
         )

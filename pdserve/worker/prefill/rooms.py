@@ -8,7 +8,6 @@ batch and are released only by FREE_PAGES, once no write reads them (LESSONS #7)
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,14 +27,14 @@ class PRoom:
     epoch: int
     request: Request
     dst_pages: list[int]
-    deadline: float
+    deadline: float  # monotonic
+    since: float  # monotonic: when it entered its state
     state: PState = PState.PREFILLING
     pages_written: int = 0
     bytes_written: int = 0
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
     reason: str = ""
-    since: float = field(default_factory=time.monotonic)
     write_deadline: float = 0.0  # unix time; no write into dst_pages after it
     inflight: list[Pending] = field(default_factory=list)  # writes not yet complete
     # The source pages once the request left the batch, kept while writes read them; released
@@ -43,9 +42,9 @@ class PRoom:
     lease: Lease | None = None
     writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
 
-    @property
-    def write_deadline_mono(self) -> float:
-        return time.monotonic() + (self.write_deadline - time.time())
+    def write_deadline_mono(self, now: float, wall: float) -> float:
+        """The write deadline on the monotonic clock, given one reading of each clock."""
+        return now + (self.write_deadline - wall)
 
     def done_message(self) -> m.PrefillDone:
         """What tells D its KV is complete: the first token (and its logprob), the bytes
@@ -66,10 +65,12 @@ def check_prefill_request(
     num_pages: int,
     pages_needed: int,
     validate: Callable[[list[int], SamplingParams], None],
+    wall: float,
 ) -> tuple[SamplingParams, float] | str:
     """(the params P samples with, seconds left to its write deadline), or why P refuses it:
     destination pages out of D's pool (`num_pages`) or too few, invalid params (`validate`:
-    the engine's rules), a write deadline not finite or already past."""
+    the engine's rules), a write deadline not finite or already past at `wall` (unix time,
+    P's clock)."""
     if len(msg.dst_pages) < pages_needed or any(not 0 <= p < num_pages for p in msg.dst_pages):
         return f"dst_pages invalid: {pages_needed} pages in [0, {num_pages}) needed"
     try:
@@ -80,7 +81,7 @@ def check_prefill_request(
         validate(list(msg.prompt_ids), params)
     except InvalidParams as e:  # the one converter raises nothing else
         return f"bad request: {e}"
-    left = msg.write_deadline - time.time()
+    left = msg.write_deadline - wall
     if not math.isfinite(left):  # NaN would keep the room open for ever
         return f"write_deadline must be a finite unix time, got {msg.write_deadline}"
     if left <= 0:

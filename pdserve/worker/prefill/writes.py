@@ -14,7 +14,6 @@ drops that peer, failing every room it had at once. Room events go back to the p
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.engine.scheduler import StepPlan
@@ -37,20 +36,22 @@ class PrefillWrites:
         pool: KVPool,
         peers: DecodePeers,
         stats: RoleStats,
-        apply: Callable[[PRoom, PEvent, str], None],
-        drop_peer: Callable[[DecodePeer, str], None],
+        apply: Callable[[PRoom, PEvent, float, str], None],
+        drop_peer: Callable[[DecodePeer, str, float], None],
     ) -> None:
-        """`apply(room, event, reason)`: a room event (WRITE_FAILED, WRITES_DONE) for the
-        role's room machine; `drop_peer(peer, why)`: its transfer layer disconnected."""
+        """`apply(room, event, now, reason)`: a room event (WRITE_FAILED, WRITES_DONE) for the
+        role's room machine; `drop_peer(peer, why, now)`: its transfer layer disconnected."""
         self.pool = pool
         self.peers = peers
         self.stats = stats
         self.apply = apply
         self.drop_peer = drop_peer
 
-    def post(self, plan: StepPlan, rooms: Mapping[str, PRoom]) -> None:
+    def post(self, plan: StepPlan, rooms: Mapping[str, PRoom], now: float, wall: float) -> None:
         """Post writes of the pages this step completed, for each of `rooms` (by request id)
-        still prefilling; on a GPU each waits for the step's end (one event per step)."""
+        still prefilling; on a GPU each waits for the step's end (one event per step). `now`,
+        `wall`: one reading of the monotonic and the wall clock (write deadlines are wall-clock
+        time, the transfer layer's monotonic)."""
         ready = step_done(self.pool) if plan.chunks else None
         for c in plan.chunks:
             room = rooms.get(c.request.request_id)
@@ -69,7 +70,7 @@ class PrefillWrites:
             try:
                 if peer is None:
                     raise WriteError(f"decode worker {room.peer} is no longer registered")
-                if time.time() > room.write_deadline:
+                if wall > room.write_deadline:
                     raise WriteError("the room's write deadline passed (its pages may be reused)")
                 FAULTS.hit("p.write")
                 sl = slice(room.pages_written, target)
@@ -79,7 +80,7 @@ class PrefillWrites:
                     self.pool,
                     req.pages[sl],
                     room.dst_pages[sl],
-                    room.write_deadline_mono,
+                    room.write_deadline_mono(now, wall),
                     ready,
                 )
                 room.inflight.append(xfer)
@@ -87,12 +88,12 @@ class PrefillWrites:
                 room.pages_written = target
             except PeerGone as e:
                 assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
-                self.drop_peer(peer, f"its transfer layer disconnected ({e})")
+                self.drop_peer(peer, f"its transfer layer disconnected ({e})", now)
             except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
                 log.warning("KV write for room %d failed: %s", room.room, e)
-                self.apply(room, PEvent.WRITE_FAILED, f"KV write failed: {e}")
+                self.apply(room, PEvent.WRITE_FAILED, now, f"KV write failed: {e}")
 
-    def poll(self, rooms: Iterable[PRoom]) -> None:
+    def poll(self, rooms: Iterable[PRoom], now: float) -> None:
         """Collect completed writes of `rooms`; a failed or overdue one fails its room."""
         gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
         for room in [r for r in rooms if r.inflight]:
@@ -110,10 +111,10 @@ class PrefillWrites:
                 room.inflight.remove(xfer)
             if error is not None:
                 log.warning("KV write for room %d failed: %s", room.room, error)
-                self.apply(room, PEvent.WRITE_FAILED, f"KV write failed: {error}")
+                self.apply(room, PEvent.WRITE_FAILED, now, f"KV write failed: {error}")
             if not room.inflight and room.state in WAITING_FOR_WRITES:
-                self.apply(room, PEvent.WRITES_DONE, "")
+                self.apply(room, PEvent.WRITES_DONE, now, "")
         for (peer_id, generation), why in gone.items():
             peer = self.peers.current(peer_id, generation)  # not a former pairing's
             if peer is not None:
-                self.drop_peer(peer, f"its transfer layer disconnected ({why})")
+                self.drop_peer(peer, f"its transfer layer disconnected ({why})", now)
