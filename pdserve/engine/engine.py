@@ -235,8 +235,8 @@ class Engine:
             cmd = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
-        now = self.clock.monotonic()  # what is queued is handled as of one moment
         while True:
+            now = self.clock.monotonic()  # fresh per command: a long drain must not age it
             try:
                 self._handle(cmd, now)
             except Exception as e:  # noqa: BLE001 - input must not kill this thread (LESSONS #1)

@@ -232,11 +232,9 @@ class GGUFFile:
         out = np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape)
         m = _Q_OR_K.fullmatch(name)
         if m is not None and self.architecture in _PERMUTED_QK:
-            arch = self.architecture
-            heads = int(self.require(f"{arch}.attention.head_count"))
-            if m.group(1) == "k":
-                heads = int(self.get(f"{arch}.attention.head_count_kv", heads))
-            out = _unpermute_rope_rows(out, heads)
+            cfg = self.hf_config()  # kv heads checked there (one count, or uniform per layer)
+            heads = cfg["num_key_value_heads" if m.group(1) == "k" else "num_attention_heads"]
+            out = _unpermute_rope_rows(out, int(heads))
         return out
 
     def rope_freq_divisors(self) -> np.ndarray | None:

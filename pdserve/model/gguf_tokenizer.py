@@ -162,11 +162,14 @@ def _merge(line: str, where: str) -> tuple[str, str]:
 
 def _post_processor(file: GGUFFile, tokens: list[str], bos: int | None, eos: int | None) -> Any:
     """A BOS and/or an EOS around each sequence where the file asks for them (llama.cpp's
-    add_bos_token / add_eos_token; absent: neither, for a byte-level vocabulary)."""
+    add_bos_token / add_eos_token). Absent, llama.cpp's defaults: a BOS for Llama 3's
+    pre-tokenizers, nothing else for a byte-level vocabulary."""
+    pre = file.get("tokenizer.ggml.pre", "")
+    default = {"add_bos_token": pre in _IGNORE_MERGES, "add_eos_token": False}
     ends = [
         (tid, where)
         for tid, key, where in ((bos, "add_bos_token", "head"), (eos, "add_eos_token", "tail"))
-        if tid is not None and file.get(f"tokenizer.ggml.{key}", False)
+        if tid is not None and file.get(f"tokenizer.ggml.{key}", default[key])
     ]
     if not ends:
         return processors.ByteLevel(trim_offsets=False)

@@ -103,7 +103,7 @@ def write_gguf(
     chat_template: str | None = None,
     bos: str | None = None,
     eos: str | None = None,
-    add_bos: bool = False,
+    add_bos: bool | None = False,  # None: the key left out (llama.cpp's default applies)
     pre: str = "qwen2",
     types: dict[str, GGMLQuantizationType] | None = None,
     name: str = "test model",
@@ -163,7 +163,7 @@ def _add_tokenizer(
     chat_template: str | None,
     bos: str | None,
     eos: str | None,
-    add_bos: bool,
+    add_bos: bool | None,
     pre: str,
 ) -> None:
     tj = json.loads(tokenizer_json)
@@ -181,6 +181,7 @@ def _add_tokenizer(
         w.add_bos_token_id(tokens.index(bos))
     if eos is not None:
         w.add_eos_token_id(tokens.index(eos))
-    w.add_add_bos_token(add_bos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)

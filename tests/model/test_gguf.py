@@ -221,6 +221,16 @@ def test_add_bos_token_puts_the_bos_first(files):
     assert ours.encode("hi", add_special_tokens=False) == hf.encode("hi", add_special_tokens=False)
 
 
+@pytest.mark.parametrize("pre, bos_first", [("llama-bpe", True), ("qwen2", False)])
+def test_without_add_bos_token_llama3_files_take_a_bos_and_others_none(
+    files, tmp_path, pre, bos_first
+):
+    _, model = files["llama"]
+    path = write(tmp_path, model, add_bos=None, pre=pre)
+    ids = Tokenizer.from_dir(path).encode("hi")
+    assert (ids[0] == 4093) is bos_first, ids  # llama.cpp's default for the file's pre-tokenizer
+
+
 @pytest.mark.process
 def test_a_gguf_tokenizer_and_config_load_no_torch(files):
     # The router builds the tokenizer and loads no torch (tests/router/test_no_torch.py).

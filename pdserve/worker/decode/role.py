@@ -279,9 +279,12 @@ class DecodeRole:
         if room.state is DState.ABORTING:
             room.deadline = now + t.abort_ack_timeout_s
         elif room.state is DState.FENCED:
-            # P may still write until write_deadline (unix time); quarantine the pages past it.
-            past_writes = room.write_deadline + t.fence_margin_s - self.engine.clock.wall()
-            room.deadline = now + max(t.fence_s, past_writes)
+            # P may still write until write_deadline (unix time); quarantine the pages past it,
+            # converted to monotonic time with both clocks read together.
+            clock = self.engine.clock
+            mono, wall = clock.monotonic(), clock.wall()
+            past_writes = mono + (room.write_deadline + t.fence_margin_s - wall)
+            room.deadline = max(now + t.fence_s, past_writes)
         for c in out.commands:
             self._run_command(room, c, now)
         if room.state in D_TERMINAL:
