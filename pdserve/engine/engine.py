@@ -74,7 +74,10 @@ class Engine:
             if cfg.cache.prefix_cache
             else None
         )
-        self.scheduler = Scheduler(cfg.scheduler, self.leases, pool.page_size, self.prefix_cache)
+        pins = lambda req: self.role.pins(req)  # the role is set later, by attach
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.leases, pool.page_size, self.prefix_cache, pins
+        )
         runner = cfg.runner
         self.runner = ModelRunner(
             model,

@@ -81,6 +81,7 @@ class Scheduler:
         leases: Leases,
         page_size: int,
         cache: PrefixCache | None = None,
+        pinned: Callable[[Request], bool] = lambda _req: False,
     ) -> None:
         self.cfg = cfg
         self.leases = leases
@@ -89,7 +90,7 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.pinned: Callable[[Request], bool] = lambda _req: False
+        self.pinned = pinned  # never preempted (the role's `pins`: a transfer reads its pages)
         self.loads = cache.loads if cache is not None else None
         # Request id -> (tokens looked up, tokens loaded from the host): recorded in the cache's
         # stats when it is admitted (a lookup it must repeat, lacking pages, counts then).

@@ -25,9 +25,8 @@ import msgspec
 
 from pdserve.engine.commands import SubmitCommand
 from pdserve.engine.engine import Engine
-from pdserve.engine.request import Event, Request, TokenLogprob
-from pdserve.engine.role import Room
-from pdserve.engine.scheduler import StepPlan
+from pdserve.engine.request import Event, Request
+from pdserve.engine.role import Role, Room
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
@@ -44,12 +43,10 @@ from pdserve.worker.pd_role import RoleStats, SendFailed, enter
 log = logging.getLogger(__name__)
 
 
-class DecodeRole:
+class DecodeRole(Role):
     """The decode worker's role in its engine's loop (engine/role.py)."""
 
     name = "decode"
-    overlaps = True
-    takes_tokens = False
 
     def __init__(
         self,
@@ -334,18 +331,6 @@ class DecodeRole:
 
     def has_work(self) -> bool:
         return bool(self.by_room or self.admitting)
-
-    def fail(self, req: Request, why: str, now: float) -> bool:
-        return False  # a scheduled request has no room left: the engine fails it
-
-    def take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
-        return False  # streamed by the engine
-
-    def after_forward(self, plan: StepPlan, now: float) -> None:
-        pass
-
-    def on_control(self, inbound: Inbound, now: float) -> m.Send | None:
-        return None
 
     def poll_transfers(self, now: float) -> None:
         self._take_landed(now)

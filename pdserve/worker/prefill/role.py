@@ -23,7 +23,7 @@ import msgspec
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Event, Request, TokenLogprob
-from pdserve.engine.role import Room
+from pdserve.engine.role import Role, Room
 from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 REFUSALS_KEPT = 16
 
 
-class PrefillRole:
+class PrefillRole(Role):
     """The prefill worker's role in its engine's loop (engine/role.py)."""
 
     name = "prefill"
@@ -85,13 +85,12 @@ class PrefillRole:
             self._apply,
             lambda peer, why, now: self._drop_peer(peer, why, now, lost=True),
         )
-        engine.scheduler.pinned = self._pinned
 
     @property
     def nixl(self) -> NixlAgent | None:
         return self.peers.nixl
 
-    def _pinned(self, req: Request) -> bool:
+    def pins(self, req: Request) -> bool:
         room = self.by_request.get(req.request_id)
         return room is not None and bool(room.inflight)
 
@@ -320,9 +319,6 @@ class PrefillRole:
 
     def rooms(self) -> list[Room]:
         return list(self.by_room.values())
-
-    def admit(self, now: float) -> None:
-        pass  # work arrives as PrefillRequests, each admitted when handled
 
     def has_work(self) -> bool:
         return any(r.inflight for r in self.by_room.values())
