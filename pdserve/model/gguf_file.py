@@ -131,6 +131,7 @@ class GGUFFile:
             )
             for t in reader.tensors
         }
+        self._config: dict[str, Any] | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of metadata `key` (a list for an array), or `default` if absent."""
@@ -142,7 +143,13 @@ class GGUFFile:
         return self.get(key)
 
     def hf_config(self) -> dict[str, Any]:
-        """The metadata as an HF config.json dict (HF's field names)."""
+        """The metadata as an HF config.json dict (HF's field names); derived once, since the
+        file is immutable and `read` asks for the head counts of every q and k tensor."""
+        if self._config is None:
+            self._config = self._derive_config()
+        return dict(self._config)
+
+    def _derive_config(self) -> dict[str, Any]:
         arch = self.architecture
         if arch not in ARCHITECTURES:
             raise ModelConfigError(
