@@ -301,7 +301,32 @@ class Engine:
         cache = self.prefix_cache.stats if self.prefix_cache is not None else None
         self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
 
-    # -- the verbs roles use ----------------------------------------------------------------
+    # -- the role's host (engine/role.py RoleHost) --------------------------------------------
+    @property
+    def request_timeout_s(self) -> float:
+        return self.cfg.request_timeout_s
+
+    def compute_prompt(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+
+    def adopt(
+        self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
+    ) -> None:
+        req.num_computed = len(req.prompt_ids)
+        self.scheduler.adopt(req, lease)
+        self.emit_token(req, tok, lp, now)
+
+    def open_lease(self, owner: str, num_pages: int) -> Lease:
+        return self.leases.open(owner, num_pages)
+
+    def count_prompt_tokens(self, n: int) -> None:
+        self.metrics.prompt_tokens.inc(n)
+
+    def count_generated_token(self) -> None:
+        self._generated += 1  # counted into metrics once a step, with the engine's own
+
+    # -- the engine's verbs ---------------------------------------------------------------------
     def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> None:
         """A token was sampled for `req`: record it, stream it, stop if it ends the request.
         A request that asked for no token (max_tokens 0: it scores its prompt) ends here

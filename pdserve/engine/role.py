@@ -23,11 +23,13 @@ shutdown `settle` and `hard_exit`.
 
 Time is an input: every verb that may change a room or judge a deadline takes `now`, the
 engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a role reads no
-clock of its own but that clock's `wall()`, for what crosses hosts. A role changes requests
-only through the engine's verbs (`Engine.finish`, `Engine.emit_token`, the scheduler's
-`add`/`adopt`) and pages only through leases; the scheduler asks it `pins(req)` before
-preempting. `Role` is the base every role derives from: each verb's default is "nothing to
-add", so a role writes only the verbs it has. `Colocated`, the role of a worker that prefills
+clock of its own but that clock's `wall()`, for what crosses hosts. A role sees its engine
+only as a `RoleHost`: a few verbs (compute a prompt, adopt a prompt computed elsewhere, finish
+a request, open a lease, count tokens) and what it may read; it never touches the scheduler,
+the leases or the metrics themselves, and sends messages only by returning them
+(`take_outbox`). The scheduler asks it `pins(req)` before preempting. `Role` is the base
+every role derives from: each verb's default is "nothing to add", so a role writes only the
+verbs it has. `Colocated`, the role of a worker that prefills
 and decodes itself, is the base alone.
 """
 
@@ -38,8 +40,54 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdserve.protocol.messages import Send
 
 if TYPE_CHECKING:
-    from pdserve.engine.request import Request, TokenLogprob
+    from pdserve.engine.request import Event, Request, TokenLogprob
     from pdserve.engine.scheduler import StepPlan
+    from pdserve.kvcache.lease import Lease
+    from pdserve.kvcache.pool import KVPool
+    from pdserve.protocol.sampling import SamplingParams
+    from pdserve.runtime.timing import Clock
+
+
+class RoleHost(Protocol):
+    """The engine as a role sees it (engine/engine.py implements it): what a role may read,
+    and the only verbs by which it changes requests and pages."""
+
+    clock: Clock
+    pool: KVPool
+    eos_token_ids: frozenset[int]
+    last_tick: float  # monotonic: when the engine's current tick began
+
+    @property
+    def request_timeout_s(self) -> float: ...
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """InvalidParams for a request this engine can never serve."""
+
+    def compute_prompt(self, req: Request) -> None:
+        """Schedule `req` to compute its prompt here (a prefill room's request)."""
+
+    def adopt(
+        self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
+    ) -> None:
+        """Decode `req`, whose prompt KV a peer wrote into `lease`'s pages and whose first
+        token `tok` it sampled; the token is streamed as if sampled here."""
+
+    def finish(
+        self,
+        req: Request,
+        event: Event,
+        error: str | None = None,
+        *,
+        keep_pages_for: str | None = None,
+    ) -> Lease | None:
+        """End `req` (Engine.finish): its pages released, or kept for `keep_pages_for`."""
+
+    def open_lease(self, owner: str, num_pages: int) -> Lease:
+        """A lease on `num_pages` free pages for `owner`; PageAllocError when too few are free."""
+
+    def count_prompt_tokens(self, n: int) -> None: ...
+
+    def count_generated_token(self) -> None: ...
 
 
 class Room(Protocol):

@@ -1,17 +1,15 @@
 """One named KV buffer (`BufferSpec`): its per-token shape, dtype and layers, checked.
 
 A KV layout (kvcache/layout.py) is a tuple of these. A peer sends its layout at registration,
-so every field is checked here against the bounds below and `from_dict` raises only
-ValueError: a peer's descriptor cannot make us compute or allocate without end. `check_int`
-and `check_ints` are the same checks for the layout's own fields.
+so every field is checked here against the bounds below, raising only ValueError: a peer's
+descriptor cannot make us compute or allocate without end. `check_int` and `check_ints` are
+the same checks for the layout's own fields.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -96,24 +94,3 @@ class BufferSpec:
     def token_bytes(self) -> int:
         """Bytes one token of this buffer occupies in one layer."""
         return math.prod(self.shape) * self.itemsize
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "layers": None if self.layers is None else list(self.layers),
-        }
-
-    @classmethod
-    def from_dict(cls, d: object) -> BufferSpec:
-        if not isinstance(d, Mapping):
-            raise ValueError(f"a buffer must be a dict, got {type(d).__name__}")
-        # Any: __post_init__ checks every value's type (a peer's dict holds anything).
-        kw: dict[Any, Any] = {
-            k: tuple(v) if isinstance(v, list | tuple) else v for k, v in d.items()
-        }
-        try:
-            return cls(**kw)
-        except TypeError as e:  # missing or unknown keys, non-string keys
-            raise ValueError(f"buffer: {e}") from None

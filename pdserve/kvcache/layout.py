@@ -12,18 +12,20 @@ starting on an `ALIGN` boundary so that a typed view of it is aligned for every 
 Everything that touches KV bytes (the pool, a host tier, a transfer backend) takes offsets and
 sizes from this descriptor, never from class constants: a bf16 buffer is never moved as fp8.
 Two pools exchange pages only if their descriptors agree; `mismatch` names the buffer and the
-field that differ. `from_dict` reads a peer's descriptor and raises only ValueError.
+field that differ. `from_desc` reads a peer's descriptor (protocol/layout_desc.py) and
+raises only ValueError.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import msgspec
 import torch
 
 from pdserve.kvcache.buffer_spec import DTYPES, MAX_LAYERS, BufferSpec, check_int
+from pdserve.protocol.layout_desc import BufferDesc, LayoutDesc
 
 ALIGN = 64  # bytes: every region starts on this boundary (a cache line; any dtype's alignment)
 # Bounds on a descriptor, so that a peer's cannot make us compute or allocate without end (a
@@ -282,33 +284,33 @@ class KVLayout:
     def _show_layers(self, b: BufferSpec) -> str:
         return "all" if len(self.layers_of(b.name)) == self.num_layers else repr(b.layers)
 
+    def to_desc(self) -> LayoutDesc:
+        """The wire form (protocol/layout_desc.py)."""
+        bufs = tuple(BufferDesc(b.name, b.shape, b.dtype, b.layers) for b in self.buffers)
+        return LayoutDesc(bufs, self.page_size, self.num_layers, self.tp_rank, self.tp_size)
+
     def to_dict(self) -> dict[str, object]:
-        return {
-            "buffers": [b.to_dict() for b in self.buffers],
-            "page_size": self.page_size,
-            "num_layers": self.num_layers,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-        }
+        """The JSON form (/info, /debug): the wire form's builtins."""
+        d: dict[str, object] = msgspec.to_builtins(self.to_desc())
+        return d
+
+    @classmethod
+    def from_desc(cls, desc: LayoutDesc) -> KVLayout:
+        """A peer's descriptor, its types checked by the decoder: every range checked here;
+        ValueError, never anything else, if it is not a valid layout."""
+        if len(desc.buffers) > MAX_BUFFERS:
+            raise ValueError(f"KVLayout: buffers must be a list of at most {MAX_BUFFERS}")
+        try:
+            buffers = tuple(BufferSpec(b.name, b.shape, b.dtype, b.layers) for b in desc.buffers)
+        except ValueError as e:
+            raise ValueError(f"KVLayout: {e}") from None
+        return cls(buffers, desc.page_size, desc.num_layers, desc.tp_rank, desc.tp_size)
 
     @classmethod
     def from_dict(cls, d: object) -> KVLayout:
-        """A peer's descriptor (as `to_dict` wrote it); ValueError, never anything else, if it
-        is not a valid one."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"KVLayout: a dict expected, got {type(d).__name__}")
-        known = {"buffers", "page_size", "num_layers", "tp_rank", "tp_size"}
-        unknown = [k for k in d if k not in known]
-        if unknown:
-            raise ValueError(f"KVLayout: unknown fields {sorted(map(repr, unknown))[:8]}")
-        bufs = d.get("buffers")
-        if not isinstance(bufs, list | tuple) or len(bufs) > MAX_BUFFERS:
-            raise ValueError(f"KVLayout: buffers must be a list of at most {MAX_BUFFERS}")
+        """The JSON form back (a peer's /info): ValueError, never anything else."""
         try:
-            buffers = tuple(BufferSpec.from_dict(b) for b in bufs)
-        except ValueError as e:
+            desc = msgspec.convert(d, LayoutDesc)
+        except (msgspec.ValidationError, UnicodeEncodeError) as e:
             raise ValueError(f"KVLayout: {e}") from None
-        try:
-            return cls(**{**d, "buffers": buffers})  # it validates every field
-        except TypeError as e:  # missing fields: the peer's fault
-            raise ValueError(f"KVLayout: {e}") from None
+        return cls.from_desc(desc)

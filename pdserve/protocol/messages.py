@@ -13,7 +13,9 @@ from typing import NamedTuple
 
 import msgspec
 
+from pdserve.protocol.layout_desc import LayoutDesc
 from pdserve.protocol.outputs import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams, show
 
 PROTO_VERSION = 1
 
@@ -65,9 +67,9 @@ class HelloAck(Msg, frozen=True):
 
 
 class Register(Msg, frozen=True):
-    """D -> P: pair with me. `layout` is D's KVLayout as a dict; `shm` its pool (shm)."""
+    """D -> P: pair with me. `layout` is D's KV layout; `shm` its pool (backend shm)."""
 
-    layout: dict[str, object]
+    layout: LayoutDesc
     backend: str
     shm: ShmPool | None = None
     num_pages: int = 0
@@ -77,13 +79,13 @@ class Register(Msg, frozen=True):
 class RegisterAck(Msg, frozen=True):
     ok: bool
     error: str | None = None
-    layout: dict[str, object] | None = None
+    layout: LayoutDesc | None = None
 
 
 class PrefillRequest(Msg, frozen=True):
     prompt_ids: list[int]
     dst_pages: list[int]
-    params: dict[str, object]
+    params: SamplingParams  # decoding checks every field (protocol/sampling.py)
     # Wall-clock (unix) time after which P must not write into dst_pages: D fences the pages
     # until then, so a P that was stopped and resumes late cannot write into reused pages.
     write_deadline: float
@@ -198,9 +200,22 @@ class Send(NamedTuple):
 
 @dataclass(frozen=True)
 class DecodeError:
-    """A frame that could not be read; `kind` is one of malformed | unknown_type | version."""
+    """A frame that could not be read; `kind` is one of malformed | unknown_type | version.
+    A malformed frame of a known type whose envelope reads says which (`of`, `room`, `epoch`):
+    the receiver can then answer it (a PrefillRequest with bad params gets its PrefillReject)."""
 
     kind: str
+    detail: str
+    of: str = ""  # the message type it claims, when known and its envelope reads
+    room: int = 0
+    epoch: int = 0
+
+
+class Unreadable(Msg, frozen=True):
+    """Not a wire message (the decoder never yields it): a DecodeError that names its type,
+    handed to the role as a message so that it can answer the sender (transfer/control.py)."""
+
+    of: str
     detail: str
 
 
@@ -230,6 +245,14 @@ def _classify(frame: bytes, detail: str) -> DecodeError:
         return DecodeError("malformed", detail)
     tag = obj.get("type")
     known = {t.__name__ for t in MESSAGE_TYPES}
-    if tag not in known:
-        return DecodeError("unknown_type", f"type {tag!r}")
-    return DecodeError("malformed", detail)
+    if not isinstance(tag, str) or tag not in known:  # a list is unhashable: never `in` a set
+        return DecodeError("unknown_type", f"type {show(tag)}")
+    room, epoch = obj.get("room", 0), obj.get("epoch", 0)
+    if not (_envelope_int(room) and _envelope_int(epoch)):
+        return DecodeError("malformed", detail)
+    assert isinstance(room, int) and isinstance(epoch, int)
+    return DecodeError("malformed", detail, of=tag, room=room, epoch=epoch)
+
+
+def _envelope_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63

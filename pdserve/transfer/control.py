@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from pdserve.protocol.messages import DecodeError, Message, Msg, decode, encode
+from pdserve.protocol.messages import DecodeError, Message, Msg, Unreadable, decode, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
@@ -67,7 +67,7 @@ MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
 @dataclass(frozen=True)
 class Inbound:
     peer: str  # P: the D's identity; D: the P's address
-    msg: Message
+    msg: Message | Unreadable
     frames: tuple[bytes, ...] = ()  # extra frames (KV page bytes on the tcp backend)
 
 
@@ -292,7 +292,11 @@ class Control:
         msg = decode(parts[0])
         if isinstance(msg, DecodeError):
             self._dropped(msg.kind, peer, msg.detail)
-            return None
+            if not msg.of:
+                return None
+            # It says what it is and which room: the role may answer it (a PrefillReject).
+            what = Unreadable(room=msg.room, epoch=msg.epoch, of=msg.of, detail=msg.detail[:300])
+            return Inbound(peer, what)
         self.stats.received[type(msg).__name__] += 1
         return Inbound(peer, msg, tuple(parts[1:]))
 

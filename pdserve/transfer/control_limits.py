@@ -25,6 +25,7 @@ only prefill workers bind, and only members' sockets connect to a decode worker.
 from __future__ import annotations
 
 from pdserve.protocol.messages import PrefillRequest, encode
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.frame_auth import MAX_AUTH_BYTES
 
 MAX_FRAME_BYTES = 256 * 2**20  # one frame P sends D: a message, or one KV page (tcp backend)
@@ -62,7 +63,7 @@ def prefill_inbound_bytes(context_tokens: int) -> int:
         sender="d" * MAX_SENDER,
         prompt_ids=[],
         dst_pages=[],
-        params={},
+        params=SamplingParams(),
         write_deadline=0.0,
     )
     # An array's header grows from 1 to 5 bytes with its length; count the widest, twice.

@@ -180,7 +180,7 @@ def register_message(receiver: KVReceiver, pool: KVPool) -> Register:
     backend, and where P writes (the shm segment, or the NIXL agent and descriptors)."""
     shm, nixl = receiver.registration()
     return Register(
-        layout=pool.layout.to_dict(),
+        layout=pool.layout.to_desc(),
         backend=receiver.backend,
         shm=shm,
         nixl=nixl,

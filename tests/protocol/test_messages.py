@@ -4,6 +4,8 @@ import msgspec
 import pytest
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.layout_desc import BufferDesc, LayoutDesc
+from pdserve.protocol.sampling import SamplingParams
 
 SAMPLES = [
     m.Hello(nonce=2**63 - 1),
@@ -11,7 +13,11 @@ SAMPLES = [
     m.Register(
         room=0,
         sender="d0",
-        layout={"dtype": "float32"},
+        layout=LayoutDesc(
+            buffers=(BufferDesc("k", (2, 8), "float32"), BufferDesc("v", (2, 8), "float32", (0,))),
+            page_size=16,
+            num_layers=2,
+        ),
         backend="shm",
         shm=m.ShmPool(pid=1, fd=3, token="ab" * 16),
     ),
@@ -21,7 +27,7 @@ SAMPLES = [
         epoch=3,
         prompt_ids=[1, 2, 3],
         dst_pages=[7, 9],
-        params={"temperature": 0.0},
+        params=SamplingParams(temperature=0.0, stop_token_ids=(2, 3), logit_bias=((5, -1.5),)),
         write_deadline=1.8e9,
     ),
     m.PrefillAccept(room=1, epoch=1),
@@ -67,3 +73,16 @@ def test_random_and_truncated_frames_never_raise(seed):
         for frame in (cut, bytes(flipped), rng.randbytes(rng.randrange(40))):
             out = m.decode(frame)
             assert isinstance(out, (m.DecodeError, *m.MESSAGE_TYPES))
+
+
+@pytest.mark.parametrize("room", ["one", -1, 2**63, True, None])
+def test_a_malformed_frame_with_an_unreadable_envelope_names_no_room(room):
+    raw = msgspec.msgpack.encode({"type": "PrefillRequest", "room": room, "params": 3})
+    err = m.decode(raw)
+    assert isinstance(err, m.DecodeError) and err.kind == "malformed"
+    assert (err.of, err.room, err.epoch) == ("", 0, 0)
+
+
+def test_an_unhashable_type_tag_is_an_unknown_type():
+    err = m.decode(msgspec.msgpack.encode({"type": [1], "room": 1}))
+    assert isinstance(err, m.DecodeError) and err.kind == "unknown_type"

@@ -55,10 +55,10 @@ def test_the_wire_form_round_trips_over_json_and_the_control_plane() -> None:
         assert set(d) == set(SamplingParams.__struct_fields__)
         assert SamplingParams.from_builtins(d) == p
         assert SamplingParams.from_builtins(json.loads(json.dumps(d))) == p
-        req = m.PrefillRequest(prompt_ids=[1], dst_pages=[0], params=d, write_deadline=1.0)
+        req = m.PrefillRequest(prompt_ids=[1], dst_pages=[0], params=p, write_deadline=1.0)
         back = m.decode(m.encode(req))
         assert isinstance(back, m.PrefillRequest)
-        assert SamplingParams.from_builtins(back.params) == p
+        assert back.params == p
 
 
 WIRE_BAD: list[tuple[dict[str, Any], str]] = [
@@ -175,3 +175,28 @@ def test_a_lone_surrogate_where_no_string_belongs_is_invalid_params(name: str) -
     with pytest.raises(InvalidParams) as e:
         SamplingParams.from_builtins({name: value})
     assert e.value.param == name
+
+
+def _packable(d: dict[str, Any]) -> bool:
+    try:
+        msgspec.msgpack.encode(d)
+    except OverflowError:  # an int past 64 bits never reaches a peer's decoder
+        return False
+    return True
+
+
+ON_THE_WIRE = [(d, p) for d, p in WIRE_BAD if _packable(d)]
+
+
+@pytest.mark.parametrize("d,param", ON_THE_WIRE, ids=[p for _, p in ON_THE_WIRE])
+def test_a_prefill_request_with_bad_params_is_an_addressed_decode_error(
+    d: dict[str, Any], param: str
+) -> None:
+    """The control decoder refuses it and says which room it was: P answers a PrefillReject
+    naming that room (worker/prefill/role.py) instead of dropping it in silence."""
+    fields = {"prompt_ids": [1], "dst_pages": [0], "write_deadline": 1.0, "params": d}
+    raw = msgspec.msgpack.encode({"type": "PrefillRequest", "room": 9, "epoch": 2, **fields})
+    err = m.decode(raw)
+    assert isinstance(err, m.DecodeError) and err.kind == "malformed", err
+    assert (err.of, err.room, err.epoch) == ("PrefillRequest", 9, 2)
+    assert param in err.detail

@@ -30,7 +30,7 @@ NEW = 12
 
 SAMPLES: list[f.Frame] = [
     f.Submit("r1", [1, 2, 3], SamplingParams(max_tokens=4, seed=7), 5.0, "tcp://127.0.0.1:9"),
-    f.Abort("r1"),
+    f.AbortRequest("r1"),
     f.Query(3, "state", 2.0),
     f.SetFaults(4, "p.write=delay:1", 1),
     f.Stop(),
@@ -51,7 +51,9 @@ SAMPLES: list[f.Frame] = [
 
 def test_frames_arrive_whole_however_the_stream_is_cut() -> None:
     down = [
-        s for s in SAMPLES if isinstance(s, f.Submit | f.Abort | f.Query | f.SetFaults | f.Stop)
+        s
+        for s in SAMPLES
+        if isinstance(s, f.Submit | f.AbortRequest | f.Query | f.SetFaults | f.Stop)
     ]
     up = [s for s in SAMPLES if s not in down]
     for frames, is_up in ((down, False), (up, True)):
@@ -69,7 +71,7 @@ def test_bytes_that_are_no_frame_become_garbled_values_not_exceptions() -> None:
     got = f.Frames(up=True).feed(f.HEADER.pack(len(body)) + body)
     assert len(got) == 1 and isinstance(got[0], f.Garbled)
     # A down frame read as an up one is garbled too: the two unions share no tag.
-    assert isinstance(f.Frames(up=True).feed(f.encode(f.Abort("x")))[0], f.Garbled)
+    assert isinstance(f.Frames(up=True).feed(f.encode(f.AbortRequest("x")))[0], f.Garbled)
     huge = f.Frames(up=False).feed(f.HEADER.pack(f.MAX_FRAME + 1) + b"x" * 16)
     assert len(huge) == 1 and "at most" in huge[0].why
     # A Submit whose params break their own rules is refused as they would be over HTTP.

@@ -24,9 +24,8 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.commands import SubmitCommand
-from pdserve.engine.engine import Engine
 from pdserve.engine.request import Event, Request
-from pdserve.engine.role import Role, Room
+from pdserve.engine.role import Role, RoleHost, Room
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
@@ -50,7 +49,7 @@ class DecodeRole(Role):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: RoleHost,
         identity: str,
         backend: str,
         control: Control | None = None,
@@ -97,7 +96,7 @@ class DecodeRole(Role):
     def handle(self, cmd: object, now: float) -> None:
         match cmd:
             case SubmitCommand(request=req, prefill=str() as address):
-                self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self.engine.count_prompt_tokens(len(req.prompt_ids))
                 self.admitting.append(HeldSubmit(req, address))
             case SendFailed(peer=peer, msg=msg, why=why):
                 self.stats.send_failed += 1
@@ -239,7 +238,7 @@ class DecodeRole(Role):
             req,
             sub.prefill,
             now + left,
-            self.engine.leases.open(f"room {rid}", need),
+            self.engine.open_lease(f"room {rid}", need),
             since=now,
             write_deadline=self.engine.clock.wall() + left,
         )
@@ -262,7 +261,7 @@ class DecodeRole(Role):
                 dst_pages=list(room.lease.pages),
                 # The request's seed, drawn here if the caller gave none: P samples output
                 # position 0 by the same (seed, position) rule as D the rest.
-                params=req.params.replace(seed=req.seed).to_builtins(),
+                params=req.params.replace(seed=req.seed),
                 write_deadline=room.write_deadline,
             ),
         )
@@ -301,10 +300,9 @@ class DecodeRole(Role):
                 assert room.first_token is not None  # set with the DONE event
                 FAULTS.hit("d.start_decode")
                 self.stats.done += 1
-                req.num_computed = len(req.prompt_ids)
-                self.engine.scheduler.adopt(req, room.lease.hand_over(req.request_id))
                 lp = room.first_logprob if req.params.logprobs is not None else None
-                self.engine.emit_token(req, room.first_token, lp, now)
+                lease = room.lease.hand_over(req.request_id)
+                self.engine.adopt(req, lease, room.first_token, lp, now)
             case _:
                 raise ValueError(f"decode role cannot run {c}")
 

@@ -160,7 +160,7 @@ class EngineClient:
         self._send_bytes(data)
 
     def abort(self, request_id: str) -> None:
-        self._send(f.Abort(request_id))
+        self._send(f.AbortRequest(request_id))
 
     # -- the server's surface ----------------------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop, on_fatal: Callable[[str], None]) -> None:

@@ -5,7 +5,7 @@ engine thread, the role, the control and data-plane threads) share one AF_UNIX s
 made by the parent with `socketpair` and inherited by the child: nothing on it comes from
 outside the process pair. docs/architecture.md §Engine process.
 
-    down (worker -> engine)   Setup (first, once), Submit, Abort, Query, SetFaults, Stop
+    down (worker -> engine)   Setup (first, once), Submit, AbortRequest, Query, SetFaults, Stop
     up   (engine -> worker)   Ready (first, once), Outputs, Status, Reply, Fatal, Stopped
 
 A frame is a 4-byte big-endian length and one msgpack value, a msgspec Struct tagged by its
@@ -52,7 +52,7 @@ class Submit(Frame, frozen=True):
     prefill: str | None  # decode role: the prefill worker's control address
 
 
-class Abort(Frame, frozen=True):
+class AbortRequest(Frame, frozen=True):
     request_id: str
 
 
@@ -118,7 +118,7 @@ class Stopped(Frame, frozen=True):
     stuck: list[str] | None
 
 
-Down = Setup | Submit | Abort | Query | SetFaults | Stop
+Down = Setup | Submit | AbortRequest | Query | SetFaults | Stop
 Up = Ready | Outputs | Status | Reply | Fatal | Stopped
 
 

@@ -14,7 +14,7 @@ Started by `EngineClient` (worker/host/client.py) as
 with one end of a socketpair as FD. The first frame down is Setup; this process builds
 `LocalEngine` from it (the model loads here, on this process's GPU), starts the engine, control
 and data-plane threads under its own supervisor, and answers Ready. Then its main thread reads
-Submit, Abort, Query and SetFaults frames, and sends a Status every ENGINE_STATUS_EVERY_S;
+Submit, AbortRequest, Query and SetFaults frames, and sends a Status every ENGINE_STATUS_EVERY_S;
 the engine thread sends each tick's outputs as one Outputs frame. Stop, or the worker closing
 the socket, stops the threads and ends the process. It dies with the worker: SIGKILL when the
 worker process dies (PR_SET_PDEATHSIG), and it ignores SIGINT and SIGTERM, which a terminal or
@@ -198,7 +198,7 @@ class EngineProcess:
                     self.uplink.send(
                         f.Outputs([RequestOutput(frame.request_id, (), (), "error", error)])
                     )
-            case f.Abort():
+            case f.AbortRequest():
                 engine.abort(frame.request_id)
             case f.Query(what="state"):
                 self._answer_state(frame.qid)

@@ -71,7 +71,7 @@ class DecodePeers:
     def register(self, identity: str, msg: m.Register, now: float) -> DecodePeer:
         """Pair with a decode worker; raises (ValueError, OSError, NIXL's errors) saying why not."""
         ours = self.pool.layout
-        theirs = KVLayout.from_dict(dict(msg.layout))
+        theirs = KVLayout.from_desc(msg.layout)
         diff = ours.mismatch(theirs, ours="prefill", theirs="decode")
         if diff is not None:
             raise ValueError(f"KV layout mismatch, {diff} (prefill vs decode)")

@@ -21,9 +21,8 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.engine import Engine
 from pdserve.engine.request import Event, Request, TokenLogprob
-from pdserve.engine.role import Role, Room
+from pdserve.engine.role import Role, RoleHost, Room
 from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
 from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
@@ -51,7 +50,7 @@ class PrefillRole(Role):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: RoleHost,
         identity: str,
         control: Control | None = None,
         copier: Copier | None = None,
@@ -125,6 +124,14 @@ class PrefillRole(Role):
                     self._apply(room, PEvent.ABORT, now)
             case m.Ping() | m.Hello():
                 pass  # answered on the control thread (on_control); here it only proves D alive
+            case m.Unreadable(of="PrefillRequest") if msg.room:
+                self.stats.rejected += 1
+                why = f"bad request: {msg.detail}"
+                self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
+            case m.Unreadable(of="Register"):
+                ours = self.pool.layout.to_desc()
+                error = f"unreadable Register: {msg.detail}"
+                self._reply(cmd.peer, m.RegisterAck(ok=False, error=error, layout=ours))
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
@@ -174,7 +181,7 @@ class PrefillRole(Role):
         self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity), frames))
 
     def _register(self, peer: str, msg: m.Register, now: float) -> None:
-        ours = self.pool.layout.to_dict()
+        ours = self.pool.layout.to_desc()
         try:
             self.peers.register(peer, msg, now)
         except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why
@@ -206,7 +213,7 @@ class PrefillRole(Role):
         if isinstance(checked, str):
             return reject(checked)
         params, left = checked
-        deadline = now + min(left, self.engine.cfg.request_timeout_s)
+        deadline = now + min(left, self.engine.request_timeout_s)
         req = Request(
             f"{peer_id}:{msg.room}:{msg.epoch}",
             list(msg.prompt_ids),
@@ -229,8 +236,7 @@ class PrefillRole(Role):
         )
         self.by_room[(peer_id, msg.room)] = room
         self.by_request[req.request_id] = room
-        self.engine.scheduler.add(req)
-        self.engine.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.engine.compute_prompt(req)
         self._reply(peer_id, m.PrefillAccept(room=msg.room, epoch=msg.epoch))
 
     # -- the room machine ---------------------------------------------------------------------
@@ -300,7 +306,7 @@ class PrefillRole(Role):
         if room is None:  # not a room (cannot happen: P serves no local requests)
             return False
         room.first_token, room.first_logprob = tok, lp
-        self.engine.metrics.generated_tokens.inc()
+        self.engine.count_generated_token()
         self._leave_batch(room, Event.STOP)  # the prompt is computed; writes still read it
         self._apply(room, PEvent.COMPUTED, now)
         return True

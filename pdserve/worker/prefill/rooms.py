@@ -76,10 +76,10 @@ def check_prefill_request(
     try:
         # P samples output position 0 only, by the same rule as D samples the rest: a
         # min_tokens of 1 or more bans EOS and the stop ids from this token too.
-        asked = SamplingParams.from_builtins(msg.params)
+        asked = msg.params  # its fields were checked as the frame was decoded
         params = asked.replace(max_tokens=1, min_tokens=min(asked.min_tokens, 1))
         validate(list(msg.prompt_ids), params)
-    except InvalidParams as e:  # the one converter raises nothing else
+    except InvalidParams as e:  # replace and validate raise nothing else
         return f"bad request: {e}"
     left = msg.write_deadline - wall
     if not math.isfinite(left):  # NaN would keep the room open for ever
