@@ -123,7 +123,9 @@ def add_launch_command(sub: Any) -> None:
         "--cluster-key-file",
         default=None,
         metavar="FILE",
-        help="the cluster's shared secret (default: a new one, LOG_DIR/cluster.key, mode 600)",
+        help="the cluster's shared secret (default: a new one, LOG_DIR/cluster.key, mode 600); "
+        "while the cluster runs, a copy only you can read lets `pdserve doctor --url` and "
+        "`pdserve chaos --url` find it from the router's address",
     )
     p.add_argument(
         "--startup-timeout",

@@ -30,6 +30,16 @@ def cluster_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def local_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the clusters the run launches leave their keys (runtime/local_keys.py): a temp
+    $XDG_RUNTIME_DIR, never the user's own."""
+    path = tmp_path_factory.mktemp("xdg-runtime")
+    path.chmod(0o700)
+    os.environ["XDG_RUNTIME_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model cache for the whole run, shared with the server processes we start."""

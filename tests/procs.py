@@ -126,14 +126,23 @@ class LaunchedCluster(ServerProcess):
     """
 
     def __init__(
-        self, args: list[str], log_dir: Path, ready_timeout_s: float = 120.0, own_key: bool = False
+        self,
+        args: list[str],
+        log_dir: Path,
+        ready_timeout_s: float = 120.0,
+        own_key: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`own_key`: let launch make the cluster's key (else the run's key, so `http` works)."""
+        """`own_key`: let launch make the cluster's key (else the run's key, so `http` works);
+        `env`: variables added to the launcher's environment (so its children's too)."""
         from pdserve.runtime.cluster_key import KEY_FILE_ENV
 
         key = [] if own_key else ["--cluster-key-file", os.environ[KEY_FILE_ENV]]
         super().__init__(
-            [*args, "--log-dir", str(log_dir), *key], log_dir / "launcher.log", ready_timeout_s
+            [*args, "--log-dir", str(log_dir), *key],
+            log_dir / "launcher.log",
+            ready_timeout_s,
+            env,
         )
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir

@@ -5,8 +5,9 @@
 Without --url, chaos launches the cluster each scenario needs (`pdserve launch` as a
 child, stopped by pid at the end, whatever happens) and reuses it while the next scenario
 wants the same one and the previous did not kill part of it. With --url it only speaks
-HTTP to that router; a scenario that kills a worker reads its pid from /debug/cluster and
-needs the cluster to run on this machine.
+HTTP to that router, with the key of $PDSERVE_CLUSTER_KEY_FILE or else the one `pdserve
+launch` left for this user at that address (runtime/local_keys.py); a scenario that kills a
+worker reads its pid from /debug/cluster and needs the cluster to run on this machine.
 
 Progress goes to stderr, one line per phase or round; the summary to stdout; the whole
 record to --report as JSON. Exit code: 0 every scenario that ran passed, 1 a violation,
@@ -48,6 +49,7 @@ from pdserve.chaos.stops import PrefillStop
 from pdserve.chaos.storm import AbortStorm
 from pdserve.chaos.threadkill import ThreadKill
 from pdserve.config import BACKENDS
+from pdserve.runtime import httpcall
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -204,6 +206,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     say("chaos", f"work directory {work}")
     if args.url and args.engine_process is not None:
         say("chaos", "--[no-]engine-process is for clusters chaos launches; --url's is as it is")
+    if args.url:  # $PDSERVE_CLUSTER_KEY_FILE's key, else the one launch left for --url
+        refused = httpcall.use_key_for(args.url)
+        say("chaos", refused or f"key: {httpcall.key_origin()}")
     previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` stops our children
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -6,6 +6,11 @@ for a single server, its own /debug/state and /info), hands it to the pure
 `diagnosis.diagnose`, and prints the result. `--file` reads a saved document instead,
 so a document captured during an incident can be read again later.
 
+The key (/debug/* needs one): --api-key or --cluster-key-file, else $PDSERVE_API_KEY or
+$PDSERVE_CLUSTER_KEY_FILE, else the one `pdserve launch` left for this user at --url's address
+(runtime/local_keys.py), so a local cluster needs no flag; a local key file that others can
+read, or that is not this user's, is refused and named.
+
 Exit code: 0 healthy, 1 degraded, 2 wedged (see pdserve/doctor/diagnosis.py for exactly
 which finding is which), 3 nothing could be read (no answer, a refused key, not a document).
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ from typing import Any
 from pdserve.doctor.diagnosis import Diagnosis, diagnose
 from pdserve.doctor.source import Unreadable, fetch, load
 from pdserve.runtime import httpcall
+from pdserve.runtime.cluster_key import ClusterKey
 
 UNREADABLE = 3
 UNKNOWN = "VERDICT: unknown: no cluster document, so nothing can be said about it"
@@ -51,21 +58,45 @@ def add_doctor_command(sub: Any) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="the router's or server's API key, if it has one (default: $PDSERVE_API_KEY; "
-        "the cluster key from $PDSERVE_CLUSTER_KEY_FILE works too)",
+        help="the router's or server's API key, if it has one (default: $PDSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster's key (default: $PDSERVE_CLUSTER_KEY_FILE, else the key `pdserve "
+        "launch` left for you for the router at --url)",
     )
     p.set_defaults(func=cmd_doctor)
 
 
+def choose_key(args: argparse.Namespace) -> str | None:
+    """Decide the key every call sends: flags, then the environment, then the local key of
+    the cluster at --url (runtime/local_keys.py). Why a local key file was refused, if so."""
+    api_key = args.api_key
+    if api_key is None and args.cluster_key_file is None:
+        api_key = os.environ.get("PDSERVE_API_KEY")
+    if api_key:
+        httpcall.use_bearer(api_key, "--api-key" if args.api_key else "$PDSERVE_API_KEY")
+    elif args.cluster_key_file:
+        key = ClusterKey.load(args.cluster_key_file)
+        httpcall.use_key(key, f"--cluster-key-file {args.cluster_key_file}")
+    elif args.url:
+        return httpcall.use_key_for(args.url)
+    return None
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     source = args.url or args.file
-    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
-    if api_key:
-        httpcall.use_bearer(api_key)
+    refused = choose_key(args)
+    if refused:
+        print(f"pdserve doctor: {refused}", file=sys.stderr)
     try:
         doc = fetch(args.url, args.timeout) if args.url else load(args.file)
     except Unreadable as e:
         why = f"cannot read the cluster from {source}: {e}"
+        if e.refused_key:
+            why += f" (key sent: {httpcall.key_origin()}" + (f"; {refused})" if refused else ")")
         if args.json:
             print(json.dumps({"code": UNREADABLE, "verdict": UNKNOWN, "error": why}, indent=1))
         else:

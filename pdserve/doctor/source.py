@@ -20,11 +20,19 @@ from typing import Any
 
 from pdserve.runtime import httpcall
 
-KEY_HINT = "pass --api-key, or set $PDSERVE_CLUSTER_KEY_FILE to the cluster's key file"
+KEY_HINT = (
+    "pass --api-key, or set $PDSERVE_CLUSTER_KEY_FILE to the cluster's key file "
+    "(or --cluster-key-file; a cluster `pdserve launch` started for you needs neither)"
+)
 
 
 class Unreadable(Exception):
-    """No document doctor can read: the reason, in words."""
+    """No document doctor can read: the reason, in words. `refused_key`: the server refused
+    the key sent (HTTP 401)."""
+
+    def __init__(self, why: str, refused_key: bool = False) -> None:
+        super().__init__(why)
+        self.refused_key = refused_key
 
 
 def fetch(url: str, timeout_s: float) -> dict[str, Any]:
@@ -47,7 +55,7 @@ def _body(r: httpcall.Reply, path: str) -> Any:
     if r.status is None:
         raise Unreadable(r.error or f"{path}: no answer")
     if r.status == 401:
-        raise Unreadable(f"{path}: HTTP 401, a key is needed: {KEY_HINT}")
+        raise Unreadable(f"{path}: HTTP 401, a key is needed: {KEY_HINT}", refused_key=True)
     if not r.ok:
         raise Unreadable(f"{path}: HTTP {r.status}: {str(r.body)[:300]}")
     return r.body

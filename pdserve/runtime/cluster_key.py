@@ -9,7 +9,8 @@ call those APIs, but still cannot sign a control frame.
 The key lives in a file readable by its owner only (mode 0600, as ssh insists for its keys):
 `pdserve launch` generates one per cluster, `pdserve keygen --out FILE` makes one for
 workers started by hand on several hosts. `--cluster-key-file` names it, or the environment
-variable PDSERVE_CLUSTER_KEY_FILE.
+variable PDSERVE_CLUSTER_KEY_FILE; the operator tools also find the key of a cluster that
+`pdserve launch` started for this user from its router's URL (runtime/local_keys.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class ClusterKey:
         return bearer_matches(header, self.http_token)
 
     @classmethod
-    def load(cls, path: str | Path) -> ClusterKey:
+    def load(cls, path: str | Path, owner: int | None = None) -> ClusterKey:
+        """The key in `path`: a regular file (not a link) that only its owner can read, and,
+        with `owner`, owned by that uid (a key found by convention rather than named)."""
         p = Path(path)
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
@@ -84,6 +87,10 @@ class ClusterKey:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ClusterKeyError(f"cluster key file {p} is not a regular file")
+            if owner is not None and st.st_uid != owner:
+                raise ClusterKeyError(
+                    f"cluster key file {p} belongs to uid {st.st_uid}, not to you (uid {owner})"
+                )
             if st.st_mode & 0o077:
                 raise ClusterKeyError(
                     f"cluster key file {p} is readable by others (mode {st.st_mode & 0o777:o}); "
@@ -105,10 +112,15 @@ class ClusterKey:
         return cls.load(path) if path else None
 
 
-def generate(path: str | Path) -> ClusterKey:
-    """Write a new random key to `path`, created 0600 (refuses to overwrite a file)."""
-    secret = secrets.token_bytes(KEY_BYTES)
+def write(path: str | Path, key: ClusterKey) -> None:
+    """Write `key` to a new file `path`, created 0600 (refuses to overwrite a file)."""
     fd = os.open(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    return ClusterKey(secret)
+        f.write(key.secret.hex() + "\n")
+
+
+def generate(path: str | Path) -> ClusterKey:
+    """Write a new random key to `path`, created 0600 (refuses to overwrite a file)."""
+    key = ClusterKey(secrets.token_bytes(KEY_BYTES))
+    write(path, key)
+    return key

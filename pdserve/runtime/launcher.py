@@ -8,6 +8,9 @@ GPUs: with `gpus` the workers are spread over those GPUs round-robin in start or
 workers first), each seeing only its own through CUDA_VISIBLE_DEVICES, so 1P+1D on a two-GPU
 host puts each on its own GPU (as SGLang's --base-gpu-id and vLLM/Dynamo's per-worker
 CUDA_VISIBLE_DEVICES do); without, every worker sees what the launcher sees.
+Once the router is up, the cluster key is also left for this user at the router's address
+(runtime/local_keys.py), so `pdserve doctor --url URL` needs no flag; it is removed once the
+cluster has stopped.
 Run: sleep until a stop signal or a child's exit wakes us (SIGCHLD), with a bounded wait.
 Stop: the router first (no new request reaches a worker that is going away), then the
 workers: SIGTERM, a bounded wait, SIGKILL. Any failure stops what was started and exits
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdserve.runtime import local_keys
 from pdserve.runtime.child import Child, ChildFailed
+from pdserve.runtime.cluster_key import ClusterKey, ClusterKeyError
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.timing import LAUNCH_POLL_S, LAUNCH_WAKE_S
 
@@ -171,6 +176,7 @@ class Launcher:
         self.router: Child | None = None
         self._signal: int | None = None
         self._wake = threading.Event()  # set by SIGINT/SIGTERM/SIGCHLD handlers
+        self._local_key: tuple[Path, ClusterKey] | None = None  # left for this user's tools
 
     @property
     def children(self) -> list[Child]:
@@ -193,6 +199,8 @@ class Launcher:
             code = self._supervise()
         finally:
             stuck = self._stop_all()
+            if self._local_key is not None:
+                local_keys.withdraw(*self._local_key)
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 1 if stuck else code
@@ -219,7 +227,17 @@ class Launcher:
             ),
         )
         self._barrier([self.router], deadline)
+        self._leave_key(str(self.router.url))
         self._announce(self.router)
+
+    def _leave_key(self, url: str) -> None:
+        """Leave the cluster key for this user's tools at the router's address; a cluster
+        that cannot is still a cluster (the tools then need the key named)."""
+        try:
+            key = ClusterKey.load(self.cfg.cluster_key_file)
+            self._local_key = (local_keys.publish(url, key), key)
+        except (OSError, ClusterKeyError) as e:
+            log.warning("the tools will need --cluster-key-file: no local key for %s: %s", url, e)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         child = Child(name, argv, self.cfg.log_dir / f"{name}.log", env)
@@ -253,6 +271,7 @@ class Launcher:
                     "url": router.url,
                     "launcher_pid": os.getpid(),
                     "cluster_key_file": self.cfg.cluster_key_file,
+                    "local_key_file": str(self._local_key[0]) if self._local_key else None,
                     "processes": [
                         dict(zip(("name", "pid", "url", "log", "gpu"), r, strict=True))
                         for r in rows
@@ -265,6 +284,12 @@ class Launcher:
         print(f"  {'NAME':<12} {'PID':>8}  {'URL':<26} {'GPU':<4} LOG", file=self.out)
         for name, pid, url, path, gpu in rows:
             print(f"  {name:<12} {pid:>8}  {url:<26} {gpu or '-':<4} {path}", file=self.out)
+        if self._local_key is not None:
+            print(
+                f"pdserve launch: `pdserve doctor --url {router.url}` finds the cluster key "
+                f"in {self._local_key[0]} (removed on stop)",
+                file=self.out,
+            )
         announce_ready(str(router.url), self.out)
 
     def _supervise(self) -> int:
