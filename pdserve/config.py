@@ -37,6 +37,9 @@ class CacheConfig:
     # DeepSeek-V3.2's index-K (kvcache/layout.py index_k_buffers): "auto" = the model dtype,
     # "fp8" = float8_e4m3fn plus a float32 scale per token. Other models ignore it.
     index_k_dtype: str = "auto"
+    # The share of a CUDA card's memory this worker may hold (weights, activations, KV), when
+    # the KV budget is left to engine/sizing.py; vLLM's name and default.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -46,6 +49,10 @@ class CacheConfig:
         if self.index_k_dtype not in INDEX_K_DTYPES:
             raise ValueError(
                 f"index-K dtype must be one of {INDEX_K_DTYPES}, got {self.index_k_dtype!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu memory utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.host_cache_bytes < 0:
             raise ValueError(f"host cache size must be >= 0, got {self.host_cache_bytes}")
@@ -95,6 +102,10 @@ class RunnerConfig:
             )
 
 
+# The limits `serve` leaves to engine/sizing.py unless given (EngineConfig.auto).
+AUTO_LIMITS = frozenset({"kv_budget", "max_model_len", "max_running", "max_batched_tokens"})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelSpec
@@ -103,6 +114,13 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     request_timeout_s: float = 600.0  # no request lives longer than this in the engine
     idle_wait_s: float = 0.05  # how long the idle engine loop blocks on its inbox
+    # Limits (of AUTO_LIMITS) the user left unset: Engine.build chooses them from the model
+    # and the device (engine/sizing.py) and replaces the placeholders above.
+    auto: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.auto <= AUTO_LIMITS:
+            raise ValueError(f"unknown auto limits {sorted(self.auto - AUTO_LIMITS)}")
 
 
 @dataclass(frozen=True)

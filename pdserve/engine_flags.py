@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TypeVar
 
 from pdserve.config import (
     ATTENTION_BACKENDS,
@@ -18,6 +19,7 @@ from pdserve.config import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +38,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto = the checkpoint's torch_dtype",
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for the KV pool")
+    g.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        help="memory for the KV pool (default: on CUDA, --gpu-memory-utilization of the card "
+        "less the weights and an activation reserve; on a CPU, 256)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=CacheConfig.gpu_memory_utilization,
+        help="the share of a CUDA card this worker may hold when --kv-budget-mb is not given "
+        "(launch divides it among the workers that share a card)",
+    )
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     # Two store_true flags; --no-prefix-cache wins over --prefix-cache (engine_config).
     g.add_argument(
@@ -64,9 +79,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3.2's indexer keys in the KV cache: auto = the model dtype (exact "
         "against HF), fp8 = float8_e4m3fn with a float32 scale per token; P and D must agree",
     )
-    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-running", type=int, default=64, help="cap on running requests")
-    g.add_argument("--max-model-len", type=int, default=4096, help="cap on prompt + output")
+    g.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: 4096 on CUDA, 512 on a CPU)",
+    )
+    g.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="cap on running requests (default: 256 on CUDA, 64 on a CPU)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap on prompt + output (default: the model's context; always capped by what "
+        "the KV pool holds)",
+    )
     g.add_argument(
         "--attention-backend",
         default=None,
@@ -137,6 +168,11 @@ def engine_process_argv(flag: bool | None) -> list[str]:
     return [] if flag is None else ["--engine-process" if flag else "--no-engine-process"]
 
 
+def given(value: T | None, placeholder: T) -> T:
+    """A flag's value, or the placeholder a limit left to engine/sizing.py holds until then."""
+    return placeholder if value is None else value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pdserve.model.builtin import resolve_model
     from pdserve.model.config import ModelArch
@@ -155,16 +191,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         cache=CacheConfig(
             page_size=args.page_size,
-            kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+            kv_budget_bytes=int(given(args.kv_budget_mb, 256.0) * 2**20),
+            gpu_memory_utilization=args.gpu_memory_utilization,
             prefix_cache=(CacheConfig.prefix_cache or args.prefix_cache)
             and not args.no_prefix_cache,
             host_cache_bytes=host_cache_bytes(args),
             index_k_dtype=args.index_k_dtype,
         ),
+        # A limit not given keeps the placeholder until Engine.build resolves it (`auto`).
         scheduler=SchedulerConfig(
-            max_batched_tokens=args.max_batched_tokens,
-            max_running=args.max_running,
-            max_model_len=args.max_model_len,
+            max_batched_tokens=given(args.max_batched_tokens, SchedulerConfig.max_batched_tokens),
+            max_running=given(args.max_running, SchedulerConfig.max_running),
+            max_model_len=given(args.max_model_len, SchedulerConfig.max_model_len),
         ),
         runner=RunnerConfig(
             attention_backend=args.attention_backend,
@@ -174,4 +212,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         ),
         request_timeout_s=args.request_timeout,
+        auto=frozenset(
+            name
+            for name, value in (
+                ("kv_budget", args.kv_budget_mb),
+                ("max_model_len", args.max_model_len),
+                ("max_running", args.max_running),
+                ("max_batched_tokens", args.max_batched_tokens),
+            )
+            if value is None
+        ),
     )

@@ -237,5 +237,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout,
         on_worker_exit=args.on_worker_exit,
         gpus=gpus,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return Launcher(cfg).run()

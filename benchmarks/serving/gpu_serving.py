@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,7 +140,11 @@ def bench(
     before = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     counts_before = worker_counts(decode_url)
     client_before = _children_cpu_s()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    spies = start_profiles(args, procs, out / f"{name}-c{conc}")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    finally:
+        stop_profiles(spies)
     after = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     counts_after = worker_counts(decode_url)
     gaps = counts_after.get("itl_count", 0.0) - counts_before.get("itl_count", 0.0)
@@ -172,6 +177,40 @@ def bench(
         "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
     }
+
+
+def start_profiles(
+    args: argparse.Namespace, procs: dict[str, int], stem: Path
+) -> list[subprocess.Popen[bytes]]:
+    """`--profile NAMES`: py-spy samples each named process (and its children: a router's
+    workers, a worker's engine process) while the bench runs, into STEM-NAME.txt as collapsed
+    stacks (`py-spy record --format raw`), with idle frames left out."""
+    if not args.profile:
+        return []
+    spy = shutil.which("py-spy") or args.py_spy
+    if not spy:
+        raise SystemExit("--profile needs py-spy on PATH (or --py-spy PATH)")
+    spies = []
+    for want in args.profile.split(","):
+        for name, pid in procs.items():
+            if name.startswith(want):
+                cmd = [spy, "record", "--pid", str(pid), "--subprocesses", "--format", "raw"]
+                cmd += ["--rate", "250", "--nonblocking", "-o", f"{stem}-{name}.txt"]
+                log = open(f"{stem}-{name}.spy.log", "wb")  # noqa: SIM115 - lives with the child
+                spies.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    time.sleep(1.0)  # py-spy attaches before the load starts
+    return spies
+
+
+def stop_profiles(spies: list[subprocess.Popen[bytes]]) -> None:
+    for s in spies:
+        s.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for s in spies:
+        try:
+            s.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            s.kill()
+            s.wait(timeout=10)
 
 
 def _children_cpu_s() -> float:
@@ -257,6 +296,13 @@ def main() -> int:
     )
     ap.add_argument("--router-processes", type=int, default=1, help="launch --router-processes")
     ap.add_argument("--bench-processes", type=int, default=1, help="pdserve bench --processes")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated process names of the cluster table (e.g. router,decode) to "
+        "sample with py-spy during each bench: NAME-cC-PROC.txt, collapsed stacks",
+    )
+    ap.add_argument("--py-spy", default="", help="py-spy's path, when it is not on PATH")
     ap.add_argument("--startup-timeout", type=float, default=240)
     ap.add_argument("--bench-timeout", type=float, default=600)
     ap.add_argument("--out", default="gpu_serving")

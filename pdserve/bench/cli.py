@@ -213,6 +213,7 @@ def _raise_fd_limit(wanted: int) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.bench.dataset import load_tokenizer, make_requests
     from pdserve.bench.metrics import too_many_failures
+    from pdserve.bench.pd_routing import format_pd, pd_block, scrape
     from pdserve.bench.report import format_summary, write_json
     from pdserve.bench.runner import Workload, run_workloads
 
@@ -220,6 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.dataset.tokenizer) if cfg.dataset.tokenizer else None
     requests = make_requests(cfg.dataset, tokenizer)
     _raise_fd_limit(len(requests) + cfg.warmup + 256)
+    before = scrape(cfg.client.url, cfg.client.headers)  # the router's routed-request counts
     if args.processes != 1:
         from pdserve.bench.fanout import run_processes
 
@@ -236,6 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = evloop.run(
             run_workloads(cfg.client, [workload], cfg.slo, cfg.warmup, cfg.progress)
         )
+    result.pd = pd_block(before, scrape(cfg.client.url, cfg.client.headers), cfg.warmup)
     # Files first: a reader that closes our stdout early (| head) must not cost the records.
     if args.out:
         config = {"argv": sys.argv[1:], **dataclasses.asdict(cfg)}
@@ -247,6 +250,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot_run(result.records, Path(args.plot), title=f"pdserve bench {cfg.client.url}")
         print(f"wrote {args.plot}", file=sys.stderr)
     print(format_summary(result.summary), flush=True)
+    if result.pd is not None:
+        print(format_pd(result.pd), flush=True)
     why = too_many_failures(result.summary, cfg.max_failure_rate)
     if why is not None:
         print(f"pdserve bench: exit 1: {why}", file=sys.stderr)

@@ -54,6 +54,7 @@ def write_json(path: Path, config: dict[str, Any], result: RunResult) -> None:
         "model": result.model,
         "warmup_errors": result.warmup_errors,
         "summary": result.summary,
+        "pd": result.pd,  # how the router served the run (None: not a PD cluster)
         "records": [r.as_json() for r in result.records],  # in order of their start
     }
     path.parent.mkdir(parents=True, exist_ok=True)

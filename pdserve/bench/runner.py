@@ -51,6 +51,8 @@ class RunResult:
     started_at: float = 0.0  # the run's start on the wall clock (time.time())
     summary: dict[str, Any] = field(default_factory=dict)
     warmup_errors: list[str] = field(default_factory=list)
+    # The router's PD block (bench/pd_routing.py), set by the command around the run.
+    pd: dict[str, Any] | None = None
 
 
 async def discover_model(session: aiohttp.ClientSession, url: str) -> str | None:

@@ -13,6 +13,10 @@ severity. The exit code of `pdserve doctor` is the worst severity:
   engine should have ended it), a stale or dead thread (or an engine that does not answer)
   on a worker with live work, a room waiting on a peer whose threads are stale, or no
   usable pair at all, so that the cluster cannot serve a single request.
+Requests served decode-only in a cluster that has prefill workers (the router routed them
+with no prefill worker, or a decode worker prefilled them itself) are 1 while it happened
+in the last RECENT_S, a note before: the counts run from the process's start, and the age
+of the last one says whether it still happens.
 An unreachable worker is 1 while another pair still serves, and 2 when none does. A server
 read alone is judged the same way, worker by itself; its own /health saying unhealthy with
 no finding to explain it is 1. No I/O and no clock here: `now_unix` comes in, so fixtures
@@ -32,6 +36,7 @@ UNREACHABLE = "unreachable"
 # Decode room states that wait for the prefill worker's next message (a fenced room waits
 # on its own clock only; a prefill worker's rooms wait on nobody).
 WAITS_ON_PEER = frozenset({"pending", "prefilling", "aborting"})
+RECENT_S = 60.0  # decode-only service this recent is degraded; older, a note
 
 
 class Severity(enum.IntEnum):
@@ -129,6 +134,7 @@ def diagnose(doc: dict[str, Any], now_unix: float) -> Diagnosis:
             where = f"{w['role']} worker {w['url']} (pid {w.get('pid')})"
             _work(d, where, w, states[w["url"]], troubled, names)
     _rotation(d, router)
+    _decode_only(d, router, states)
     return d
 
 
@@ -145,6 +151,9 @@ def _diagnose_server(doc: dict[str, Any], now: float) -> Diagnosis:
     stale = _threads(d, where, state, now)
     troubled = {url: f"thread {', '.join(stale)} stale or dead"} if stale else {}
     _work(d, where, {"url": url, "role": role}, state, troubled, {})
+    if role == "decode":
+        why = "no prefill worker was named for them (a router without one, or a direct call)"
+        _local_prefills(d, where, state, why)
     problems = state.get("problems") or []
     if problems and d.code == 0:
         d.add(Severity.DEGRADED, where, f"its /health says unhealthy: {'; '.join(problems)}")
@@ -277,3 +286,66 @@ def _rotation(d: Diagnosis, router: dict[str, Any]) -> None:
             d.add(Severity.DEGRADED, name, f"deep health fails: {p.get('error')}")
     if pairs and not any(p.get("usable") for p in pairs):
         d.add(Severity.WEDGED, "cluster", "no (prefill, decode) pair is usable: it cannot serve")
+
+
+def _decode_only(d: Diagnosis, router: dict[str, Any], states: dict[str, dict[str, Any]]) -> None:
+    """Requests served with no prefill worker although the cluster has some: routed so by
+    the router, or prefilled by a decode worker itself (its /generate named no prefill)."""
+    rows = router.get("workers") or []
+    prefill = [w for w in rows if w["role"] == "prefill"]
+    if not prefill:
+        return
+    routed = router.get("routed_modes") or {}
+    n = int(routed.get("decode_only") or 0)
+    if n:
+        total = sum(int(v or 0) for v in routed.values())
+        what = (
+            f"{n} of {total} requests routed since it started went to a decode worker with no "
+            f"prefill worker (decode-only); likely cause: {_prefill_trouble(prefill, states)}"
+        )
+        _served_decode_only(d, "router", what, router.get("last_decode_only_age_s"))
+    why = "their /generate named no prefill worker" + (
+        ": the router routed some decode-only (above)"
+        if n
+        else ", and this router names one: a client or another router calls it directly"
+    )
+    for w in rows:
+        if w["role"] == "decode" and w["url"] in states:
+            where = f"decode worker {w['url']} (pid {w.get('pid')})"
+            _local_prefills(d, where, states[w["url"]], why)
+
+
+def _local_prefills(d: Diagnosis, where: str, state: dict[str, Any], why: str) -> None:
+    """A decode worker's requests prefilled by itself (its role's `prefill` counts)."""
+    counts = _role_state(state).get("prefill") or {}
+    local = int(counts.get("local") or 0)
+    if local:
+        total = local + int(counts.get("remote") or 0)
+        what = f"{local} of {total} requests were prefilled here, decode-only: {why}"
+        _served_decode_only(d, where, what, counts.get("last_local_age_s"))
+
+
+def _served_decode_only(d: Diagnosis, where: str, what: str, age_s: Any) -> None:
+    recent = isinstance(age_s, (int, float)) and age_s < RECENT_S
+    when = f" (the last {float(age_s):.0f}s ago)" if isinstance(age_s, (int, float)) else ""
+    d.add(Severity.DEGRADED if recent else Severity.NOTE, where, what + when)
+
+
+def _prefill_trouble(prefill: list[dict[str, Any]], states: dict[str, dict[str, Any]]) -> str:
+    """Why the router may have found no prefill worker: the ones out of rotation now, and
+    the PrefillRequests each has refused."""
+    out = []
+    for w in prefill:
+        if not w.get("healthy", True) or not w.get("in_rotation", True):
+            state = "unhealthy" if not w.get("healthy", True) else "out of rotation"
+            err = f": {w['last_error']}" if w.get("last_error") else ""
+            out.append(f"prefill worker {w['url']} {state}{err}")
+        stats = _role_state(states.get(w["url"])).get("stats") or {}
+        if int(stats.get("rejected") or 0):
+            out.append(f"prefill worker {w['url']} refused {stats['rejected']} PrefillRequests")
+    return "; ".join(out) or "no prefill worker in rotation at the time (all healthy now)"
+
+
+def _role_state(state: dict[str, Any] | None) -> dict[str, Any]:
+    """A worker's /debug/state role section ({} if it has none)."""
+    return ((state or {}).get("engine") or {}).get("role") or {}

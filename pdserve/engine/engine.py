@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine import sizing
 from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import (
@@ -120,6 +121,9 @@ class Engine:
         dtype = getattr(torch, cfg.model.dtype)
         model = load_model(Path(cfg.model.path), dtype, device)
         arch = model.arch
+        if cfg.auto:  # the limits the user left to us, now that the weights are on the device
+            cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
+            log.info("limits: %s", chosen)
         layout = KVLayout.for_model(
             arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype
         )
@@ -267,6 +271,7 @@ class Engine:
                     return
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
+                self.role.local_prefill(req, now)
             case AbortCommand(request_id=rid):
                 if self.role.abort(rid, now):
                     return

@@ -17,9 +17,10 @@ Each tick calls, in order (docs/architecture.md §Loop):
                                    plane
 
 and, off the loop: `abort` (the AbortCommand), `fail` (a step failed a request), `command_failed`
-(a command raised), `pins` (the scheduler: may this request be preempted), `on_control` (on
-the control thread, before a message is queued), `has_work`, `rooms`, `snapshot`, and at
-shutdown `settle` and `hard_exit`.
+(a command raised), `local_prefill` (a submission the engine prefills itself: the decode role
+counts it, as no prefill worker was named), `pins` (the scheduler: may this request be
+preempted), `on_control` (on the control thread, before a message is queued), `has_work`,
+`rooms`, `snapshot`, and at shutdown `settle` and `hard_exit`.
 
 Time is an input: every verb that may change a room or judge a deadline takes `now`, the
 engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a role reads no
@@ -116,6 +117,10 @@ class Role:
     def abort(self, request_id: str, now: float) -> bool:
         """End a request the role holds outside the scheduler; True if it held it."""
         return False
+
+    def local_prefill(self, req: Request, now: float) -> None:
+        """`req` came with no prefill address and the engine computes its prompt itself (on a
+        decode worker: served decode-only). Only to observe: the engine owns the request."""
 
     def fail(self, req: Request, why: str, now: float) -> bool:
         """A step failed `req`; True if the role ends it its own way (a prefill room fails)."""

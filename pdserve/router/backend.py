@@ -194,6 +194,9 @@ class RemoteBackend:
                     outcome = "rejected"
                     live.sink(error_output(rid, str(e)))
                     return
+                if not tried:  # a request counts once, by the route it was first given
+                    mode = self.registry.count_routed(route, time.monotonic())
+                    self.metrics.routed.labels(mode.value).inc()
                 outcome, refused = await self._attempt(
                     rid, prompt_ids, params, timeout_s, live, route, t0
                 )

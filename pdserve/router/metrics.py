@@ -18,7 +18,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from pdserve.router.registry import PairKey, Registry
+from pdserve.router.registry import PairKey, Registry, RouteMode
 from pdserve.runtime.timing import LATENCY_BUCKETS
 
 OUTCOMES = ("ok", "error", "aborted", "rejected")  # finished | failed | client left | no worker
@@ -35,6 +35,16 @@ class RouterMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so a rate() has a baseline
+        # Whether PD happens: a request counts once, by how its first route serves it.
+        self.routed = Counter(
+            "pdserve_router_routed_requests",
+            "Routed requests by how they are served: pd (a prefill worker computes the "
+            "prompt), decode_only (a decode worker prefills it itself), colocated",
+            ["mode"],
+            registry=r,
+        )
+        for mode in RouteMode:
+            self.routed.labels(mode.value)
         self.connect_retries = Counter(
             "pdserve_router_connect_retries",
             "Requests re-routed because a worker refused the connection",

@@ -12,6 +12,11 @@ Rotation rules (the only place they live):
   (None, D) pair is usable when there are no prefill workers).
 `outstanding` is incremented by `acquire` and decremented exactly once by `release`.
 
+Each request is counted once by how its first route serves it (`count_routed`, a
+`RouteMode`): `choose` gives a decode worker a prefill partner whenever the fleet has a
+prefill pool, so DECODE_ONLY is never chosen; it is counted all the same, so that a change
+to that rule shows on /metrics rather than silently serving without P.
+
 The prompt goes to the policy only for the pool that keeps the prefix cache: co-located
 workers, or prefill workers in PD (D is then chosen by the policy without it, i.e. by load).
 A worker that leaves rotation is forgotten by the policy: when it comes back, its cache may be
@@ -34,6 +39,14 @@ PairKey = tuple[str | None, str]  # (prefill URL, or None for a co-located D; de
 class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"  # a decode worker, or a co-located one when there is no prefill pool
+
+
+class RouteMode(enum.Enum):
+    """How a routed request is served (the router's pdserve_router_routed_requests{mode})."""
+
+    PD = "pd"  # a prefill worker computes its prompt, a decode worker decodes it
+    DECODE_ONLY = "decode_only"  # a decode worker prefills it itself: no P was chosen
+    COLOCATED = "colocated"  # a co-located worker: the fleet has no prefill pool
 
 
 @dataclass
@@ -108,6 +121,8 @@ class Registry:
     policy: Policy
     pairs: dict[PairKey, PairHealth] = field(default_factory=dict)
     changes: int = 0  # rotation changes so far: a cached deep-health answer older is stale
+    routed_modes: dict[RouteMode, int] = field(default_factory=lambda: dict.fromkeys(RouteMode, 0))
+    last_decode_only: float | None = None  # monotonic: when a request was last routed so
 
     @classmethod
     def build(
@@ -169,6 +184,20 @@ class Registry:
             return Route(self.policy.choose(Role.DECODE.value, ds, prompt), None)
         d = self.policy.choose(Role.DECODE.value, ds)
         return Route(d, self.policy.choose(Role.PREFILL.value, self.partners(d), prompt))
+
+    def count_routed(self, route: Route, now: float) -> RouteMode:
+        """Count a request by how `route`, its first, serves it (`now`: monotonic). A route
+        without P is DECODE_ONLY when the fleet has prefill workers or D is a decode worker
+        (which then prefills locally), else COLOCATED."""
+        if route.prefill is not None:
+            mode = RouteMode.PD
+        elif self.prefill or route.decode.info.get("role") == "decode":
+            mode = RouteMode.DECODE_ONLY
+            self.last_decode_only = now
+        else:
+            mode = RouteMode.COLOCATED
+        self.routed_modes[mode] += 1
+        return mode
 
     def acquire(self, route: Route) -> None:
         for w in (route.decode, route.prefill):
@@ -259,9 +288,12 @@ class Registry:
 
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
+        last = self.last_decode_only
         return {
             "policy": self.policy.name,
             "policy_stats": self.policy.stats(),
+            "routed_modes": {mode.value: n for mode, n in self.routed_modes.items()},
+            "last_decode_only_age_s": None if last is None else round(now - last, 3),
             "workers": [
                 {
                     **w.snapshot(now, self.in_rotation(w)),

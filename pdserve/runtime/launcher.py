@@ -74,6 +74,9 @@ class LaunchConfig:
     prefill_threads: int = 0  # per-role overrides of `threads` (0: use `threads`)
     decode_threads: int = 0
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES entries to spread the workers over
+    # The share of each card the workers on it hold together (serve's --gpu-memory-utilization,
+    # divided among the workers that share the card).
+    gpu_memory_utilization: float = 0.9
 
     def threads_for(self, role: str) -> int:
         per_role = self.prefill_threads if role == "prefill" else self.decode_threads
@@ -109,24 +112,35 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
             "--cluster-key-file": cfg.cluster_key_file,
         }
     )
-    roles = [("prefill", i) for i in range(cfg.prefill)]
-    roles += [("decode" if cfg.prefill else "colocated", i) for i in range(cfg.decode)]
+    gpus = worker_gpus(cfg)
     out = []
-    for role, i in roles:
+    for role, i in _roles(cfg):
+        name = f"{role}-{i}"
         extra = ["--control-port", "0"] if role == "prefill" else []
         extra += ["--debug-faults"] if cfg.debug_faults else []
+        # Last, so that it wins over the engine flags' own: this worker's share of its card.
+        sharing = sum(g == gpus[name] for g in gpus.values()) if gpus else cfg.prefill + cfg.decode
+        share = round(cfg.gpu_memory_utilization / sharing, 4)
+        extra += ["--gpu-memory-utilization", str(share)]
         threads = ["--threads", str(cfg.threads_for(role))]
         argv = [*base, "--role", role, *threads, *common, *cfg.engine_flags, *extra]
-        out.append((f"{role}-{i}", argv))
+        out.append((name, argv))
     return out
+
+
+def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
+    """(role, index) of every worker in start order, prefill workers first."""
+    roles = [("prefill", i) for i in range(cfg.prefill)]
+    return roles + [("decode" if cfg.prefill else "colocated", i) for i in range(cfg.decode)]
 
 
 def worker_gpus(cfg: LaunchConfig) -> dict[str, str]:
     """Each worker's GPU (a CUDA_VISIBLE_DEVICES entry): round-robin over `cfg.gpus` in start
-    order, prefill workers first; none without `cfg.gpus`."""
+    order, prefill workers first; none without `cfg.gpus` (each then sees every card the
+    launcher sees, and the workers share the first)."""
     if not cfg.gpus:
         return {}
-    names = [name for name, _ in worker_argvs(cfg)]
+    names = [f"{role}-{i}" for role, i in _roles(cfg)]
     return {name: cfg.gpus[i % len(cfg.gpus)] for i, name in enumerate(names)}
 
 

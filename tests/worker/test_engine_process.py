@@ -357,6 +357,12 @@ def test_a_decode_worker_with_an_engine_process_serves_pd_greedy(
         prefill = infos["prefill"]["control"]
         got = [_generate(d_url, f"pd-{i}", p, prefill) for i, p in enumerate(PROMPTS)]
         assert _complete(cluster.url, PROMPTS[0])["choices"][0]["finish_reason"] == "length"
+        # The roles' metrics live in the engine processes' registries: /metrics shows them.
+        remote = f'pdserve_pd_requests_total{{prefill="remote"}} {len(PROMPTS) + 1}.0'
+        assert remote in http("GET", d_url + "/metrics")[1]
+        p_url = cluster.processes["prefill-0"]["url"]
+        done = f'pdserve_pd_exports_total{{outcome="done"}} {len(PROMPTS) + 1}.0'
+        assert done in http("GET", p_url + "/metrics")[1]
         engines = [i["engine_pid"] for i in infos.values()]
     assert got == want
     assert wait_gone(engines, 10.0) == []

@@ -61,9 +61,12 @@ class Wire:
         self.p, self.d = engine(False), engine(True)
         self.clock = FakeClock()
         self.p.clock, self.d.clock = self.clock.ahead(p_wall_ahead_s), self.clock
-        self.p_role = PrefillRole(self.p, P_ID, address=P_ADDR)
+        # Each role's metrics go into its engine's registry, as in a worker (local_engine.py).
+        self.p_role = PrefillRole(self.p, P_ID, address=P_ADDR, registry=self.p.metrics.registry)
         self.forgotten: list[str] = []  # prefill addresses whose transport D closed
-        self.d_role = DecodeRole(self.d, D_ID, "shm", forget=self.forgotten.append)
+        self.d_role = DecodeRole(
+            self.d, D_ID, "shm", forget=self.forgotten.append, registry=self.d.metrics.registry
+        )
         self.p.attach(self.p_role, self._from_p)
         self.d.attach(self.d_role, self._from_d)
         self.to_p = self.to_d = True  # links up

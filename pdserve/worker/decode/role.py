@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from pdserve.engine.commands import SubmitCommand
 from pdserve.engine.request import Event, Request
@@ -33,6 +34,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
+from pdserve.worker.decode.metrics import DecodeMetrics
 from pdserve.worker.decode.pairing import PrefillPairing
 from pdserve.worker.decode.peers import PrefillPeers
 from pdserve.worker.decode.rooms import WAIT, DRoom, HeldSubmit, blame
@@ -55,11 +57,13 @@ class DecodeRole(Role):
         control: Control | None = None,
         forget: Callable[[str], None] | None = None,
         timing: PdTiming = PD_TIMING,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender); `backend`: how
         KV reaches its pool; `control`: only read for /debug/state's counters; `forget`: close
         the transport to a prefill worker no longer paired (Control.forget); `timing`: the PD
-        protocol's bounds. The clock is the engine's (`engine.clock`)."""
+        protocol's bounds; `registry`: where its metrics go (the engine's; default: a registry
+        of their own). The clock is the engine's (`engine.clock`)."""
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
@@ -71,6 +75,7 @@ class DecodeRole(Role):
         self.admitting: deque[HeldSubmit] = deque()  # waiting for destination pages
         self._room_ids = itertools.count((secrets.randbits(31) << 31) + 1)
         self.stats = RoleStats()
+        self.metrics = DecodeMetrics(registry if registry is not None else CollectorRegistry())
         self.outbox: list[m.Send] = []
         self.pairing = PrefillPairing(
             PrefillPeers(timing=timing),  # at most MAX_PREFILL_PEERS, idle ones forgotten
@@ -97,6 +102,7 @@ class DecodeRole(Role):
         match cmd:
             case SubmitCommand(request=req, prefill=str() as address):
                 self.engine.count_prompt_tokens(len(req.prompt_ids))
+                self.metrics.prefill_remote()
                 self.admitting.append(HeldSubmit(req, address))
             case SendFailed(peer=peer, msg=msg, why=why):
                 self.stats.send_failed += 1
@@ -108,6 +114,10 @@ class DecodeRole(Role):
                 self._inbound(cmd, now)
             case _:
                 raise TypeError(f"decode inbox: unexpected {type(cmd).__name__}")
+
+    def local_prefill(self, req: Request, now: float) -> None:
+        """A request with no prefill address: the engine prefills it here (decode-only)."""
+        self.metrics.prefill_local(now)
 
     def command_failed(self, cmd: object, why: str, now: float) -> None:
         """A message or submission whose handling raised ends its own room or request only."""
@@ -195,7 +205,7 @@ class DecodeRole(Role):
             if room is not None and refused is not None:
                 self._apply(room, DEvent.REJECT, now, refused)
             elif room is not None and room.state is DState.PENDING:
-                self._send_prefill(room)
+                self._send_prefill(room, now)
 
     # -- admission ---------------------------------------------------------------------------------
     def admit(self, now: float) -> None:
@@ -245,13 +255,14 @@ class DecodeRole(Role):
         self.by_room[room.room] = room
         self.by_request[req.request_id] = room
         if self.pairing.join(peer, room.room):  # else it waits for the HelloAck, RegisterAck
-            self._send_prefill(room)
+            self._send_prefill(room, now)
 
     def _send(self, peer: str, msg: m.Msg) -> None:
         self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity)))
 
-    def _send_prefill(self, room: DRoom) -> None:
+    def _send_prefill(self, room: DRoom, now: float) -> None:
         req = room.request
+        room.requested = now
         self._send(
             room.peer,
             m.PrefillRequest(
@@ -303,6 +314,7 @@ class DecodeRole(Role):
                 lp = room.first_logprob if req.params.logprobs is not None else None
                 lease = room.lease.hand_over(req.request_id)
                 self.engine.adopt(req, lease, room.first_token, lp, now)
+                self.metrics.kv_complete(room, now)
             case _:
                 raise ValueError(f"decode role cannot run {c}")
 
@@ -379,5 +391,6 @@ class DecodeRole(Role):
             self.receiver,
             self.stats,
             self.control.stats.snapshot() if self.control is not None else {},
+            self.metrics.snapshot(now),
             now,
         )

@@ -61,6 +61,11 @@ class DRoom:
     bytes_received: int = 0  # tcp, nixl: KV bytes that arrived for this room
     done: m.PrefillDone | None = None  # nixl: PrefillDone that came before all its bytes
     reregistered: bool = False  # P refused it as unregistered once; we paired again
+    requested: float | None = None  # monotonic: when its last PrefillRequest left
+    opened: float = field(init=False)  # monotonic: when it opened (its first `since`)
+
+    def __post_init__(self) -> None:
+        self.opened = self.since
 
     def take_done(self, counts_bytes: bool, bytes_may_trail: bool) -> str | None:
         """Check the PrefillDone it holds and take its first token (and prompt logprobs):

@@ -21,8 +21,10 @@ def decode_snapshot(
     receiver: KVReceiver,
     stats: RoleStats,
     control: dict[str, object],
+    prefill: dict[str, Any],
     now: float,
 ) -> dict[str, Any]:
+    """`prefill`: DecodeMetrics.snapshot, where this worker's requests were prefilled."""
     return {
         "peers": [
             {
@@ -53,5 +55,6 @@ def decode_snapshot(
         "backend": receiver.backend,
         "counts_bytes": receiver.counts_bytes,  # KV passes through D: bytes are conserved
         "stats": stats.snapshot(),
+        "prefill": prefill,  # {remote, local, last_local_age_s}: doctor's decode-only finding
         "control": control,
     }

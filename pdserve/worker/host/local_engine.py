@@ -99,7 +99,13 @@ class LocalEngine:
                 limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
                 self.info["control"] = self.control.bind(cfg.host, cfg.control_port, limit)
                 self.copier = Copier()
-                role = PrefillRole(self.engine, identity, self.control, self.copier)
+                role = PrefillRole(
+                    self.engine,
+                    identity,
+                    self.control,
+                    self.copier,
+                    registry=self.engine.metrics.registry,  # the role adds its own metrics
+                )
                 self.engine.attach(role, self._send)
             else:
                 shared = needs_shared_pool(cfg.backend)
@@ -107,11 +113,23 @@ class LocalEngine:
                 limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
                 self.control.limit_sends(limit)  # P's limit for the same model
                 d_role = DecodeRole(
-                    self.engine, identity, cfg.backend, self.control, self.control.forget
+                    self.engine,
+                    identity,
+                    cfg.backend,
+                    self.control,
+                    self.control.forget,
+                    registry=self.engine.metrics.registry,  # the role adds its own metrics
                 )
                 self.engine.attach(d_role, self._send)
             self.info.update(identity=identity, backend=cfg.backend)
         self.info["layout"] = self.engine.pool.layout.to_dict()
+        sched = self.engine.cfg.scheduler  # as resolved (engine/sizing.py)
+        self.info["limits"] = {
+            "max_model_len": self.engine.max_model_len,
+            "max_running": sched.max_running,
+            "max_batched_tokens": sched.max_batched_tokens,
+            "kv_pool_tokens": self.engine.pool.capacity_tokens,
+        }
 
     @property
     def frontend(self) -> Engine:

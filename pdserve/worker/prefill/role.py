@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Role, RoleHost, Room
@@ -31,6 +32,7 @@ from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.nixl import NixlAgent
 from pdserve.worker.pd_role import RoleStats, SendFailed, enter
+from pdserve.worker.prefill.metrics import PrefillMetrics
 from pdserve.worker.prefill.peers import DecodePeer, DecodePeers
 from pdserve.worker.prefill.rooms import PRoom, check_prefill_request
 from pdserve.worker.prefill.snapshot import prefill_snapshot
@@ -56,13 +58,15 @@ class PrefillRole(Role):
         copier: Copier | None = None,
         address: str | None = None,
         timing: PdTiming = PD_TIMING,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         """`identity`: this worker's control identity (the messages' sender). `control`: the
         tcp backend's data plane sends page frames on it (the role's own messages go out
         through `take_outbox`); None where no tcp peer may register. `copier`: the data-plane
         worker that runs shm/tcp page copies off the engine thread. `address`: the control
         address decode workers dial (HelloAck names it); default: `control`'s bound one.
-        `timing`: the PD protocol's bounds. The clock is the engine's (`engine.clock`)."""
+        `timing`: the PD protocol's bounds. `registry`: where its metrics go (the engine's;
+        default: a registry of their own). The clock is the engine's (`engine.clock`)."""
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
@@ -74,6 +78,12 @@ class PrefillRole(Role):
         self.by_room: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
+        self.metrics = PrefillMetrics(  # read at scrape time, from the scraping thread
+            registry if registry is not None else CollectorRegistry(),
+            self.stats,
+            lambda: [room.peer for room in list(self.by_room.values())],
+            lambda: list(self.peers.by_id),
+        )
         # The last registrations refused, (when, peer, why), for /debug/state.
         self.refusals: deque[tuple[float, str, str]] = deque(maxlen=REFUSALS_KEPT)
         self.outbox: list[m.Send] = []
