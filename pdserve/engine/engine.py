@@ -36,6 +36,7 @@ from pdserve.engine.request import (
 from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling.grammars import Grammars
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.engine.stepper import Stepper
@@ -45,6 +46,7 @@ from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
@@ -92,7 +94,12 @@ class Engine:
             else min(runner.cuda_graph_max_tokens, cfg.scheduler.max_batched_tokens),
             max_model_len=self.max_model_len,
         )
-        self.sampler = Sampler(max_slots=cfg.scheduler.max_running)  # penalties' device state
+        # Structured output: the vocabulary is read from the model's tokenizer on first use.
+        self.grammars = Grammars(
+            lambda: Tokenizer.from_dir(Path(cfg.model.path)), self.vocab_size, eos_token_ids
+        )
+        # The penalties' device state, and the grammars' masks.
+        self.sampler = Sampler(cfg.scheduler.max_running, self.grammars)
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
         # Overlapped scheduling (engine/inflight.py): the stepper keeps the step in flight.
@@ -335,10 +342,13 @@ class Engine:
     def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> None:
         """A token was sampled for `req`: record it, stream it, stop if it ends the request.
         A request that asked for no token (max_tokens 0: it scores its prompt) ends here
-        without it. `now`: when it arrived (the engine clock's monotonic reading)."""
+        without it. A constrained request's matcher takes the token (D's first one, from P,
+        included), and the end-of-sequence token that ends its grammar stops it. `now`: when
+        it arrived (the engine clock's monotonic reading)."""
         if req.params.max_tokens == 0:
             self.finish(req, Event.LENGTH)
             return
+        ended = req.constrained and self.grammars.accept(req, tok)  # raises if refused
         req.output_ids.append(tok)
         self._generated += 1  # counted into metrics once a step (a lock per inc)
         if req.first_token_at is None:
@@ -347,7 +357,7 @@ class Engine:
         elif req.last_token_at is not None:
             self.metrics.itl.observe(now - req.last_token_at)
         req.last_token_at = now
-        event = self._stop_event(req, tok)
+        event = Event.STOP if ended else self._stop_event(req, tok)
         if event is not None:  # the last token carries the finish reason, as in vLLM
             self.finish(req, event, last=(tok, lp))
             return

@@ -19,6 +19,10 @@ What makes it exact:
   (`Request.num_output_tokens`). Penalties read the ids from the sampler's state on the device
   (engine/sampling/penalty_state.py), where each step adds its draws as it launches: a token
   in flight is already counted, and nothing waits for the step in flight.
+- **A grammar reads the token in flight.** A constrained row's mask depends on every token
+  before it (engine/sampling/grammars.py), so a step that samples such a row with a token in
+  flight completes the step in flight first (Stepper._launch), after launching its forward:
+  the host then waits for step N, but the device still runs N+1's forward meanwhile.
 - **One token past a stop, never emitted.** A request that stops on a token of step N (EOS,
   a stop id) was already scheduled in N+1; that row's token is dropped when N+1 is processed,
   because the request has finished. Stops known in advance (max_tokens, the length limit) set

@@ -11,11 +11,15 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.kvcache.lease import Lease, LeaseError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.outputs import TokenLogprob as TokenLogprob  # re-exported
 from pdserve.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class Status(enum.Enum):
@@ -121,6 +125,10 @@ class Request:
     # Its params ask for the plain argmax and nothing else (no bias, bans, penalties, draw or
     # logprobs): a step whose rows all do needs no sampling tensors (sampling/batch.py).
     argmax_only: bool = field(init=False)
+    # Structured output (params.constraint): its grammar's matcher, made on first use and
+    # advanced by every token emitted (engine/sampling/grammars.py); None without one.
+    constrained: bool = field(init=False)
+    matcher: LLMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -132,6 +140,7 @@ class Request:
             and not p.needs_penalties
             and p.logprobs is None
         )
+        self.constrained = p.constraint is not None
 
     @property
     def pages(self) -> list[int]:

@@ -1,14 +1,16 @@
 """The sampler: logits of a batch of requests -> one token each (and logprobs if asked).
 
 All rows are processed together as tensor operations (pdserve/engine/sampling/): logit_bias
-and the min_tokens bans (EOS and stop ids), the penalties, then the greedy argmax (also for a
-temperature below GREEDY_TEMPERATURE: dividing by it overflows), or temperature -> min_p ->
-top_k -> top_p -> a Gumbel-max draw. A row's draw reads only its own random stream, keyed by
-(seed, output position): the token at position i is the same whichever worker samples it (a
-prefill worker samples position 0, a decode worker the rest) and whatever else is batched
-with it. Every request has a seed (`Request.seed`: the client's, or one drawn for it).
+and the min_tokens bans (EOS and stop ids), the penalties, the grammar masks of the rows with
+a structured-output constraint (sampling/grammars.py; none is computed when no row has one),
+then the greedy argmax (also for a temperature below GREEDY_TEMPERATURE: dividing by it
+overflows), or temperature -> min_p -> top_k -> top_p -> a Gumbel-max draw. A row's draw
+reads only its own random stream, keyed by (seed, output position): the token at position i
+is the same whichever worker samples it (a prefill worker samples position 0, a decode
+worker the rest) and whatever else is batched with it. Every request has a seed
+(`Request.seed`: the client's, or one drawn for it).
 
-Logprobs are reported from the model's raw distribution (before bias, penalties and
+Logprobs are reported from the model's raw distribution (before bias, penalties, grammar and
 temperature), like vLLM's default. The sampled ids, and the logprobs when some row asks for
 them, come to the host in one device->host copy per step. `launch` queues all of it and
 returns a `Sampled` whose `result` waits for that copy: under overlapped scheduling
@@ -30,6 +32,8 @@ import torch
 
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampling.batch import Logprobs, Penalties, SamplingBatch, SlotPenalties
+from pdserve.engine.sampling.grammar_mask import GrammarMask, apply_grammar_mask
+from pdserve.engine.sampling.grammars import Grammars
 from pdserve.engine.sampling.penalty_state import PenaltyState
 from pdserve.engine.sampling.processors import (
     add_sparse,
@@ -42,11 +46,11 @@ from pdserve.runtime.gpu_wait import wait_event
 
 
 def sample(
-    logits: torch.Tensor, reqs: Sequence[Request]
+    logits: torch.Tensor, reqs: Sequence[Request], grammars: Grammars | None = None
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits [N, vocab] (float32 or the model's dtype), one row per request -> (token ids,
-    logprobs or None)."""
-    return launch(logits, reqs).result()
+    logprobs or None). `grammars`: the engine's, for rows with a constraint."""
+    return launch(logits, reqs, grammars=grammars).result()
 
 
 class Sampled:
@@ -82,30 +86,47 @@ class Sampled:
 class Sampler:
     """The engine's sampler: `launch`, with the penalties' state kept on the device from step
     to step (sampling/penalty_state.py), so a penalised row uploads no ids and needs none of
-    the step in flight. `max_slots` (the engine's max_running) bounds the state's rows."""
+    the step in flight. `max_slots` (the engine's max_running) bounds the state's rows;
+    `grammars` (the engine's) masks the rows with a constraint."""
 
-    def __init__(self, max_slots: int) -> None:
+    def __init__(self, max_slots: int, grammars: Grammars | None = None) -> None:
         self.penalties = PenaltyState(max_slots)
+        self.grammars = grammars
 
     def launch(self, logits: torch.Tensor, reqs: Sequence[Request]) -> Sampled:
-        return launch(logits, reqs, self.penalties)
+        return launch(logits, reqs, self.penalties, self.grammars)
+
+    def sample(
+        self, logits: torch.Tensor, reqs: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Stateless (`sample`), with the grammars: the row-by-row isolation fallback."""
+        return sample(logits, reqs, self.grammars)
 
 
 def launch(
-    logits: torch.Tensor, reqs: Sequence[Request], state: PenaltyState | None = None
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    state: PenaltyState | None = None,
+    grammars: Grammars | None = None,
 ) -> Sampled:
     """Queue the sampling of `reqs` (one row of `logits` each) on the device; nothing waits.
-    Without `state`, the penalties read every id from the host (none may be in flight)."""
+    Without `state`, the penalties read every id from the host (none may be in flight).
+    A constrained row needs `grammars`, and its matcher current (no token in flight)."""
     if not reqs:
         empty = torch.empty(0, dtype=torch.long, device=logits.device)
         return Sampled(empty, empty, None, 0)
+    mask = None
+    if any(r.constrained for r in reqs):  # the only grammar work of a step without one
+        if grammars is None:
+            raise RuntimeError("a constrained request sampled without the engine's grammars")
+        mask = grammars.mask(reqs, logits.device)
     batch = SamplingBatch.build(reqs, logits.shape[1], logits.device, state)
     pen = batch.penalties
     if state is None or not isinstance(pen, SlotPenalties):
-        return _sample_batch(logits, reqs, batch, state)
+        return _sample_batch(logits, reqs, batch, state, mask)
     try:
         state.stage(pen.clear, pen.prompt, pen.counts)
-        sampled = _sample_batch(logits, reqs, batch, state)
+        sampled = _sample_batch(logits, reqs, batch, state, mask)
         state.count(pen.slots, sampled.ids.index_select(0, pen.rows))  # in flight: counted
     except Exception:
         state.abandon(pen.plan)
@@ -115,13 +136,17 @@ def launch(
 
 
 def _sample_batch(
-    logits: torch.Tensor, reqs: Sequence[Request], batch: SamplingBatch, state: PenaltyState | None
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    batch: SamplingBatch,
+    state: PenaltyState | None,
+    mask: GrammarMask | None,
 ) -> Sampled:
     raw = None
     if batch.logprobs is not None:
         raw = logits.index_select(0, batch.logprobs.rows).float().log_softmax(dim=-1)  # [M, V]
     pen = batch.penalties
-    if batch.sparse is not None or pen is not None:
+    if batch.sparse is not None or pen is not None or mask is not None:
         # a float32 copy: the caller's logits stay as the model produced them
         logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
         if batch.sparse is not None:
@@ -132,6 +157,8 @@ def _sample_batch(
             if state is None:
                 raise RuntimeError("slot penalties without their state")
             apply_slot_penalties(logits, pen, state)
+        if mask is not None:
+            apply_grammar_mask(logits, mask)
     ids = greedy(logits)  # [N]
     if batch.draw is not None:
         picks = draw(logits.index_select(0, batch.draw.rows).float(), batch.draw)

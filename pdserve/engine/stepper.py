@@ -23,7 +23,7 @@ from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.role import Role
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, sample
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.kvcache.pool import KVPool
 from pdserve.runtime.timing import Clock
@@ -107,13 +107,17 @@ class Stepper:
         sampling = [c.request for c in chunks if c.samples]
         if not sampling:
             return
+        if self._inflight is not None and any(r.constrained and r.pending for r in sampling):
+            # A grammar's mask needs the token in flight: its step completes first (the
+            # forward just launched still overlaps it).
+            self.complete()
         try:
             step.sampled = h.sampler.launch(logits, sampling)
         except Exception as e:  # noqa: BLE001 - find the row at fault, sample the others
             h.metrics.step_errors.inc()
             log.warning("sampling failed (%s: %s); sampling row by row", type(e).__name__, e)
             self.complete()  # its tokens come first
-            self._emit(sample_each(sample, logits, sampling, self.fail))
+            self._emit(sample_each(h.sampler.sample, logits, sampling, self.fail))
             return
         step.sampling = sampling
         max_len = h.max_model_len

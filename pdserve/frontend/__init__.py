@@ -1,4 +1,7 @@
 """The OpenAI front end, shared by the co-located worker and the router: request parsing and
-validation (`protocol.py`, `fields.py`), the endpoints (`api.py`), a call's fan-out and fan-in
-over a backend (`generation.py`) and incremental detokenisation (`textstream.py`). Speaks to an
-engine or a remote decode worker only through the `Backend` protocol; loads no torch."""
+validation (`protocol.py`, `fields.py`, a chat's prompt: `chat.py`), the endpoints (`api.py`;
+vLLM's /tokenize and /detokenize: `tokenization.py`), prompt ids and their bounds
+(`prompts.py`; a client's own chat template renders in `template_jail.py`), a call's fan-out
+and fan-in over a backend (`generation.py`) and incremental detokenisation (`textstream.py`).
+Speaks to an engine or a remote decode worker only through the `Backend` protocol; loads no
+torch."""

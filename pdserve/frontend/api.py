@@ -1,33 +1,32 @@
-"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models.
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models; vLLM's
+/tokenize, /detokenize (frontend/tokenization.py) and /version.
 
 Text lives here (tokenize, chat template, detokenize, stop strings); the backend sees token
 ids only. Errors are OpenAI-shaped bodies with a 4xx/5xx status; a failure after a stream
 has begun ends the stream with an error finish_reason and an error event, never a fake stop.
 
-Tokenizing a prompt and rendering a chat template run on a small thread pool, never on the
-event loop: a 40 MB prompt once froze a router for 34 s. (That helps only as far as the
-tokenizer releases the GIL while it works.) Before that, a text is bounded by its cheapest
-measure (LESSONS #19): one longer than `max_prompt_chars` (the context times the most
-characters one token can stand for) cannot fit and is refused untokenized. The tokenizing
-has a deadline (TOKENIZE_TIMEOUT_S), and a client that leaves takes its queued tokenizing
-with it; the threads are daemons, so a server told to stop does not wait at exit for a
-tokenization in flight (frontend/tokenizer_pool.py). Detokenizing streamed tokens stays on
-the loop: about 5 us a token. Bodies are read by server/body.py (`read_body`: a time limit, a
-size limit, and compressed bodies inflated with a bound).
+A prompt's ids, its bounds and its truncation are frontend/prompts.py's (tokenizing off the
+event loop, LESSONS #19). Detokenizing streamed tokens stays on the loop: about 5 us a token.
+Bodies are read by server/body.py (`read_body`: a time limit, a size limit, and compressed
+bodies inflated with a bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 
+from pdserve.frontend.chat import ChatPrompt
 from pdserve.frontend.format import Formatter, sse
 from pdserve.frontend.generation import Backend, Generation
+from pdserve.frontend.prompts import Prompts
+from pdserve.frontend.prompts import prompt_char_bound as prompt_char_bound  # re-exported
+from pdserve.frontend.prompts import text_chars as text_chars  # re-exported
 from pdserve.frontend.protocol import (
     MAX_CHOICES,
     ApiError,
@@ -37,8 +36,7 @@ from pdserve.frontend.protocol import (
     parse_completion,
     parse_json_body,
 )
-from pdserve.frontend.tokenizer_pool import TokenizerPool
-from pdserve.frontend.tools import check_template
+from pdserve.frontend.tokenization import TokenizationApi
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
 from pdserve.server.body import MAX_BODY_BYTES, read_body
@@ -46,10 +44,15 @@ from pdserve.server.connection import on_disconnect
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_THREADS = 4  # prompts tokenized at once, per front end; the rest wait their turn
-TOKENIZE_TIMEOUT_S = 30.0  # one call's tokenizing (its queue wait included)
-T = TypeVar("T")
-A = TypeVar("A")
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+VERSION = _version()
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -83,10 +86,12 @@ class OpenAIApi:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.default_timeout_s = default_timeout_s
-        self.max_prompt_chars = max_prompt_chars
         self.max_body_bytes = body_bound(max_model_len)  # the app's client_max_size
         self.created = int(time.time())
-        self._tokenize_pool = TokenizerPool(TOKENIZER_THREADS)
+        self.prompts = Prompts(tokenizer, max_model_len, max_prompt_chars)
+        self.tokenization = TokenizationApi(
+            self.prompts, tokenizer, max_model_len, self.check_model
+        )
         self._live: set[Generation] = set()  # generations whose answer is not over
 
     def routes(self) -> list[web.RouteDef]:
@@ -95,6 +100,8 @@ class OpenAIApi:
             web.post("/v1/chat/completions", self.chat),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model),
+            web.get("/version", self.version),
+            *self.tokenization.routes(),
         ]
 
     def _card(self) -> dict[str, Any]:
@@ -105,6 +112,9 @@ class OpenAIApi:
             "owned_by": "pdserve",
             "max_model_len": self.max_model_len,
         }
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})
@@ -119,14 +129,9 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             spec = parse_completion(await read_json(request))
-            self._check_model(spec)
-            if any(isinstance(p, str) for p in spec.prompts):
-                for p in spec.prompts:
-                    if isinstance(p, str):
-                        self._check_chars(len(p), "prompt")
-                prompts = await self._off_loop(self._encode_prompts, spec.prompts)
-            else:  # token ids already: no tokenizer, so no hop to its threads and back
-                prompts = self._encode_prompts(spec.prompts)
+            self.check_model(spec.model)
+            keep = self.prompts.kept_tokens(spec.truncate_prompt_tokens)
+            prompts = await self.prompts.completion_ids(spec.prompts, keep)
             return await self._serve(request, spec, prompts)
         except ApiError as e:
             return error_response(e)
@@ -134,59 +139,13 @@ class OpenAIApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             spec = parse_chat(await read_json(request))
-            self._check_model(spec)
-            self._check_chars(text_chars(spec.messages), "messages")  # a template adds to it
-            prompt = await self._off_loop(self._chat_prompt, spec)
+            self.check_model(spec.model)
+            keep = self.prompts.kept_tokens(spec.truncate_prompt_tokens)
+            chat = ChatPrompt(spec.messages, spec.chat_kwargs, spec.chat_template, spec.echo_text)
+            prompt = await self.prompts.chat_ids(chat, keep)
             return await self._serve(request, spec, [prompt])
         except ApiError as e:
             return error_response(e)
-
-    def _check_chars(self, chars: int, param: str) -> None:
-        """400 for a text too long for the context whatever its tokens (before tokenizing)."""
-        limit = self.max_prompt_chars
-        if limit is not None and chars > limit:
-            raise ApiError(
-                400,
-                f"the {param} is {chars} characters: more than this model's context of "
-                f"{self.max_model_len} tokens can hold (at most {limit} characters)",
-                param=param,
-                code="context_length_exceeded",
-            )
-
-    # -- on the tokenizer threads ---------------------------------------------------------
-    async def _off_loop(self, fn: Callable[[A], T], arg: A) -> T:
-        """`fn(arg)` on a tokenizer thread, within TOKENIZE_TIMEOUT_S (413 past it). If the
-        handler is cancelled first (its client left), a call still queued never runs."""
-        try:
-            async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
-                return await self._tokenize_pool.run(fn, arg)
-        except TimeoutError:
-            raise ApiError(
-                413,
-                f"the prompt was not tokenized within {TOKENIZE_TIMEOUT_S:.0f}s: send a "
-                "shorter one",
-                code="prompt_too_large",
-            ) from None
-
-    def _encode_prompts(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-        return [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-
-    def _chat_prompt(self, spec: GenerationSpec) -> list[int]:
-        try:
-            tools = spec.chat_kwargs.get("tools", ())
-            check_template(spec.messages, tools, lambda: self.tok.chat_template_support)
-        except InvalidParams as e:
-            raise bad(str(e), e.param) from e
-        except ValueError as e:  # the template does not parse
-            raise bad(f"chat template: {e}", "messages") from e
-        try:
-            text = self.tok.apply_chat_template(list(spec.messages), **spec.chat_kwargs)
-        except (ValueError, TypeError) as e:
-            # The tokenizer reports whatever the template raised as ValueError; a TypeError
-            # is a keyword clash at the call, which parse_chat should already have refused.
-            raise bad(f"chat template: {e}", "messages") from e
-        self._check_chars(len(text), "messages")
-        return list(self.tok.encode(text, add_special_tokens=False))
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -206,12 +165,14 @@ class OpenAIApi:
         return n
 
     def close(self) -> None:
-        """Stop the tokenizer threads (what is running finishes; what waits is dropped)."""
-        self._tokenize_pool.close()
+        """Stop the tokenizer threads (what is running finishes; what waits is dropped) and
+        the template jail's helpers."""
+        self.prompts.close()
 
-    def _check_model(self, spec: GenerationSpec) -> None:
-        if spec.model and spec.model != self.model_name:
-            raise _no_such_model(spec.model, self.model_name)
+    def check_model(self, model: str) -> None:
+        """404 for a model this server does not serve ("" asks for no model in particular)."""
+        if model and model != self.model_name:
+            raise _no_such_model(model, self.model_name)
 
     async def _serve(
         self, request: web.Request, spec: GenerationSpec, prompts: list[list[int]]
@@ -223,6 +184,7 @@ class OpenAIApi:
                 room = self.max_model_len - max(len(p) for p in prompts)
                 params = params.replace(max_tokens=max(room, 1))  # min_tokens may not fit
             for p in prompts:
+                self.prompts.check_context(len(p), params.max_tokens, spec.kind)
                 self.backend.validate(p, params)
         except InvalidParams as e:
             raise bad(str(e), e.param) from e
@@ -316,24 +278,6 @@ def body_bound(max_model_len: int) -> int:
     than the model can take costs no more than this much memory (LESSONS #19)."""
     useful = MAX_CHOICES * max_model_len * BODY_BYTES_PER_TOKEN
     return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, useful))
-
-
-def prompt_char_bound(max_token_chars: int, max_model_len: int) -> int:
-    """The longest text that could still fit a context of `max_model_len` tokens when no
-    token stands for more than `max_token_chars` characters (Tokenizer.max_token_chars)."""
-    return max(max_token_chars, 1) * max_model_len
-
-
-def text_chars(value: Any) -> int:
-    """Characters in every string value of a parsed JSON value: the messages' contents, which
-    a chat template renders (plus its own text)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(text_chars(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(text_chars(v) for v in value)
-    return 0
 
 
 def _no_such_model(asked: str, served: str) -> ApiError:

@@ -1,12 +1,13 @@
 """Which OpenAI request fields pdserve honours, which it refuses, and what it does with others.
 
 Every field a client sends is in one of three sets, per endpoint:
-- honoured: parsed and acted on (`COMPLETION_FIELDS`, `CHAT_FIELDS`; `user` is accepted and
-  has no effect, as its OpenAI meaning is only an end-user id for abuse monitoring);
+- honoured: parsed and acted on (`COMPLETION_FIELDS`, `CHAT_FIELDS`, and vLLM's
+  `TOKENIZE_FIELDS`, `DETOKENIZE_FIELDS`; `user` is accepted and has no effect, as its OpenAI
+  meaning is only an end-user id for abuse monitoring);
 - refused unless it asks for what pdserve does anyway (`refuse_unsupported`): best_of (only
-  null, 1 or n), suffix, functions / function_call, response_format (only {"type": "text"}),
-  audio and modalities (only ["text"]) -> 400 naming the field; tools / tool_choice: see
-  frontend/tools.py;
+  null, 1 or n), suffix, functions / function_call, audio and modalities (only ["text"]) ->
+  400 naming the field; tools / tool_choice: see frontend/tools.py; structured output
+  (response_format, structured_outputs, guided_*) is honoured: see frontend/structured.py;
 - unknown: anything else. Like vLLM, the default is lenient: the field is ignored and logged
   once per field name (a bounded set: a client cannot grow it or flood the log). With
   `--reject-unknown-fields` (serve, router: `reject_unknown_fields(True)`, the process's
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pdserve.frontend.structured import STRUCTURED_FIELDS
 from pdserve.protocol.sampling import InvalidParams, is_int, show
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,14 @@ _EXTENSIONS = frozenset(
         "skip_special_tokens",
         "include_stop_str_in_output",
         "timeout",
+        "truncate_prompt_tokens",
+        "return_tokens_as_token_ids",
+        "prompt_logprobs",
+        "echo",
     }
 )
+# Structured output (frontend/structured.py): OpenAI's response_format, vLLM's others.
+_EXTENSIONS |= STRUCTURED_FIELDS
 _COMMON = frozenset(
     {
         "model",
@@ -64,12 +72,11 @@ _REFUSED_CHAT = frozenset(
         "tool_choice",
         "functions",
         "function_call",
-        "response_format",
         "audio",
         "modalities",
     }
 )
-COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _REFUSED_COMPLETION | {"prompt", "echo"}
+COMPLETION_FIELDS = _COMMON | _EXTENSIONS | _REFUSED_COMPLETION | {"prompt"}
 CHAT_FIELDS = (
     _COMMON
     | _EXTENSIONS
@@ -79,9 +86,33 @@ CHAT_FIELDS = (
         "max_completion_tokens",
         "top_logprobs",
         "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
         "chat_template_kwargs",
     }
 )
+# vLLM's /tokenize (a prompt, or messages as chat renders them) and /detokenize.
+TOKENIZE_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "return_token_strs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+    }
+)
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+_KNOWN = {
+    "completion": COMPLETION_FIELDS,
+    "chat": CHAT_FIELDS,
+    "tokenize": TOKENIZE_FIELDS,
+    "detokenize": DETOKENIZE_FIELDS,
+}
 
 MAX_LOGGED_FIELDS = 256
 
@@ -139,8 +170,6 @@ def refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     for field in ("functions", "function_call", "audio"):
         if body.get(field) is not None:
             raise _refuse(field, "not implemented")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise _refuse("response_format", 'only {"type": "text"} (no structured output)')
     if body.get("modalities") not in (None, ["text"]):
         raise _refuse("modalities", 'only ["text"]')
 
@@ -148,7 +177,7 @@ def refuse_unsupported(body: dict[str, Any], kind: str) -> None:
 def check_unknown(body: dict[str, Any], kind: str, strict: bool | None = None) -> None:
     """Fields outside the endpoint's set: InvalidParams if `strict` (None: the process's
     choice, `reject_unknown_fields`), else logged once each."""
-    known = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    known = _KNOWN[kind]
     unknown = sorted(str(k) for k in body if k not in known)
     if not unknown:
         return

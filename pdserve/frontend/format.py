@@ -2,14 +2,22 @@
 whole or as stream chunks, with usage and logprobs (echoed prompt tokens first, `text_offset`s
 over the whole text).
 
-Logprobs as vLLM shows them. Completions: each position's `top_logprobs` holds the N best
-tokens and the token actually there (prompt or generated), so N or N+1 entries (with
-`logprobs: 0`, the token alone). Chat: `top_logprobs` is exactly the N best (OpenAI's meaning).
-A logprob of -inf (a token masked out) is shown as -9999.0: JSON has no infinity.
+Logprobs as vLLM shows them. A token is its decoded text (a token holding part of a UTF-8
+character is U+FFFD; chat's `bytes` say which part), or "token_id:N" with
+`return_tokens_as_token_ids`: one rendering for `tokens` and the `top_logprobs` keys alike.
+Completions: each position's `top_logprobs` holds the N best tokens and the token actually
+there (prompt or generated), under the key `tokens` shows and with its own logprob, so N or
+N+1 entries (fewer where two tokens render alike; with `logprobs: 0`, the token alone). Chat:
+`top_logprobs` is exactly the N best (OpenAI's meaning). A logprob of -inf (a token masked
+out) is shown as -9999.0: JSON has no infinity. `prompt_logprobs` (vLLM's, not streamed): per
+prompt token after the first, {token id: {logprob, rank, decoded_token}} for the token there
+and the N best; a rank is known only among those N (the token there, outside them: null).
 
 A streamed `echo` sends the prompt's text as each choice's first chunk. When the prompt is
 scored too (`logprobs`), that chunk waits for the choice's first output, which carries the
-prompt's scores, and holds them; the generated tokens' `text_offset`s continue after it.
+prompt's scores, and holds them; the generated tokens' `text_offset`s continue after it. Chat's
+`echo` (frontend/chat.py says when) starts each choice's content with the last message's:
+streamed, as a chunk of its own after the role's.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ class Formatter:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + gen.id
         self.created = int(time.time())
         self.prompt_tokens = sum(len(p) for p in prompts)
-        self.texts = [""] * len(gen.choices)
+        self.texts = [spec.echo_text] * len(gen.choices)
         self.decode: Callable[[list[int]], str] = tok.decode
         # Choices whose streamed echo waits for the prompt's scores (on their first output).
         self.echo_pending: set[int] = set()
@@ -114,24 +122,28 @@ class Formatter:
                         "finish_reason": c.finish_reason,
                         "logprobs": lp,
                         "text": self.texts[c.index],
+                        **self._choice_prompt_logprobs(c),
                     }
                 )
+        if self.chat and self.spec.prompt_logprobs is not None:
+            return {  # the prompt's, the same for every choice: the first's
+                **self._envelope(choices, chunk=False),
+                "usage": self.usage(),
+                "prompt_logprobs": self._prompt_logprobs(self.gen.choices[0]),
+            }
         return {**self._envelope(choices, chunk=False), "usage": self.usage()}
 
     def stream_start(self) -> list[dict[str, Any]]:
         if self.chat:
+            deltas = [{"role": "assistant", "content": ""}]
+            if self.spec.echo_text:
+                deltas.append({"content": self.spec.echo_text})
             return [
                 self._envelope(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
+                    [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}],
                     chunk=True,
                 )
+                for d in deltas
                 for c in self.gen.choices
             ]
         if self.spec.echo:
@@ -222,11 +234,12 @@ class Formatter:
                 "bytes": list(tok.token_bytes(tid)),
             }
 
+        n = self.spec.params.logprobs or 0
         return {
             "content": [
                 {
                     **entry(x.token_id, x.logprob),
-                    "top_logprobs": [entry(t, v) for t, v in x.top],
+                    "top_logprobs": [entry(t, v) for t, v in x.top[:n]],
                 }
                 for x in lps
             ]
@@ -237,31 +250,52 @@ class Formatter:
     ) -> dict[str, Any]:
         """`first`: a token shown before `lps` with null logprob and alternatives; `offsets`
         walks the text the tokens make."""
-        tok = self.tok
         lead: list[TokenLogprob | None] = [None] if first is not None else []
         entries = lead + lps
         ids = ([first] if first is not None else []) + [x.token_id for x in lps]
         return {
-            "tokens": [tok.decode([t], skip_special_tokens=False) for t in ids],
+            "tokens": [self._key(t) for t in ids],
             "token_logprobs": [_finite(x.logprob) if x is not None else None for x in entries],
             "top_logprobs": [self._top(x) if x is not None else None for x in entries],
             "text_offset": offsets.of(ids),
         }
 
     def _top(self, x: TokenLogprob) -> dict[str, float]:
-        """A completion position's alternatives: the N best, then the token that is there if
-        it is not among them (vLLM's N or N+1)."""
-        top = {self._key(t): _finite(v) for t, v in x.top}
-        top.setdefault(self._key(x.token_id), _finite(x.logprob))
+        """A completion position's alternatives: the N best, then the token that is there,
+        whose own logprob its key always shows (vLLM's N or N+1)."""
+        top = {self._key(t): _finite(v) for t, v in x.top[: self.spec.params.logprobs or 0]}
+        top[self._key(x.token_id)] = _finite(x.logprob)
         return top
 
     def _key(self, token_id: int) -> str:
-        """A token as logprobs show it: its text, or, for a token holding part of a UTF-8
-        character (its text is U+FFFD), `bytes:\\xNN...`, so that such tokens never collide."""
-        text = self.tok.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" not in text:
-            return text
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.tok.token_bytes(token_id))
+        """A token as logprobs show it: its text (U+FFFD for part of a UTF-8 character), or
+        "token_id:N" with return_tokens_as_token_ids."""
+        if self.spec.token_ids_as_text:
+            return f"token_id:{token_id}"
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _choice_prompt_logprobs(self, c: Choice) -> dict[str, Any]:
+        """A completion choice's `prompt_logprobs` field, if the client asked for it."""
+        if self.spec.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self._prompt_logprobs(c)}
+
+    def _prompt_logprobs(self, c: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token (nothing came before it),
+        then per token {id: {logprob, rank, decoded_token}}, the token there first."""
+        n = self.spec.prompt_logprobs or 0
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for x in c.prompt_logprobs:
+            best = x.top[:n]
+            ranks = {t: r for r, (t, _) in enumerate(best, 1)}
+            at = {str(x.token_id): self._scored(x.token_id, x.logprob, ranks.get(x.token_id))}
+            for t, v in best:
+                at.setdefault(str(t), self._scored(t, v, ranks[t]))
+            out.append(at)
+        return out
+
+    def _scored(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self._key(token_id)}
 
 
 encode_json = msgspec.json.Encoder().encode  # UTF-8, compact, several times json.dumps' speed

@@ -21,7 +21,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.frontend.chat import RESERVED_TEMPLATE_NAMES as RESERVED_TEMPLATE_NAMES  # re-exported
+from pdserve.frontend.chat import parse_chat_prompt
 from pdserve.frontend.fields import check_unknown, refuse_unsupported
+from pdserve.frontend.structured import parse_constraint
 from pdserve.frontend.tools import parse_tools
 from pdserve.protocol.generate import check_timeout
 from pdserve.protocol.sampling import (
@@ -45,21 +48,6 @@ MAX_PROMPTS = 256  # prompts in one completions body
 MAX_CHOICES = 256  # prompts x n: the requests one body may start
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
-# Names the chat template renderer sets itself (Tokenizer.apply_chat_template's parameters,
-# its defaults and the special tokens): a chat_template_kwargs key may not replace them.
-RESERVED_TEMPLATE_NAMES = frozenset(
-    {
-        "self",
-        "messages",
-        "add_generation_prompt",
-        "tools",
-        "documents",
-        "bos_token",
-        "eos_token",
-        "unk_token",
-        "pad_token",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -80,7 +68,12 @@ class GenerationSpec:
     skip_special_tokens: bool = True
     timeout_s: float | None = None
     messages: tuple[dict[str, Any], ...] = ()
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)  # apply_chat_template's
+    chat_template: str | None = None  # the client's own (frontend/chat.py); None: the model's
+    echo_text: str = ""  # chat `echo`: shown before each choice's completion
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
+    token_ids_as_text: bool = False  # return_tokens_as_token_ids: tokens shown as "token_id:N"
+    prompt_logprobs: int | None = None  # the prompt's scores the client asked to be shown
 
 
 _MISSING = object()
@@ -165,6 +158,7 @@ def _params(
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
             prompt_logprobs=prompt_logprobs,
+            constraint=parse_constraint(body),  # structured output: frontend/structured.py
         )
     except InvalidParams as e:
         message, field = str(e), e.param
@@ -226,7 +220,33 @@ def _common(body: dict[str, Any], num_prompts: int) -> dict[str, Any]:
         "include_stop_str": _get(body, "include_stop_str_in_output", bool, False),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
         "timeout_s": _timeout(body.get("timeout")),
+        "truncate_prompt_tokens": _truncate(body),
+        "token_ids_as_text": _get(body, "return_tokens_as_token_ids", bool, False),
     }
+
+
+def _truncate(body: dict[str, Any]) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1: the context's
+    length (its bound by the context is the endpoint's check)."""
+    k: int | None = _get(body, "truncate_prompt_tokens", int, None)
+    if k is not None and k != -1 and k < 1:
+        raise bad(
+            f"'truncate_prompt_tokens' must be -1 (the model's context) or >= 1, got {show(k)}",
+            "truncate_prompt_tokens",
+        )
+    return k
+
+
+def _shown_prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's prompt_logprobs: each prompt token's logprob and this many alternatives."""
+    n: int | None = _get(body, "prompt_logprobs", int, None)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise bad(
+            f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {show(n)}", "prompt_logprobs"
+        )
+    if n is not None and body.get("stream") is True:
+        raise bad("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
+    return n
 
 
 def _max_tokens(body: dict[str, Any], *names: str, echo: bool = False) -> tuple[int, bool, str]:
@@ -295,7 +315,10 @@ def parse_completion(body: Any, strict: bool | None = None) -> GenerationSpec:
     max_tokens, given, _ = _max_tokens(body, "max_tokens", echo=echo)
     logprobs = _completion_logprobs(body)
     # echo + logprobs scores the echoed prompt too, as vLLM; max_tokens 0 needs it scored.
+    shown = _shown_prompt_logprobs(body)
     prompt_logprobs = logprobs if echo and logprobs is not None else None
+    if shown is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, shown)
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     return GenerationSpec(
@@ -305,6 +328,7 @@ def parse_completion(body: Any, strict: bool | None = None) -> GenerationSpec:
         params=_params(body, max_tokens, logprobs, {}, prompt_logprobs),
         max_tokens_given=given,
         echo=echo,
+        prompt_logprobs=shown,
         **_common(body, len(prompts)),
     )
 
@@ -317,10 +341,7 @@ def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
     except InvalidParams as e:
         raise bad(str(e), e.param) from e
     model = _get(body, "model", str, "")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list", "messages")
-    norm = tuple(_message(m, i) for i, m in enumerate(messages))
+    prompt = parse_chat_prompt(body, tools)  # messages, template, flags: frontend/chat.py
     max_tokens, given, max_name = _max_tokens(body, "max_completion_tokens", "max_tokens")
     top = _get(body, "top_logprobs", int, None)
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -328,65 +349,23 @@ def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
     logprobs = (top or 0) if _get(body, "logprobs", bool, False) else None
     if top is not None and logprobs is None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    shown = _shown_prompt_logprobs(body)
     return GenerationSpec(
         kind="chat",
         model=model,
         prompts=(),
         params=_params(
-            body, max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"}
+            body,
+            max_tokens,
+            logprobs,
+            {"max_tokens": max_name, "logprobs": "top_logprobs"},
+            shown,
         ),
         max_tokens_given=given,
-        messages=norm,
-        chat_kwargs={
-            "add_generation_prompt": _get(body, "add_generation_prompt", bool, True),
-            **({"tools": list(tools)} if tools else {}),
-            **_template_kwargs(body),
-        },
+        messages=prompt.messages,
+        chat_kwargs=prompt.kwargs,
+        chat_template=prompt.template,
+        echo_text=prompt.echo,
+        prompt_logprobs=shown,
         **_common(body, 1),
     )
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """chat_template_kwargs become keyword arguments of the renderer: identifiers only, and
-    none of the names it sets itself (a clash is a TypeError there, or silently wins)."""
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
-    for k in kwargs:
-        if not (isinstance(k, str) and k.isidentifier()) or k in RESERVED_TEMPLATE_NAMES:
-            raise bad(
-                f"'chat_template_kwargs' keys must be identifiers other than "
-                f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))}; got {show(k)}",
-                "chat_template_kwargs",
-            )
-    return dict(kwargs)
-
-
-def _message(m: Any, i: int) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad(f"{where} must be an object", "messages")
-    role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise bad(
-            f"{where}.role must be system, user, assistant or tool, got {show(role)}", "messages"
-        )
-    content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                raise bad(f"{where}.content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-    return {
-        **{k: v for k, v in m.items() if k != "content"},
-        "role": "system" if role == "developer" else role,
-        "content": content,
-    }

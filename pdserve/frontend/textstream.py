@@ -4,12 +4,19 @@ Stop strings are matched on text, across token boundaries. Text that could still
 start of a stop string is held back until it cannot; on a match the text is cut before the
 stop string and the choice ends with finish_reason "stop" (the caller aborts the engine
 request, which is still generating).
+
+A choice that ends inside a UTF-8 character (its last tokens hold only part of one) never
+shows that part: the detokenizer holds it back as U+FFFD while it waits for the rest, and at
+the end it is dropped, as vLLM drops it, rather than shown as U+FFFD. Its token ids and
+logprobs are still reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"  # what the bytes of an unfinished UTF-8 character decode to
 
 
 class Detokenizer(Protocol):
@@ -35,10 +42,12 @@ class TextStream:
         return self._release(self._held + self.detok.push(token_id), final=False)
 
     def finish(self) -> str:
-        """The stream ended (EOS, length, abort): release whatever was held."""
+        """The stream ended (EOS, length, abort): release whatever was held, but for an
+        unfinished character at the end."""
         if self.stopped:
             return ""
-        return self._release(self._held + self.detok.flush(), final=True)
+        tail = self.detok.flush().rstrip(REPLACEMENT_CHAR)
+        return self._release(self._held + tail, final=True)
 
     def _release(self, pending: str, final: bool) -> str:
         cut = self._find_stop(pending)

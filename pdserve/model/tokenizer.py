@@ -3,8 +3,8 @@
 Wraps an HF `tokenizer.json` (the `tokenizers` library does the work) plus the facts that live
 in the other HF files: which ids end generation, which id is the BOS, the chat template; or the
 same built from a GGUF file's metadata (model/gguf_tokenizer.py).
-Chat templates are rendered the way HF transformers renders them (same jinja environment
-options, globals and filters), so a prompt built here tokenizes to the same ids as HF's.
+Chat templates are rendered the way HF transformers renders them (model/chat_template.py), so
+a prompt built here tokenizes to the same ids as HF's.
 
 Ids the tokenizer does not know (a model's embedding may be larger than its tokenizer) decode
 to nothing, as in HF; `token_to_str` returns "" for them.
@@ -15,20 +15,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any
 
-import jinja2
-import jinja2.meta
-import jinja2.nodes
-import jinja2.parser
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.model.byte_level import CHAR_TO_BYTE
+from pdserve.model.chat_template import (
+    NO_TEMPLATE_SUPPORT,
+    continue_final,
+    render_chat,
+    template_support,
+)
+from pdserve.model.chat_template import ChatTemplateSupport as ChatTemplateSupport  # re-exported
 from pdserve.model.gguf_file import find_gguf, open_gguf
 from pdserve.model.gguf_tokenizer import gguf_tokenizer
 
@@ -37,18 +36,6 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class ChatTemplateSupport(NamedTuple):
-    """What a chat template can render beyond plain turns, read from its source (its syntax
-    tree): a template that never mentions a thing drops it silently or renders it wrongly."""
-
-    tool_messages: bool  # compares a role with "tool" (or "ipython", Llama 3's name for it)
-    tools: bool  # reads the `tools` variable (the tool list OpenAI's `tools` field holds)
-    tool_calls: bool  # reads an assistant message's `tool_calls`
-
-
-NO_TEMPLATE_SUPPORT = ChatTemplateSupport(False, False, False)
 
 
 class Tokenizer:
@@ -151,13 +138,29 @@ class Tokenizer:
             return bytes(CHAR_TO_BYTE[ch] for ch in piece)
         return text.encode()
 
+    def to_json(self) -> str:
+        """The tokenizers library's JSON form of the vocabulary and pipeline (what a grammar
+        engine builds its token table from: engine/sampling/grammars.py)."""
+        return self._backend.to_str()
+
     def token_to_str(self, token_id: int) -> str:
         """One token's text for display (logprobs); a partial UTF-8 character shows as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def token_piece(self, token_id: int) -> str:
+        """One token as the vocabulary spells it ("Ġworld", "<0xE3>"): HF's
+        convert_ids_to_tokens; "" for an id the tokenizer does not know."""
+        return self._backend.id_to_token(token_id) or ""
+
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """What every chat template sees besides the messages: the special tokens' strings,
+        and no tools or documents."""
+        return {"tools": None, "documents": None, **self._special_tokens}
 
     @property
     def chat_template_support(self) -> ChatTemplateSupport:
@@ -165,13 +168,18 @@ class Tokenizer:
         without a template). ValueError if the template does not parse."""
         if self._chat_template is None:
             return NO_TEMPLATE_SUPPORT
-        return _support(self._chat_template)
+        return template_support(self._chat_template)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         """Render `messages` with the model's chat template, like HF's
-        apply_chat_template(..., tokenize=False).
+        apply_chat_template(..., tokenize=False); `continue_final_message` leaves the last
+        message open (model/chat_template.py `continue_final`).
 
         Raises ValueError if the model has no template or the template rejects the input.
         """
@@ -179,25 +187,9 @@ class Tokenizer:
             raise ValueError(
                 "this model has no chat template; send a plain prompt instead of messages"
             )
-        variables: dict[str, Any] = {
-            "tools": None,
-            "documents": None,
-            **self._special_tokens,
-            **kwargs,
-        }
-        template = _compile(self._chat_template)
-        try:
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template rejected the request: {e}") from e
-        except Exception as e:
-            # Hub templates index and filter the caller's messages freely, so malformed input
-            # surfaces as TypeError, KeyError, ...: still the request's fault, not ours.
-            raise ValueError(
-                f"chat template failed on these messages: {type(e).__name__}: {e}"
-            ) from e
+        variables = {**self.template_variables, **kwargs}
+        text = render_chat(self._chat_template, messages, add_generation_prompt, variables)
+        return continue_final(text, messages) if continue_final_message else text
 
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
@@ -304,84 +296,3 @@ def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson HTML-escapes; templates expect plain JSON, as HF renders it.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationBlock(Extension):
-    """Accepts `{% generation %}...{% endgeneration %}` and renders the body unchanged.
-
-    HF uses the tag to mark assistant tokens for training masks; some templates contain it,
-    and without this extension they would not parse at all.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return str(caller())
-
-
-@lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    # Templates come from downloaded model files: the sandbox keeps them from reaching Python.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    try:
-        return _environment().from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(
-            f"the model's chat template does not parse (line {e.lineno}): {e.message}"
-        ) from e
-
-
-_TOOL_ROLES = frozenset({"tool", "ipython"})
-
-
-@lru_cache(maxsize=16)
-def _support(template: str) -> ChatTemplateSupport:
-    try:
-        tree = _environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(
-            f"the model's chat template does not parse (line {e.lineno}): {e.message}"
-        ) from e
-    consts = {n.value for n in tree.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
-    attrs = {n.attr for n in tree.find_all(jinja2.nodes.Getattr)}
-    return ChatTemplateSupport(
-        tool_messages=bool(consts & _TOOL_ROLES),
-        tools="tools" in jinja2.meta.find_undeclared_variables(tree),
-        tool_calls="tool_calls" in consts | attrs,
-    )

@@ -19,6 +19,8 @@ layer: whether the text of a stop string or stop token stays in the output. `log
 OpenAI's map of token id -> bias in [-100, 100], held as (id, bias) pairs in increasing id
 order (a frozen struct needs a hashable field; one order makes equal maps equal).
 `validate_prompt` adds the checks that need the model's limits (token ids < vocab).
+`constraint` is structured output (protocol/constraint.py): a typed struct checked, and its
+grammar compiled, when it is built, so it is refused here like any other field.
 
 Sans-I/O and torch-free: the router imports this module.
 """
@@ -31,6 +33,11 @@ from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import msgspec
+
+from pdserve.protocol.constraint import Constraint
+from pdserve.protocol.invalid_params import InvalidParams as InvalidParams  # re-exported
+from pdserve.protocol.invalid_params import is_int as is_int  # re-exported
+from pdserve.protocol.invalid_params import show as show  # re-exported
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,35 +55,11 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
-class InvalidParams(ValueError):
-    """Bad request parameters: the caller's fault, reported as HTTP 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def is_int(v: object) -> TypeGuard[int]:
-    """An int and not a bool (JSON true is not 1 here)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def is_number(v: object) -> TypeGuard[int | float]:
     """An int or a finite float; not a bool, not NaN, not +-Infinity."""
     if isinstance(v, bool):
         return False
     return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
-
-
-def show(v: object, limit: int = 60) -> str:
-    """A caller's value for an error message: short, and never raising."""
-    if is_int(v) and v.bit_length() > 64:
-        return f"an integer of {v.bit_length()} bits"
-    try:
-        text = repr(v)
-    except ValueError:  # an int past sys.get_int_max_str_digits() inside a container
-        return f"a {type(v).__name__}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _int(name: str, v: object, lo: int, hi: int, note: str = "") -> None:
@@ -113,6 +96,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Score the prompt: each prompt token after the first gets its logprob and this many top
     # alternatives (vLLM's name). With it, max_tokens may be 0: the prompt only is computed.
     prompt_logprobs: int | None = None
+    # Structured output: what the output must match (protocol/constraint.py); checked, the
+    # grammar compiled once, when the Constraint is built.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is not None:
@@ -156,6 +142,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"{show(self.include_stop_str_in_output)}",
                 "include_stop_str_in_output",
             )
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidParams(
+                f"constraint must be an object {{kind, spec}}, got {show(self.constraint)}",
+                "constraint",
+            )
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes`, validated like a new one (InvalidParams)."""
@@ -194,6 +185,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         bias = d.get("logit_bias")
         if isinstance(bias, list):
             kw["logit_bias"] = tuple(tuple(e) if isinstance(e, list) else e for e in bias)
+        if isinstance(d.get("constraint"), dict):
+            kw["constraint"] = Constraint.from_builtins(d["constraint"])
         try:
             cls(**kw)
         except InvalidParams:

@@ -208,6 +208,8 @@ class Router:
             [
                 web.get("/health", self.health),
                 web.get("/health/deep", self.health_deep),
+                web.get("/ping", self.health),  # vLLM's (SageMaker's) liveness probe
+                web.post("/ping", self.health),
                 web.get("/metrics", self.metrics_text),
                 web.get("/debug/cluster", self.debug_cluster),
             ]

@@ -1,14 +1,18 @@
 """Who may call which HTTP endpoint: the API key for clients, the cluster key for the cluster.
 
 Three kinds of endpoint, on the router, a co-located server and the workers alike:
-* the OpenAI API (`/v1/...`): clients. With `--api-key` (or `--api-key-file`,
-  $PDSERVE_API_KEY) every call needs `Authorization: Bearer <api key>`, as in vLLM and SGLang;
-* liveness and metrics (`/health`, `/health/deep`, `/metrics`): open, so that load balancers
-  and Prometheus need no secret, unless `--protect-health` closes them too;
+* the client API (`/v1/...`, and vLLM's `/tokenize`, `/detokenize`, `/version`): clients.
+  With `--api-key` (or `--api-key-file`, $PDSERVE_API_KEY) every call needs
+  `Authorization: Bearer <api key>`, as in vLLM and SGLang;
+* liveness and metrics (`/health`, `/health/deep`, `/ping`, `/metrics`): open, so that load
+  balancers and Prometheus need no secret, unless `--protect-health` closes them too;
 * everything else (a worker's `/generate`, `/abort`, `/info`; `/debug/*` everywhere): the
   cluster and its operator. They take the cluster key's bearer token (runtime/cluster_key.py)
   or the API key. `/debug/*` shows live request ids, so nobody without a key reads them
   where a key is configured.
+A path no route serves is answered as a client API path: 404 (OpenAI-style, by the error
+middleware) where no API key is configured, whatever the cluster key; where one is, 401
+without it, so a caller without the key learns nothing, not even which paths exist.
 With no key of either kind configured, everything is open: such a server should listen on
 loopback only (docs/security.md).
 """
@@ -26,7 +30,8 @@ from pdserve.runtime.cluster_key import ClusterKey, bearer_matches
 from pdserve.server.api_error import ApiError
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-HEALTH_PATHS = frozenset({"/health", "/health/deep", "/metrics"})
+HEALTH_PATHS = frozenset({"/health", "/health/deep", "/ping", "/metrics"})
+CLIENT_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})  # besides /v1/...
 
 
 def load_api_key(key: str | None, key_file: str | None) -> str | None:
@@ -45,12 +50,14 @@ class Gate:
     cluster_key: ClusterKey | None = None
     protect_health: bool = False  # /health and /metrics need a key too
 
-    def refusal(self, path: str, authorization: str | None) -> ApiError | None:
-        """None if a call to `path` with this Authorization header may go on."""
+    def refusal(self, path: str, authorization: str | None, routed: bool = True) -> ApiError | None:
+        """None if a call to `path` with this Authorization header may go on; `routed`:
+        whether a route serves the path (one that none serves is a client path: its 404 is
+        answered only to whoever may call the client API)."""
         if path in HEALTH_PATHS and not self.protect_health:
             return None
         api_ok = self.api_key is not None and bearer_matches(authorization, self.api_key)
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in CLIENT_PATHS or not routed:
             if self.api_key is None or api_ok:
                 return None
             return ApiError(
@@ -73,7 +80,8 @@ class Gate:
     def middleware(self) -> Middleware:
         @web.middleware
         async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-            refused = self.refusal(request.path, request.headers.get("Authorization"))
+            routed = not isinstance(request.match_info.http_exception, web.HTTPNotFound)
+            refused = self.refusal(request.path, request.headers.get("Authorization"), routed)
             if refused is None:
                 return await handler(request)
             return web.json_response(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine import stepper as stepper_module
 from pdserve.engine.request import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from tests.helpers import make_engine
@@ -38,7 +37,7 @@ def run(eng, params: SamplingParams) -> dict[str, tuple[list[int], RequestOutput
 
 def poison_sampling(eng, monkeypatch) -> None:
     """Both the batch's launch and the row-by-row fallback raise for the poisoned row."""
-    for owner, name in ((eng.sampler, "launch"), (stepper_module, "sample")):
+    for owner, name in ((eng.sampler, "launch"), (eng.sampler, "sample")):
         real = getattr(owner, name)
 
         def poisoned(logits, reqs, real=real):

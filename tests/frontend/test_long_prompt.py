@@ -1,6 +1,6 @@
 """A text prompt is bounded by its characters before it is tokenized (LESSONS #19), the
 tokenizing has a deadline, and a client that leaves takes its queued tokenizing with it
-(frontend/api.py).
+(frontend/prompts.py).
 
 Real aiohttp apps in this process over a fake engine, with a tokenizer that counts what it
 was asked to encode, or blocks until released.
@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.frontend import api as openai_api
+from pdserve.frontend import prompts as openai_prompts
 from pdserve.frontend.api import (
     BODY_BYTES_PER_TOKEN,
     MIN_BODY_BYTES,
@@ -109,7 +109,7 @@ def test_a_text_within_the_bound_is_tokenized_and_served():
 
 
 def test_tokenizing_past_its_deadline_is_a_413(monkeypatch):
-    monkeypatch.setattr(openai_api, "TOKENIZE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(openai_prompts, "TOKENIZE_TIMEOUT_S", 0.2)
     gate = threading.Event()
     api = OpenAIApi(Engine(), CountingTokenizer(gate), "m", MAX_LEN, 5.0, max_prompt_chars=LIMIT)
     try:
@@ -133,14 +133,14 @@ def test_a_client_that_leaves_takes_its_queued_tokenizing_with_it():
                 asyncio.ensure_future(
                     client.post("/v1/completions", json={"prompt": "a" * (i + 1), "max_tokens": 1})
                 )
-                for i in range(openai_api.TOKENIZER_THREADS)
+                for i in range(openai_prompts.TOKENIZER_THREADS)
             ]
             for _ in busy:  # every thread is inside encode
                 assert await asyncio.to_thread(tok.entered.acquire, True, WAIT_S)
             leaving = asyncio.ensure_future(
                 client.post("/v1/completions", json={"prompt": "z" * 50, "max_tokens": 1})
             )
-            pool = api._tokenize_pool
+            pool = api.prompts.pool
             for _ in range(int(WAIT_S / 0.01)):
                 if pool.queued() == 1:
                     break

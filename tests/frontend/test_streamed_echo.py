@@ -24,8 +24,9 @@ GENERATED = (7, 8)
 
 def score(token: int, position: int, n: int = 2) -> TokenLogprob:
     """A made-up but exact score; the n best are 3 then 4 (so `token` is among them only when
-    it is one of those)."""
-    return TokenLogprob(token, -1.0 - position - token / 1000, ((3, -0.5), (4, -0.75))[:n])
+    it is one of those, with the same logprob)."""
+    best = ((3, -0.5), (4, -0.75))
+    return TokenLogprob(token, dict(best).get(token, -1.0 - position - token / 1000), best[:n])
 
 
 class ScoringEngine:

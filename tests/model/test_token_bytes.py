@@ -1,4 +1,4 @@
-"""A token's raw bytes, and logprob keys that tell apart tokens holding parts of a character."""
+"""A token's raw bytes, and the key logprobs show a token by (frontend/format.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,17 @@ def test_a_texts_token_bytes_join_to_its_utf8(tiny_dir):
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
 
 
-def test_byte_tokens_get_distinct_bytes_keys(tiny_dir):
+def test_logprob_keys_are_the_decoded_text_or_the_token_id(tiny_dir):
     tok = Tokenizer.from_dir(tiny_dir)
     partial = partial_tokens(tok)
     assert len(partial) > 100
-    fmt = SimpleNamespace(tok=tok)  # _key reads only the tokenizer
+    fmt = SimpleNamespace(tok=tok, spec=SimpleNamespace(token_ids_as_text=False))
     keys = [Formatter._key(fmt, i) for i in partial]  # type: ignore[arg-type]
-    assert len(set(keys)) == len(partial)  # they all decode to U+FFFD, yet no two keys collide
-    assert all(k.startswith("bytes:\\x") for k in keys)
+    # vLLM's: what the token decodes to, U+FFFD for the part of a character (chat's `bytes`
+    # tell such tokens apart)
+    assert keys == [tok.token_to_str(i) for i in partial] and all("\ufffd" in k for k in keys)
+    assert len(set(keys)) < len(keys)
     a = tok.encode("a", add_special_tokens=False)[0]
     assert Formatter._key(fmt, a) == "a"  # type: ignore[arg-type]
+    fmt.spec.token_ids_as_text = True  # return_tokens_as_token_ids
+    assert Formatter._key(fmt, a) == f"token_id:{a}"  # type: ignore[arg-type]

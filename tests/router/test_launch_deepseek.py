@@ -57,4 +57,5 @@ def test_pd_equals_colocated(cluster, v32_dir):
         got = list(pool.map(ask, prompts))
     assert all(g["finish_reason"] == "length" for g in got)
     tok = Tokenizer.from_dir(v32_dir)
-    assert [g["text"] for g in got] == [tok.decode(ids) for ids in want]
+    # The API drops an unfinished UTF-8 character at the end (frontend/textstream.py)
+    assert [g["text"] for g in got] == [tok.decode(ids).rstrip("\ufffd") for ids in want]

@@ -73,7 +73,8 @@ def test_64_concurrent_mixed_requests_equal_colocated(cluster, tiny_dir):
         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
     )
     tok = Tokenizer.from_dir(tiny_dir)
-    want = [tok.decode(x) for x in ids]
+    # The API drops an unfinished UTF-8 character at the end, as vLLM does (frontend/textstream.py)
+    want = [tok.decode(x).rstrip("\ufffd") for x in ids]
 
     def ask(p: list[int]) -> str:
         status, body = http(

@@ -125,3 +125,43 @@ def test_pd_tiny_timeouts_are_the_clients_408_never_a_500(pd_cluster):
     while not all(http("GET", w + "/debug/invariants")[1]["ok"] for w in workers):
         assert time.monotonic() < deadline, "the workers did not come quiet"
         time.sleep(0.05)
+
+
+def test_pd_router_serves_vllms_endpoints_as_the_colocated_server(pd_cluster, tiny_server):
+    """/tokenize, /detokenize, /version and /ping on the router (it holds the tokenizer), the
+    same answers as a co-located server's; an unknown path is an OpenAI-style 404 even though
+    the router holds a cluster key (no API key is set)."""
+    calls = [
+        ("POST", "/tokenize", {"prompt": "hello world", "return_token_strs": True}),
+        ("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/detokenize", {"tokens": [5, 6, 7]}),
+        ("GET", "/version", None),
+        ("POST", "/tokenize", {"prompt": 5}),
+    ]
+    for method, path, body in calls:
+        want = http(method, tiny_server.url + path, body, auth=False)
+        assert http(method, pd_cluster.url + path, body, auth=False) == want, path
+    for method in ("GET", "POST"):
+        assert http(method, pd_cluster.url + "/ping", auth=False)[0] == 200
+    for path in ("/no/such/path", "/v1/nothing", "/debug/nothing"):
+        status, body = http("GET", pd_cluster.url + path, auth=False)
+        assert status == 404 and body["error"]["type"] == "invalid_request_error", (path, body)
+
+
+def test_pd_prompt_logprobs_and_context_errors_equal_colocated(pd_cluster, tiny_server):
+    """prompt_logprobs come from P through D (PrefillDone) as co-located computes them; a
+    prompt past the context is the same vLLM-worded 400 on both."""
+    body = {"prompt": "def main():", "prompt_logprobs": 2, "return_tokens_as_token_ids": True}
+    want = completion(tiny_server.url, **body)["choices"][0]["prompt_logprobs"]
+    got = completion(pd_cluster.url, **body)["choices"][0]["prompt_logprobs"]
+    assert want[0] is None and len(want) > 3
+    assert [p and sorted(p) for p in got] == [p and sorted(p) for p in want]
+    for g, w in zip(got[1:], want[1:], strict=True):
+        for k in w:
+            assert abs(g[k]["logprob"] - w[k]["logprob"]) < 1e-3 and g[k]["rank"] == w[k]["rank"]
+    too_long = {"model": "tiny", "prompt": "x", "max_tokens": 1024}
+    answers = [
+        http("POST", u + "/v1/completions", too_long) for u in (tiny_server.url, pd_cluster.url)
+    ]
+    assert answers[0] == answers[1] and answers[0][0] == 400
+    assert answers[0][1]["error"]["code"] == "context_length_exceeded"

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.server.auth import Gate, load_api_key
 from tests.procs import ServerProcess, http
@@ -56,6 +57,35 @@ def test_gate(gate, path, header, allowed):
         assert refused.status == 401 and refused.type == "authentication_error"
 
 
+@pytest.mark.parametrize(
+    ("gate", "path", "header", "routed", "allowed"),
+    [
+        # vLLM's client paths take the API key, as /v1 does; /ping is liveness.
+        (Gate(API_KEY, CLUSTER), "/tokenize", None, True, False),
+        (Gate(API_KEY, CLUSTER), "/tokenize", BEARER_CLUSTER, True, False),
+        (Gate(API_KEY, CLUSTER), "/detokenize", BEARER_API, True, True),
+        (Gate(API_KEY, CLUSTER), "/version", None, True, False),
+        (Gate(None, CLUSTER), "/tokenize", None, True, True),
+        (Gate(API_KEY, CLUSTER), "/ping", None, True, True),
+        (Gate(API_KEY, protect_health=True), "/ping", None, True, False),
+        # A path no route serves is a client path: its 404 for whoever may call the API.
+        (Gate(), "/nowhere", None, False, True),
+        (Gate(None, CLUSTER), "/nowhere", None, False, True),  # a router with no API key
+        (Gate(None, CLUSTER), "/debug/nowhere", None, False, True),
+        (Gate(API_KEY, CLUSTER), "/nowhere", None, False, False),
+        (Gate(API_KEY, CLUSTER), "/nowhere", BEARER_CLUSTER, False, False),
+        (Gate(API_KEY, CLUSTER), "/nowhere", BEARER_API, False, True),
+        # A routed cluster path keeps its own rule.
+        (Gate(None, CLUSTER), "/debug/state", None, True, False),
+    ],
+)
+def test_gate_client_and_unrouted_paths(gate, path, header, routed, allowed):
+    refused = gate.refusal(path, header, routed)
+    assert (refused is None) == allowed
+    if refused is not None:
+        assert refused.status == 401 and refused.type == "authentication_error"
+
+
 def test_api_key_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     assert load_api_key(None, None) is None
@@ -96,3 +126,21 @@ def test_a_server_with_an_api_key(keyed_server):
     wrong = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt="hello", max_tokens=3)
+
+
+@pytest.mark.process
+def test_a_server_with_an_api_key_guards_vllms_paths_and_unknown_ones(keyed_server, tiny_dir):
+    url = keyed_server.url
+    for method, path in [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version")]:
+        assert http(method, url + path, {"tokens": [1]}, auth=False)[0] == 401, path
+        assert http(method, url + path, {"tokens": [1]})[0] == 401, path  # the cluster key: no
+    assert http("GET", url + "/ping", auth=False)[0] == 200
+    assert http("POST", url + "/ping", auth=False)[0] == 200
+    status, body = http("GET", url + "/no/such/path", auth=False)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"  # nothing learnt
+    client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.get("/no/such/path", cast_to=object)
+    ids = Tokenizer.from_dir(tiny_dir).encode("hi", add_special_tokens=False)
+    got = client.post("/detokenize", body={"tokens": ids}, cast_to=object)
+    assert got == {"prompt": "hi"}

@@ -58,8 +58,11 @@ def test_completion_refusals_name_the_field(fields: dict[str, Any], param: str) 
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
         ({"audio": {"voice": "x"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"top_logprobs": 3}, "top_logprobs"),

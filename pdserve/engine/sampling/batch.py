@@ -180,7 +180,8 @@ class SamplingBatch:
 
 def _sparse(up: _Upload, reqs: Sequence[Request], vocab: int) -> bool:
     """logit_bias, and -inf for the stop ids and EOS of rows still short of min_tokens; one
-    entry per (row, token), a banned token's bias dropped (the ban wins either way)."""
+    entry per (row, token), a banned token's bias dropped (the ban wins either way). A row
+    with a grammar has no bans: its grammar decides when it may end (sampling/grammars.py)."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
@@ -189,7 +190,7 @@ def _sparse(up: _Upload, reqs: Sequence[Request], vocab: int) -> bool:
         if not p.logit_bias and (not p.min_tokens or r.num_output_tokens >= p.min_tokens):
             continue  # nothing to add (most rows of most steps)
         add = dict(p.logit_bias)
-        if r.num_output_tokens < p.min_tokens:
+        if r.num_output_tokens < p.min_tokens and not r.constrained:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             # An EOS id past the logits can never be sampled: nothing to ban.
             add.update((t, -math.inf) for t in banned if t < vocab or t in p.stop_token_ids)

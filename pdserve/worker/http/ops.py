@@ -41,6 +41,7 @@ class OpsApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/health", self.health),
+            *(web.route(m, "/ping", self.health) for m in ("GET", "POST")),  # vLLM's probe
             web.get("/metrics", self.metrics),
             web.get("/debug/state", self.debug_state),
             web.get("/debug/invariants", self.debug_invariants),

@@ -1,0 +1,153 @@
+"""Structured output: the request fields that constrain the output -> one Constraint, or none.
+
+The fields, honoured by both endpoints (chat and completions):
+- OpenAI's `response_format`: {"type": "text"} (no constraint), {"type": "json_object"}, or
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}: the
+  schema is enforced whatever `strict` says (as in vLLM);
+- vLLM's `structured_outputs`: an object with one of `json` (a schema, as an object or as
+  JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF text) or
+  `json_object` (true); a key set to null (or json_object false) is absent, and any other
+  key (a backend's tuning) is refused;
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`.
+
+A request asks for at most one constraint: a second is a 400 naming it. A spec that cannot
+compile is a 400 naming the field it came in (`response_format.json_schema.schema`,
+`structured_outputs.regex`, `guided_json`), with the grammar engine's reason
+(protocol/constraint.py checks and compiles it). Raises InvalidParams; torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.protocol.constraint import Constraint, ConstraintKind
+from pdserve.protocol.invalid_params import InvalidParams, show
+
+GUIDED = {
+    "guided_json": ConstraintKind.JSON_SCHEMA,
+    "guided_regex": ConstraintKind.REGEX,
+    "guided_choice": ConstraintKind.CHOICE,
+    "guided_grammar": ConstraintKind.GRAMMAR,
+}
+_STRUCTURED_KEYS = {
+    "json": ConstraintKind.JSON_SCHEMA,
+    "regex": ConstraintKind.REGEX,
+    "choice": ConstraintKind.CHOICE,
+    "grammar": ConstraintKind.GRAMMAR,
+    "json_object": ConstraintKind.JSON_OBJECT,
+}
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+# Every field that may carry a constraint (frontend/fields.py honours them).
+STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
+
+_Found = tuple[str, ConstraintKind, str]  # (the field as the client wrote it, kind, spec)
+
+
+def parse_constraint(body: dict[str, Any]) -> Constraint | None:
+    """The body's one output constraint, checked and compiled; None if it asks for none."""
+    found: list[_Found] = []
+    if body.get("response_format") is not None:
+        found += _response_format(body["response_format"])
+    if body.get("structured_outputs") is not None:
+        found += _structured_outputs(body["structured_outputs"])
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, kind, _spec(name, kind, body[name])))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidParams(
+            f"'{found[1][0]}' is a second output constraint besides '{found[0][0]}'; a "
+            "request may have one",
+            found[1][0],
+        )
+    where, kind, spec = found[0]
+    try:
+        return Constraint(kind=kind, spec=spec)
+    except InvalidParams as e:
+        raise InvalidParams(f"'{where}': {e}", where) from None
+
+
+def _response_format(rf: object) -> list[_Found]:
+    where = "response_format"
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [(where, ConstraintKind.JSON_OBJECT, "")]
+    if kind != "json_schema" or not isinstance(rf, dict):
+        raise InvalidParams(
+            '\'response_format\' must be {"type": "text"}, {"type": "json_object"} or '
+            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {show(rf)}',
+            where,
+        )
+    js = rf.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(js, dict):
+        raise InvalidParams(f"'{where}' must be an object, got {show(js)}", where)
+    unknown = sorted(str(k) for k in js if k not in _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise InvalidParams(f"'{where}' has an unknown field {show(unknown[0])}", where)
+    for name, types in (("name", str), ("description", str), ("strict", bool)):
+        if js.get(name) is not None and not isinstance(js[name], types):
+            raise InvalidParams(
+                f"'{where}.{name}' must be a {types.__name__}, got {show(js[name])}",
+                f"{where}.{name}",
+            )
+    if "schema" not in js:
+        raise InvalidParams(f"'{where}.schema' is required", f"{where}.schema")
+    where += ".schema"
+    return [
+        (where, ConstraintKind.JSON_SCHEMA, _spec(where, ConstraintKind.JSON_SCHEMA, js["schema"]))
+    ]
+
+
+def _structured_outputs(so: object) -> list[_Found]:
+    if not isinstance(so, dict):
+        raise InvalidParams(
+            f"'structured_outputs' must be an object, got {show(so)}", "structured_outputs"
+        )
+    found: list[_Found] = []
+    for key, value in so.items():
+        where = f"structured_outputs.{key}"
+        if value is None or (key == "json_object" and value is False):
+            continue
+        kind = _STRUCTURED_KEYS.get(key)
+        if kind is None:
+            raise InvalidParams(
+                f"'{where}' is not supported; give one of {', '.join(_STRUCTURED_KEYS)}",
+                where,
+            )
+        found.append((where, kind, _spec(where, kind, value)))
+    return found
+
+
+def _spec(where: str, kind: ConstraintKind, v: object) -> str:
+    """A field's value as the constraint's spec text (protocol/constraint.py)."""
+    match kind:
+        case ConstraintKind.JSON_SCHEMA:
+            if isinstance(v, str):  # JSON text, as vLLM takes it too
+                try:
+                    v = json.loads(v)
+                except ValueError as e:
+                    raise InvalidParams(f"'{where}' is not JSON: {e}", where) from None
+            if not isinstance(v, dict | bool):
+                raise InvalidParams(
+                    f"'{where}' must be a JSON schema (an object), got {show(v)}", where
+                )
+            return json.dumps(v, ensure_ascii=False)
+        case ConstraintKind.JSON_OBJECT:
+            if v is not True:
+                raise InvalidParams(f"'{where}' must be true, got {show(v)}", where)
+            return ""
+        case ConstraintKind.CHOICE:
+            if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+                raise InvalidParams(
+                    f"'{where}' must be a non-empty list of non-empty strings, got {show(v)}",
+                    where,
+                )
+            return json.dumps(v, ensure_ascii=False)
+    if not (isinstance(v, str) and v):
+        raise InvalidParams(f"'{where}' must be a non-empty string, got {show(v)}", where)
+    return v

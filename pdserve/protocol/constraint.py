@@ -1,0 +1,139 @@
+"""Constraint: what a request's output must match (structured output), as one typed wire form.
+
+A constraint is a `kind` and a `spec`, the spec always text so that the struct is hashable
+and one (kind, spec) pair names one compiled grammar in the engine's cache
+(engine/sampling/grammars.py):
+
+    JSON_SCHEMA  a JSON schema, as JSON text (the client's key order kept: it is the order
+                 the properties are generated in)
+    JSON_OBJECT  any JSON object; spec ""
+    REGEX        a regular expression the whole output matches
+    CHOICE       one of a list of strings, the list as JSON text
+    GRAMMAR      a context-free grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)
+
+The grammar engine is llguidance (its compiler runs without a tokenizer here, and with the
+model's vocabulary in the engine). `grammar_source` turns a constraint into llguidance's
+grammar text, the one translation both sides use; `__post_init__` compiles it once per
+distinct constraint (an LRU cache), so a schema, regex or grammar that cannot compile is
+InvalidParams naming `constraint` wherever SamplingParams are checked: the front end (which
+renames the field to the one the client sent), D's /generate, P's PrefillRequest.
+
+JSON is generated without free whitespace (", " and ": " between items), so a small model
+cannot spend its tokens on blank lines; a schema's own "x-guidance" options override that.
+
+Sans-I/O and torch-free: the router imports this module.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from functools import lru_cache
+
+import llguidance
+import msgspec
+
+from pdserve.protocol.invalid_params import InvalidParams, show
+
+# A constraint's spec in UTF-8 bytes: it travels in every PrefillRequest, whose allowance for
+# everything but the prompt is 1 MiB (transfer/control_limits.py PEER_MESSAGE_ALLOWANCE).
+MAX_CONSTRAINT_BYTES = 128 * 1024
+# Distinct constraints whose compile check is remembered (a process checks the same one on
+# every hop and for every choice of n).
+CHECK_CACHE_SIZE = 64
+MAX_ERROR_CHARS = 500  # of llguidance's message, which may quote the whole grammar
+JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class ConstraintKind(str, enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ConstraintKind):
+            kinds = ", ".join(k.value for k in ConstraintKind)
+            raise InvalidParams(
+                f"constraint kind must be one of {kinds}, got {show(self.kind)}", "constraint"
+            )
+        if not isinstance(self.spec, str):
+            raise InvalidParams(
+                f"constraint spec must be a string, got {show(self.spec)}", "constraint"
+            )
+        try:
+            size = len(self.spec.encode())
+        except UnicodeEncodeError:  # a lone surrogate
+            raise InvalidParams("constraint spec is not valid text", "constraint") from None
+        if size > MAX_CONSTRAINT_BYTES:
+            raise InvalidParams(
+                f"constraint spec is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted",
+                "constraint",
+            )
+        error = compile_error(self.kind, self.spec)
+        if error is not None:
+            raise InvalidParams(f"{self.kind.value} does not compile: {error}", "constraint")
+
+    @classmethod
+    def from_builtins(cls, d: object) -> Constraint:
+        """The wire form back; InvalidParams naming `constraint` on anything wrong."""
+        try:
+            return msgspec.convert(d, cls)
+        except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, InvalidParams):
+                raise e.__cause__ from None
+            raise InvalidParams(f"bad constraint: {e}", "constraint") from None
+
+
+def grammar_source(kind: ConstraintKind, spec: str) -> str:
+    """llguidance's grammar text for a constraint; ValueError if it cannot be built (bad JSON,
+    a GBNF grammar that does not convert). Whether it compiles is `compile_error`'s."""
+    match kind:
+        case ConstraintKind.JSON_SCHEMA:
+            schema = json.loads(spec)
+            if schema is True:  # the schema every value matches
+                spec = "{}"
+            elif not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object or true, got {show(schema)}")
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, JSON_OPTIONS)
+        case ConstraintKind.JSON_OBJECT:
+            if spec:
+                raise ValueError("a json_object constraint has no spec")
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+        case ConstraintKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        case ConstraintKind.CHOICE:
+            choices = json.loads(spec)
+            if not (
+                isinstance(choices, list)
+                and choices
+                and all(isinstance(c, str) and c for c in choices)
+            ):
+                raise ValueError("choices must be a non-empty list of non-empty strings")
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in choices)
+            )
+        case ConstraintKind.GRAMMAR:
+            return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to it
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+@lru_cache(maxsize=CHECK_CACHE_SIZE)
+def compile_error(kind: ConstraintKind, spec: str) -> str | None:
+    """Why the constraint cannot compile (llguidance's message), or None if it can."""
+    try:
+        source = grammar_source(kind, spec)
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        return str(e)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, None)
+    return "; ".join(messages)[:MAX_ERROR_CHARS] if is_error else None

@@ -1,0 +1,132 @@
+"""The structured-output fields (frontend/structured.py) on both endpoints: OpenAI's
+response_format, vLLM's structured_outputs and guided_* become one Constraint in the
+SamplingParams; two constraints, a malformed field or a spec that cannot compile are a 400
+whose OpenAI-style body names the field the client sent."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdserve.frontend.protocol import ApiError, parse_chat, parse_completion
+from pdserve.protocol.constraint import Constraint, ConstraintKind
+
+K = ConstraintKind
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+DONE = {"prompt": "x"}
+SCHEMA = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+ENDPOINTS = pytest.mark.parametrize(
+    "parse,base", [(parse_chat, CHAT), (parse_completion, DONE)], ids=["chat", "completion"]
+)
+
+
+@ENDPOINTS
+@pytest.mark.parametrize(
+    "fields,kind,spec",
+    [
+        ({"response_format": {"type": "json_object"}}, K.JSON_OBJECT, ""),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+                }
+            },
+            K.JSON_SCHEMA,
+            json.dumps(SCHEMA),  # the client's key order kept
+        ),
+        ({"structured_outputs": {"json": SCHEMA}}, K.JSON_SCHEMA, json.dumps(SCHEMA)),
+        ({"structured_outputs": {"regex": "a+", "json": None}}, K.REGEX, "a+"),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, K.CHOICE, '["x", "y"]'),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, K.GRAMMAR, 'root ::= "a"'),
+        ({"structured_outputs": {"json_object": True}}, K.JSON_OBJECT, ""),
+        ({"guided_json": json.dumps(SCHEMA)}, K.JSON_SCHEMA, json.dumps(SCHEMA)),
+        ({"guided_regex": "[0-9]+"}, K.REGEX, "[0-9]+"),
+        ({"guided_choice": ["é", "b"]}, K.CHOICE, '["é", "b"]'),
+        ({"guided_grammar": 'start: "a"'}, K.GRAMMAR, 'start: "a"'),
+    ],
+)
+def test_each_field_becomes_one_constraint(parse, base, fields, kind, spec):
+    params = parse({**base, **fields}, strict=True).params  # known fields, even when strict
+    assert params.constraint == Constraint(kind=kind, spec=spec)
+
+
+@ENDPOINTS
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"response_format": {"type": "text"}}, {"response_format": None}, {"guided_regex": None}]
+    + [{"structured_outputs": {"json_object": False, "regex": None}}],
+)
+def test_no_constraint(parse, base, fields):
+    assert parse({**base, **fields}).params.constraint is None
+
+
+@ENDPOINTS
+@pytest.mark.parametrize(
+    "fields,param,why",
+    [
+        ({"response_format": {"type": "regex"}}, "response_format", "must be"),
+        ({"response_format": "json"}, "response_format", "must be"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+            "response_format.json_schema.schema",
+            "required",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schemas": {}}}},
+            "response_format.json_schema",
+            "unknown field",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {}, "strict": 1},
+                }
+            },
+            "response_format.json_schema.strict",
+            "bool",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format.json_schema.schema",
+            "does not compile: Invalid type: x",
+        ),
+        ({"guided_json": "{nope"}, "guided_json", "not JSON"),
+        ({"guided_json": [1]}, "guided_json", "JSON schema"),
+        ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not exist"),
+        ({"guided_regex": "(a"}, "guided_regex", "does not compile"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_choice": "a"}, "guided_choice", "non-empty list"),
+        ({"guided_grammar": "start: nothing"}, "guided_grammar", "unknown name"),
+        ({"structured_outputs": ["a"]}, "structured_outputs", "object"),
+        ({"structured_outputs": {"backend": "x"}}, "structured_outputs.backend", "not supported"),
+        ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "true"),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs.choice",
+            "second output constraint",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+            "second output constraint besides 'response_format'",
+        ),
+    ],
+)
+def test_refusals_are_400_naming_the_field(parse, base, fields, param, why):
+    with pytest.raises(ApiError) as e:
+        parse({**base, **fields})
+    body: dict[str, Any] = e.value.body()["error"]
+    assert e.value.status == 400 and body["type"] == "invalid_request_error"
+    assert body["param"] == param and why in body["message"], body
+
+
+def test_n_choices_share_the_constraint():
+    spec = parse_chat({**CHAT, "n": 3, "guided_regex": "a+"})
+    assert spec.n == 3 and spec.params.constraint == Constraint(kind=K.REGEX, spec="a+")
+    assert spec.params.replace(seed=5).constraint == spec.params.constraint

@@ -1,0 +1,115 @@
+"""The structured-output constraint (protocol/constraint.py): checked and compiled when built,
+refused with InvalidParams naming `constraint` on every wire (SamplingParams' builtins, the
+/generate body), and carried unchanged by SamplingParams."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from pdserve.protocol.constraint import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    ConstraintKind,
+    compile_error,
+)
+from pdserve.protocol.generate import decode_generate
+from pdserve.protocol.sampling import InvalidParams, SamplingParams
+
+K = ConstraintKind
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+GOOD = [
+    (K.JSON_SCHEMA, json.dumps(SCHEMA)),
+    (K.JSON_SCHEMA, "true"),
+    (K.JSON_OBJECT, ""),
+    (K.REGEX, "[a-z]+@[a-z]+\\.com"),
+    (K.CHOICE, json.dumps(["yes", "no"])),
+    (K.GRAMMAR, 'start: "a" | "b"'),  # Lark
+    (K.GRAMMAR, 'root ::= "a" | "b"'),  # GBNF
+]
+BAD = [
+    (K.JSON_SCHEMA, json.dumps({"type": "objectx"}), "Invalid type"),
+    (K.JSON_SCHEMA, json.dumps({"properties": {"a": {"$ref": "#/nope"}}}), "does not exist"),
+    (K.JSON_SCHEMA, "{not json", "does not compile"),
+    (K.JSON_SCHEMA, "5", "object or true"),
+    (K.JSON_SCHEMA, "false", "object or true"),
+    (K.JSON_OBJECT, "{}", "no spec"),
+    (K.REGEX, "[a-", "unclosed character class"),
+    (K.CHOICE, "[]", "non-empty list"),
+    (K.CHOICE, json.dumps(["a", 1]), "non-empty list"),
+    (K.GRAMMAR, "start: foo", "unknown name"),
+    (K.GRAMMAR, "garbage !!! ###", "GBNF"),
+]
+
+
+@pytest.mark.parametrize("kind,spec", GOOD)
+def test_good_constraints_compile_and_round_trip(kind, spec):
+    c = Constraint(kind=kind, spec=spec)
+    p = SamplingParams(max_tokens=4, constraint=c)
+    wire = p.to_builtins()
+    assert wire["constraint"] == {"kind": kind.value, "spec": spec}
+    assert SamplingParams.from_builtins(wire) == p
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+
+
+@pytest.mark.parametrize("kind,spec,why", BAD)
+def test_bad_constraints_are_refused_naming_the_field(kind, spec, why):
+    with pytest.raises(InvalidParams, match=why) as e:
+        Constraint(kind=kind, spec=spec)
+    assert e.value.param == "constraint"
+    wire = {"constraint": {"kind": kind.value, "spec": spec}}
+    with pytest.raises(InvalidParams, match=why) as e:
+        SamplingParams.from_builtins(wire)
+    assert e.value.param == "constraint"
+    body = {"request_id": "r", "prompt_ids": [1], "params": wire}
+    with pytest.raises(InvalidParams, match=why) as e:
+        decode_generate(json.dumps(body).encode())
+    assert e.value.param == "constraint"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "regex",
+        5,
+        {"kind": "nope", "spec": ""},
+        {"kind": "regex", "spec": 5},
+        {"kind": "regex", "spec": "a", "x": 1},
+        {"spec": "a"},
+    ],
+)
+def test_a_malformed_wire_constraint_names_the_field(value):
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams.from_builtins({"max_tokens": 3, "constraint": value})
+    assert e.value.param == "constraint", e.value
+
+
+def test_another_fields_error_is_reported_before_a_good_constraint():
+    wire = {"temperature": "hot", "constraint": {"kind": "regex", "spec": "a+"}}
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams.from_builtins(wire)
+    assert e.value.param == "temperature"
+
+
+def test_size_and_text_bounds():
+    Constraint(kind=K.REGEX, spec="a" * MAX_CONSTRAINT_BYTES)
+    with pytest.raises(InvalidParams, match="bytes"):
+        Constraint(kind=K.REGEX, spec="a" * (MAX_CONSTRAINT_BYTES + 1))
+    with pytest.raises(InvalidParams, match="bytes"):  # counted in UTF-8
+        Constraint(kind=K.REGEX, spec="é" * (MAX_CONSTRAINT_BYTES // 2 + 1))
+    with pytest.raises(InvalidParams, match="not valid text"):
+        Constraint(kind=K.REGEX, spec="\ud800")
+    with pytest.raises(InvalidParams, match="kind"):
+        Constraint(kind="regex", spec="a")  # type: ignore[arg-type]
+    with pytest.raises(InvalidParams, match="constraint must be an object"):
+        SamplingParams(constraint={"kind": "regex", "spec": "a"})  # type: ignore[arg-type]
+
+
+def test_the_compile_check_is_cached():
+    compile_error.cache_clear()
+    for _ in range(3):
+        Constraint(kind=K.REGEX, spec="x+y")
+    info = compile_error.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
