@@ -26,10 +26,12 @@ from pdserve.doctor.cli import add_doctor_command
 from pdserve.engine_flags import add_engine_args, engine_config, use_engine_process
 from pdserve.launch import add_launch_command
 from pdserve.router.cli import (
+    add_chat_args,
     add_front_end_args,
     add_http_args,
     add_router_command,
     add_unknown_fields_arg,
+    frontend_config,
     http_limits,
 )
 from pdserve.runtime import evloop, logs
@@ -156,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
+        frontend=frontend_config(args),
         engine_process=use_engine_process(args.engine_process, engine.model.device),
     )
     from pdserve.transfer.nixl import BackendUnavailable
@@ -261,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_key_arg(sv)
     add_front_end_args(sv)
     add_unknown_fields_arg(sv)
+    add_chat_args(sv)
     add_http_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)

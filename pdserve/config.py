@@ -141,6 +141,22 @@ class HttpLimits:
 
 
 @dataclass(frozen=True)
+class FrontendConfig:
+    """The OpenAI front end's choices (a co-located server's, the router's)."""
+
+    # A tool-call parser's name (frontend/tool_calls/chooser.py), or "auto": the one the chat
+    # template's markers tell (frontend/tool_use.py).
+    tool_call_parser: str = "auto"
+    # Render a request's own chat_template (frontend/template_jail.py); off: such a request
+    # is a 400 naming the field and the flag (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tool_call_parser:
+            raise ValueError("tool_call_parser must be a parser's name or auto")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
@@ -158,6 +174,7 @@ class ServerConfig:
     max_queue: int = 4096  # completion calls in flight at most (server/admission.py)
     http: HttpLimits = field(default_factory=HttpLimits)
     drain_timeout_s: float = 10.0  # graceful stop: how long running requests may finish
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)  # a co-located server's API
     # The engine, its role and their threads in a process of their own (worker/host/process.py).
     # `serve` resolves it: on for CUDA unless told otherwise (engine_flags.use_engine_process).
     engine_process: bool = False

@@ -89,10 +89,12 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--model", args.model, "--device", args.device, "--dtype", args.dtype,
         "--kv-budget-mb", str(args.kv_budget_mb),
         "--max-running", str(max(args.concurrency)),
-        "--max-batched-tokens", str(args.max_batched_tokens),
-        "--router-processes", str(args.router_processes),
         "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
+    if args.max_batched_tokens is not None:
+        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
+    if args.router_processes is not None:
+        cmd += ["--router-processes", str(args.router_processes)]
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
     if args.sim_step_ms:
         env[SIM_ENV] = str(args.sim_step_ms)
@@ -274,13 +276,15 @@ def main() -> int:
         "neither: serve's default), and 1p1d with -shared (--gpus none: both workers on one "
         "GPU)",
     )
-    ap.add_argument("--concurrency", default="1,32,128")
+    ap.add_argument("--concurrency", default="32,64,128,256,512")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--prompts-at-1", type=int, default=64, help="prompts at concurrency 1")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--kv-budget-mb", type=float, default=16384)
-    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--max-batched-tokens", type=int, default=None, help="serve's (default: its own)"
+    )
     ap.add_argument(
         "--sim-step-ms",
         type=float,
@@ -294,7 +298,12 @@ def main() -> int:
         default=0.0,
         help="with --sim-step-ms: extra host work (a GIL-holding spin) per chunk of a step",
     )
-    ap.add_argument("--router-processes", type=int, default=1, help="launch --router-processes")
+    ap.add_argument(
+        "--router-processes",
+        type=int,
+        default=None,
+        help="launch --router-processes (default: launch's)",
+    )
     ap.add_argument("--bench-processes", type=int, default=1, help="pdserve bench --processes")
     ap.add_argument(
         "--profile",
@@ -340,7 +349,9 @@ def main() -> int:
     colo = {r["concurrency"]: r for r in rows if r["cluster"] == "colocated"}
     for r in rows:
         base = colo.get(r["concurrency"])
-        if base is not None:
+        if base is not None:  # the three ratios, side by side
+            r["tok_s_vs_colocated"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+            r["ttft_p50_vs_colocated"] = round(r["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
             r["itl_p50_vs_colocated"] = round(r["itl_p50_ms"] / base["itl_p50_ms"], 3)
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     cols = list(rows[0]) if rows else []

@@ -326,8 +326,12 @@ class Engine:
         self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
     ) -> None:
         req.num_computed = len(req.prompt_ids)
-        self.scheduler.adopt(req, lease)
-        self.emit_token(req, tok, lp, now)
+        self.scheduler.adopt(req, lease)  # the scheduler owns the lease from here
+        try:
+            self.emit_token(req, tok, lp, now)
+        except Exception as e:  # noqa: BLE001 - e.g. its grammar refuses P's token: it alone fails
+            log.warning("request %s: its first token %d was refused: %s", req.request_id, tok, e)
+            self.finish(req, Event.FAIL, f"its first token could not be taken: {e}")
 
     def open_lease(self, owner: str, num_pages: int) -> Lease:
         return self.leases.open(owner, num_pages)

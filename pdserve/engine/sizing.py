@@ -10,15 +10,17 @@ benchmarks/RESULTS.md):
 * **KV budget.** On CUDA, vLLM's rule: this worker may hold `gpu_memory_utilization` of the
   card's memory (`pdserve launch` divides it among the workers that share a card); what its
   weights hold already and an activation reserve for the largest step are taken off, and the
-  rest is the KV pool, never more than the memory still free. On a CPU, CPU_KV_BUDGET.
+  rest is the KV pool. A share larger than the memory still free is refused, naming the flags
+  (another process holds part of it). On a CPU, CPU_KV_BUDGET.
 * **Context** (`max_model_len`): the model's own (`max_position_embeddings`); the engine then
   caps it by what the pool holds, so one request always fits.
 * **Requests in flight** (`max_running`): on CUDA, CUDA_MAX_RUNNING, the largest decode batch
   the CUDA graphs replay by default, where a batch of 1B-class decodes is still bound by memory
   bandwidth; on a CPU, CPU_MAX_RUNNING.
-* **Step budget** (`max_batched_tokens`): on CUDA, CUDA_MAX_BATCHED_TOKENS, the largest step the
-  mixed-step CUDA graphs replay (a long prompt's chunks each fill a step); on a CPU,
-  CPU_MAX_BATCHED_TOKENS, which keeps a decode's gap behind a prompt chunk short.
+* **Step budget** (`max_batched_tokens`): on CUDA, CUDA_MAX_BATCHED_TOKENS, measured: at 1024 a
+  step is always replayed as a CUDA graph (mixed steps are up to 2048) and a decode's gap
+  behind a prompt chunk stays short; on an H100 at concurrency 128 it served 14% more than
+  4096, with a third of the TTFT; on a CPU, CPU_MAX_BATCHED_TOKENS.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ CPU_KV_BUDGET = 256 * 2**20
 CPU_MAX_RUNNING = 64
 CPU_MAX_BATCHED_TOKENS = 512
 CUDA_MAX_RUNNING = 256
-CUDA_MAX_BATCHED_TOKENS = 4096
+CUDA_MAX_BATCHED_TOKENS = 1024
 # Memory a step needs beyond the weights and the KV pool, besides what scales with the step:
 # the CUDA graphs' pools, cuBLAS workspaces, the allocator's slack.
 FIXED_RESERVE = 1 << 30
@@ -130,14 +132,20 @@ def _cuda_budget(
 ) -> tuple[int, str]:
     share = cfg.cache.gpu_memory_utilization
     reserve = activation_reserve(arch, max_batched, max_running)
-    wanted = int(share * memory.total) - memory.held - reserve
-    budget = min(wanted, memory.free - reserve)
+    budget = int(share * memory.total) - memory.held - reserve
     why = (
         f"{share:.2f} of {memory.total / 2**30:.1f} GiB, less {memory.held / 2**30:.1f} GiB "
         f"held and a {reserve / 2**30:.1f} GiB activation reserve"
     )
-    if budget < wanted:
-        why += f"; capped by the {memory.free / 2**30:.1f} GiB free"
+    if budget + reserve > memory.free:
+        # Another process holds part of our share: taking what is free would count its own
+        # reserve, not yet allocated, as ours, and the card would overflow at both peaks.
+        raise ValueError(
+            f"this worker's share of the card ({why}) is more than the "
+            f"{memory.free / 2**30:.1f} GiB free: another process uses the card; lower "
+            "--gpu-memory-utilization (pdserve launch divides it among its workers) or give "
+            "--kv-budget-mb"
+        )
     if budget < MIN_KV_BUDGET:
         raise ValueError(
             f"no room for a KV pool on this card: {why} leaves {budget / 2**20:.0f} MiB; "

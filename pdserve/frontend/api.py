@@ -14,6 +14,7 @@ bodies inflated with a bound).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.config import FrontendConfig
 from pdserve.frontend.chat import ChatPrompt
 from pdserve.frontend.format import Formatter, sse
 from pdserve.frontend.generation import Backend, Generation
@@ -37,6 +39,8 @@ from pdserve.frontend.protocol import (
     parse_json_body,
 )
 from pdserve.frontend.tokenization import TokenizationApi
+from pdserve.frontend.tool_answer import ToolAnswer
+from pdserve.frontend.tool_use import ToolCalling, ToolUse
 from pdserve.protocol.outputs import is_deadline_error
 from pdserve.protocol.sampling import InvalidParams
 from pdserve.server.body import MAX_BODY_BYTES, read_body
@@ -78,9 +82,13 @@ class OpenAIApi:
         max_model_len: int,
         default_timeout_s: float,
         max_prompt_chars: int | None = None,
+        frontend: FrontendConfig | None = None,
     ) -> None:
         """`max_prompt_chars`: the longest text prompt (or rendered chat) tokenized; None, no
-        bound (tests' fake tokenizers). Servers pass `prompt_char_bound(...)`."""
+        bound (tests' fake tokenizers). Servers pass `prompt_char_bound(...)`. `frontend`:
+        the tool-call parser, whether a request's own chat template is rendered; ValueError
+        for an unknown parser (default: FrontendConfig())."""
+        frontend = frontend or FrontendConfig()
         self.backend = backend
         self.tok = tokenizer
         self.model_name = model_name
@@ -88,7 +96,10 @@ class OpenAIApi:
         self.default_timeout_s = default_timeout_s
         self.max_body_bytes = body_bound(max_model_len)  # the app's client_max_size
         self.created = int(time.time())
-        self.prompts = Prompts(tokenizer, max_model_len, max_prompt_chars)
+        self.prompts = Prompts(
+            tokenizer, max_model_len, max_prompt_chars, frontend.trust_request_chat_template
+        )
+        self.tool_calling = ToolCalling(tokenizer, frontend.tool_call_parser)
         self.tokenization = TokenizationApi(
             self.prompts, tokenizer, max_model_len, self.check_model
         )
@@ -143,7 +154,12 @@ class OpenAIApi:
             keep = self.prompts.kept_tokens(spec.truncate_prompt_tokens)
             chat = ChatPrompt(spec.messages, spec.chat_kwargs, spec.chat_template, spec.echo_text)
             prompt = await self.prompts.chat_ids(chat, keep)
-            return await self._serve(request, spec, [prompt])
+            try:  # frontend/tool_use.py: the parser, and calls forced by a grammar
+                tools, params = self.tool_calling.plan(spec.tools, spec.chat_template, spec.params)
+            except InvalidParams as e:
+                raise bad(str(e), e.param) from e
+            spec = dataclasses.replace(spec, params=params)
+            return await self._serve(request, spec, [prompt], tools)
         except ApiError as e:
             return error_response(e)
 
@@ -175,7 +191,11 @@ class OpenAIApi:
             raise _no_such_model(model, self.model_name)
 
     async def _serve(
-        self, request: web.Request, spec: GenerationSpec, prompts: list[list[int]]
+        self,
+        request: web.Request,
+        spec: GenerationSpec,
+        prompts: list[list[int]],
+        tools: ToolUse | None = None,
     ) -> web.StreamResponse:
         params = spec.params
         try:
@@ -188,17 +208,23 @@ class OpenAIApi:
                 self.backend.validate(p, params)
         except InvalidParams as e:
             raise bad(str(e), e.param) from e
+        keep = tools.keep if tools is not None else frozenset()  # the parser's special tokens
         gen = Generation(
             self.backend,
             prompts,
             spec.n,
             params,
-            lambda: self.tok.incremental(spec.skip_special_tokens),
+            lambda: (
+                self.tok.incremental(spec.skip_special_tokens, keep)
+                if keep
+                else self.tok.incremental(spec.skip_special_tokens)
+            ),
             spec.stop,
             spec.include_stop_str,
             spec.timeout_s or self.default_timeout_s,
         )
-        fmt = Formatter(self.tok, self.model_name, spec, gen, prompts)
+        answer = ToolAnswer(tools) if tools is not None else None
+        fmt = Formatter(self.tok, self.model_name, spec, gen, prompts, answer)
         handler = asyncio.current_task()
 
         def client_lost() -> None:

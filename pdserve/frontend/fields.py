@@ -6,8 +6,9 @@ Every field a client sends is in one of three sets, per endpoint:
   meaning is only an end-user id for abuse monitoring);
 - refused unless it asks for what pdserve does anyway (`refuse_unsupported`): best_of (only
   null, 1 or n), suffix, functions / function_call, audio and modalities (only ["text"]) ->
-  400 naming the field; tools / tool_choice: see frontend/tools.py; structured output
-  (response_format, structured_outputs, guided_*) is honoured: see frontend/structured.py;
+  400 naming the field; tools, tool_choice and parallel_tool_calls are honoured (see
+  frontend/tools.py), and so is structured output (response_format, structured_outputs,
+  guided_*: see frontend/structured.py);
 - unknown: anything else. Like vLLM, the default is lenient: the field is ignored and logged
   once per field name (a bounded set: a client cannot grow it or flood the log). With
   `--reject-unknown-fields` (serve, router: `reject_unknown_fields(True)`, the process's
@@ -68,8 +69,6 @@ _COMMON = frozenset(
 _REFUSED_COMPLETION = frozenset({"best_of", "suffix"})
 _REFUSED_CHAT = frozenset(
     {
-        "tools",  # tools and tool_choice: frontend/tools.py
-        "tool_choice",
         "functions",
         "function_call",
         "audio",
@@ -89,6 +88,9 @@ CHAT_FIELDS = (
         "continue_final_message",
         "chat_template",
         "chat_template_kwargs",
+        "tools",  # tool use: frontend/tools.py
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
 # vLLM's /tokenize (a prompt, or messages as chat renders them) and /detokenize.

@@ -17,7 +17,8 @@ A streamed `echo` sends the prompt's text as each choice's first chunk. When the
 scored too (`logprobs`), that chunk waits for the choice's first output, which carries the
 prompt's scores, and holds them; the generated tokens' `text_offset`s continue after it. Chat's
 `echo` (frontend/chat.py says when) starts each choice's content with the last message's:
-streamed, as a chunk of its own after the role's.
+streamed, as a chunk of its own after the role's. A chat whose output is read for tool calls
+answers them as OpenAI does (frontend/tool_answer.py shapes the message and the chunks).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import msgspec
 from pdserve.frontend.generation import Choice, Delta, Generation
 from pdserve.frontend.protocol import GenerationSpec
 from pdserve.frontend.textstream import Detokenizer
+from pdserve.frontend.tool_answer import ToolAnswer
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.outputs import TokenLogprob
 
@@ -45,8 +47,11 @@ class Formatter:
         spec: GenerationSpec,
         gen: Generation,
         prompts: list[list[int]],
+        tools: ToolAnswer | None = None,
     ) -> None:
+        """`tools`: a chat's tool calls, read from its choices' output (tool_answer.py)."""
         self.tok, self.model_name, self.spec, self.gen = tok, model_name, spec, gen
+        self.tools = tools
         self.chat = spec.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + gen.id
         self.created = int(time.time())
@@ -107,13 +112,9 @@ class Formatter:
                     scored = self._completion_logprobs(prompt, self._prompt_offsets(), first)
                     lp = {k: scored[k] + lp[k] for k in lp}
             if self.chat:
+                message, reason = self._message(c)
                 choices.append(
-                    {
-                        "index": c.index,
-                        "finish_reason": c.finish_reason,
-                        "logprobs": lp,
-                        "message": {"role": "assistant", "content": self.texts[c.index]},
-                    }
+                    {"index": c.index, "finish_reason": reason, "logprobs": lp, "message": message}
                 )
             else:
                 choices.append(
@@ -132,6 +133,14 @@ class Formatter:
                 "prompt_logprobs": self._prompt_logprobs(self.gen.choices[0]),
             }
         return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+
+    def _message(self, c: Choice) -> tuple[dict[str, Any], str | None]:
+        """A whole chat choice's message and finish_reason (its tool calls, if read)."""
+        text = self.texts[c.index]
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, c.finish_reason
+        shown = self.echoed[c.index]
+        return self.tools.message(text[:shown], text[shown:], c.finish_reason)
 
     def stream_start(self) -> list[dict[str, Any]]:
         if self.chat:
@@ -155,7 +164,12 @@ class Formatter:
         """`stream_chunks(d)` as SSE events; a delta's own chunk from the envelope's bytes."""
         if d.choice.index in self.echo_pending:
             return [sse(chunk) for chunk in self.stream_chunks(d)]
-        return [self._sse_head + encode_json(self.delta_body(d)) + b"]}\n\n"]
+        body = self.delta_body(d)
+        if self.tools is None:
+            return [self._sse_head + encode_json(body) + b"]}\n\n"]
+        # The text read for tool calls: maybe several chunks, or none.
+        bodies = self.tools.stream(body, d.text, d.finish_reason)
+        return [self._sse_head + encode_json(b) + b"]}\n\n" for b in bodies]
 
     def stream_chunks(self, d: Delta) -> list[dict[str, Any]]:
         """The chunks a delta becomes: its own, after the choice's echoed prompt if that waited

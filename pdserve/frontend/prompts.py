@@ -12,13 +12,16 @@ tokenization in flight (frontend/tokenizer_pool.py).
 
 A chat renders with the model's template on those threads, or, with the client's own
 `chat_template`, in the template jail's helper processes (frontend/template_jail.py), called
-from threads of its own. `truncate_prompt_tokens` keeps a prompt's last k tokens (a BOS the
-tokenizer put first stays first, as HF's left truncation keeps it); such a prompt is not
-bounded by its characters, only by the body's size and the tokenizing deadline, and neither
-is a text /tokenize counts. A prompt whose tokens and max_tokens pass the context is refused
-in vLLM's words ("This model's maximum context length is N tokens. However, you requested M
-tokens ..."), code `context_length_exceeded`, which clients (litellm) map to their
-context-window error; the character bound's refusal starts with the same sentence.
+from threads of its own; a client's template is refused (400) unless the server was started
+with --trust-request-chat-template (off by default, as vLLM's since its advisories
+GHSA-6fvq-23cw-5628 and GHSA-4hw3-g54f-xfrj). `truncate_prompt_tokens` keeps a prompt's last
+k tokens (a BOS the tokenizer put first stays first, as HF's left truncation keeps it); such
+a prompt is not bounded by its characters, only by the body's size and the tokenizing
+deadline, and neither is a text /tokenize counts. A prompt whose tokens and max_tokens pass
+the context is refused in vLLM's words ("This model's maximum context length is N tokens.
+However, you requested M tokens ..."), code `context_length_exceeded`, which clients
+(litellm) map to their context-window error; the character bound's refusal starts with the
+same sentence.
 """
 
 from __future__ import annotations
@@ -44,10 +47,18 @@ A = TypeVar("A")
 class Prompts:
     """Builds prompt ids for one front end; owns its tokenizer threads and template jail."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_prompt_chars: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        max_prompt_chars: int | None,
+        trust_request_template: bool = False,
+    ) -> None:
         """`max_prompt_chars`: the longest text prompt (or rendered chat) tokenized; None, no
-        bound (tests' fake tokenizers)."""
+        bound (tests' fake tokenizers). `trust_request_template`: render a request's own chat
+        template (else it is refused)."""
         self.tok = tokenizer
+        self.trust_request_template = trust_request_template
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_prompt_chars
         self.pool = TokenizerPool(TOKENIZER_THREADS)
@@ -80,9 +91,16 @@ class Prompts:
         add_special_tokens: bool = False,
     ) -> list[int]:
         """A chat's prompt ids, rendered with the model's template on a tokenizer thread, or
-        with the client's in the template jail. `keep`: truncate to the last `keep` tokens;
-        `bounded`: refuse a chat whose characters cannot fit the context, untokenized (off
-        with `keep`, and for /tokenize, which counts)."""
+        with the client's in the template jail, if the server trusts clients' templates.
+        `keep`: truncate to the last `keep` tokens; `bounded`: refuse a chat whose characters
+        cannot fit the context, untokenized (off with `keep`, and for /tokenize, which
+        counts)."""
+        if chat.template is not None and not self.trust_request_template:
+            raise bad(
+                "'chat_template': this server does not render a request's own chat template; "
+                "its operator may allow it with --trust-request-chat-template",
+                "chat_template",
+            )
         bounded = bounded and keep is None
         if bounded:
             self.check_chars(text_chars(chat.messages), "messages")  # a template adds to it

@@ -25,7 +25,7 @@ from pdserve.frontend.chat import RESERVED_TEMPLATE_NAMES as RESERVED_TEMPLATE_N
 from pdserve.frontend.chat import parse_chat_prompt
 from pdserve.frontend.fields import check_unknown, refuse_unsupported
 from pdserve.frontend.structured import parse_constraint
-from pdserve.frontend.tools import parse_tools
+from pdserve.frontend.tools import NO_TOOLS, ToolRequest, parse_tools
 from pdserve.protocol.generate import check_timeout
 from pdserve.protocol.sampling import (
     INT64_MAX,
@@ -74,6 +74,7 @@ class GenerationSpec:
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: the context)
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: tokens shown as "token_id:N"
     prompt_logprobs: int | None = None  # the prompt's scores the client asked to be shown
+    tools: ToolRequest = NO_TOOLS  # chat's tools and tool choice (frontend/tools.py)
 
 
 _MISSING = object()
@@ -337,11 +338,11 @@ def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
     """A /v1/chat/completions body -> its GenerationSpec; `strict` as in parse_completion."""
     body = _fields(body, "chat", strict)
     try:
-        tools = parse_tools(body)  # rendered into the prompt (the template's `tools`), or none
+        tools = parse_tools(body)  # the template's `tools`, and what is asked of them
     except InvalidParams as e:
         raise bad(str(e), e.param) from e
     model = _get(body, "model", str, "")
-    prompt = parse_chat_prompt(body, tools)  # messages, template, flags: frontend/chat.py
+    prompt = parse_chat_prompt(body, tools.tools)  # messages, template, flags: frontend/chat.py
     max_tokens, given, max_name = _max_tokens(body, "max_completion_tokens", "max_tokens")
     top = _get(body, "top_logprobs", int, None)
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -367,5 +368,6 @@ def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
         chat_template=prompt.template,
         echo_text=prompt.echo,
         prompt_logprobs=shown,
+        tools=tools,
         **_common(body, 1),
     )

@@ -13,7 +13,8 @@ The fields, honoured by both endpoints (chat and completions):
 A request asks for at most one constraint: a second is a 400 naming it. A spec that cannot
 compile is a 400 naming the field it came in (`response_format.json_schema.schema`,
 `structured_outputs.regex`, `guided_json`), with the grammar engine's reason
-(protocol/constraint.py checks and compiles it). Raises InvalidParams; torch-free.
+(protocol/constraint.py checks and compiles it), and so is a schema sent as JSON text that
+nests deeper than the body may (MAX_JSON_DEPTH). Raises InvalidParams; torch-free.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from pdserve.protocol.constraint import Constraint, ConstraintKind
 from pdserve.protocol.invalid_params import InvalidParams, show
+from pdserve.server.json_body import MAX_JSON_DEPTH
 
 GUIDED = {
     "guided_json": ConstraintKind.JSON_SCHEMA,
@@ -128,10 +130,7 @@ def _spec(where: str, kind: ConstraintKind, v: object) -> str:
     match kind:
         case ConstraintKind.JSON_SCHEMA:
             if isinstance(v, str):  # JSON text, as vLLM takes it too
-                try:
-                    v = json.loads(v)
-                except ValueError as e:
-                    raise InvalidParams(f"'{where}' is not JSON: {e}", where) from None
+                v = _json_text(where, v)
             if not isinstance(v, dict | bool):
                 raise InvalidParams(
                     f"'{where}' must be a JSON schema (an object), got {show(v)}", where
@@ -151,3 +150,31 @@ def _spec(where: str, kind: ConstraintKind, v: object) -> str:
     if not (isinstance(v, str) and v):
         raise InvalidParams(f"'{where}' must be a non-empty string, got {show(v)}", where)
     return v
+
+
+def _json_text(where: str, text: str) -> Any:
+    """A field's JSON text -> its value, nested at most MAX_JSON_DEPTH deep as the body itself
+    is (server/json_body.py): deeper, Python's json raises RecursionError, and a value just
+    within its limit would raise it again when dumped."""
+    deep = InvalidParams(f"'{where}' nests deeper than {MAX_JSON_DEPTH} levels", where)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise deep from None
+    except ValueError as e:  # JSONDecodeError, or an int past Python's int-digit limit
+        raise InvalidParams(f"'{where}' is not JSON: {e}", where) from None
+    if _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise deep
+    return value
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests objects or arrays more than `limit` deep (without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False

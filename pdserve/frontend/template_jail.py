@@ -11,7 +11,13 @@ template, under limits a process can be held to:
 * time: a render gets RENDER_TIMEOUT_S (a helper's start, which says "ready" once its imports
   are done, has START_TIMEOUT_S of its own), then the helper is killed, by pid, and the next
   render starts a fresh one;
-* output: a text longer than the caller's bound is refused before it is sent back.
+* output: a text longer than the caller's bound is refused before it is sent back;
+* what it can reach: it starts with a scrubbed environment (`helper_env`: what Python needs to
+  start, nothing of pdserve's, so neither the API key nor the cluster key file's name), and
+  once ready it can open no file or socket (RLIMIT_NOFILE at its three pipes, the hard limit
+  too, so it cannot be raised again). That holds a sandbox escape back from reading the
+  cluster key or another process's environment through /proc; the helper still runs as the
+  server's user, so what is in its memory and the pipes is all it has.
 
 A helper reads one JSON request a line on stdin and answers one JSON line on stdout; it exits
 at EOF and dies with the thread that started it (PR_SET_PDEATHSIG). `TemplateJail` keeps
@@ -23,6 +29,7 @@ tokenizer thread. The template is the request's text: nothing is loaded from a p
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import queue
@@ -33,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from pdserve.model.chat_template import render_chat
@@ -44,6 +52,29 @@ MEMORY_BYTES = 256 * 2**20  # a helper's address space beyond what it starts wit
 STOP_WAIT_S = 2.0  # for a helper to exit at EOF before it is killed
 PR_SET_PDEATHSIG = 1
 READY = b"ready\n"  # a helper's first line
+OPEN_FILES = 3  # a ready helper's descriptors: stdin, stdout, stderr; none can be opened
+# The environment a helper gets from the server's: what Python needs to start and find its
+# packages, the locale and the time zone (strftime_now). Nothing else: no PDSERVE_* variable
+# (the API key, the cluster key file's path), no credentials of any other program.
+PASSED_ENV = frozenset(
+    {"PATH", "HOME", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "LD_LIBRARY_PATH"}
+    | {"LANG", "LANGUAGE", "TZ"}
+)
+PASSED_ENV_PREFIXES = ("LC_",)
+# Imported inside functions by jinja2 (an error's traceback, wordwrap, pprint, lipsum), its
+# lexer (a string literal's escapes) and markupsafe (striptags): a ready helper could not.
+LAZY_MODULES = (
+    "jinja2.debug",
+    "jinja2.constants",
+    "textwrap",
+    "pprint",
+    "html",
+    "encodings.unicode_escape",
+)
+WARM_UP = (  # rendered once before the limit: a literal, filters, a call, then an error
+    "{{ 'a\\n' ~ messages[0].content | trim | tojson }}{{ strftime_now('%Y') }}",
+    "{{ raise_exception('warm-up') }}",
+)
 
 
 class TemplateRefused(ValueError):
@@ -97,7 +128,13 @@ class _Helper:
         self.stop()
         argv = [sys.executable, "-m", __name__, str(os.getpid()), str(self.memory_bytes)]
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env=helper_env(os.environ),
+            )
         except OSError as e:  # out of processes or descriptors
             raise JailDown(f"a template renderer could not be started: {e}") from e
         self.proc = proc
@@ -127,6 +164,16 @@ class _Helper:
             proc.wait(STOP_WAIT_S)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def helper_env(parent: Mapping[str, str]) -> dict[str, str]:
+    """A helper's environment: PASSED_ENV and the locale's LC_* from `parent`, with this
+    pdserve's directory first on PYTHONPATH (the helper imports the same code however the
+    server found it)."""
+    env = {k: v for k, v in parent.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -214,6 +261,21 @@ def _cap_memory(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (size + extra, hard))
 
 
+def _close_the_filesystem() -> None:
+    """No descriptor can be opened from here on: no file, socket or pipe (soft and hard
+    limit, so no escape raises it). What a render would otherwise read on first use is read
+    first: the modules jinja2 and its lexer import lazily, and the time zone (strftime_now)."""
+    for module in LAZY_MODULES:
+        importlib.import_module(module)
+    for template in WARM_UP:
+        try:
+            render_chat(template, [{"role": "user", "content": "hi"}], True, {})
+        except ValueError:
+            pass  # the error path is part of the warm-up
+    time.localtime()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+
+
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
     try:
         text = render_chat(
@@ -237,6 +299,7 @@ def main(argv: list[str]) -> int:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the parent's to handle
     _cap_memory(extra)  # after the imports: jinja2's own memory is not the template's
+    _close_the_filesystem()
     out = sys.stdout.buffer
     out.write(READY)
     out.flush()

@@ -10,11 +10,17 @@
 * POST /detokenize {model?, tokens} -> {prompt}: special tokens kept, as vLLM decodes.
 
 Served where the tokenizer is (a co-located server, the router); the same auth as /v1/*.
+
+A text /tokenize counts is bounded only by the body's size (64 MiB: millions of tokens), so
+its answer is built where its tokens were, on a tokenizer thread (frontend/prompts.py
+`off_loop`), never on the event loop: the pieces, and the JSON, in chunks of ANSWER_CHUNK
+items (one json.dumps call holds the GIL throughout; between chunks the loop gets its turn).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +35,7 @@ from pdserve.server.body import read_body
 from pdserve.server.json_body import parse_json_body
 
 TOKEN_ID_BOUND = 2**31  # ids a tokenizer could hold; the model's own bound is not checked
+ANSWER_CHUNK = 16_384  # list items JSON-encoded per call (~2 ms of ids)
 
 
 class TokenizationApi:
@@ -65,19 +72,20 @@ class TokenizationApi:
                 if not isinstance(text, str):
                     raise bad("'prompt' must be a string", "prompt")
                 ids = await prompts.text_ids(text, _flag(body, "add_special_tokens", True))
-            strs = None
-            if _flag(body, "return_token_strs", False):
-                strs = [self.tok.token_piece(t) for t in ids]
-            return web.json_response(
-                {
-                    "count": len(ids),
-                    "max_model_len": self.max_model_len,
-                    "tokens": ids,
-                    "token_strs": strs,
-                }
-            )
+            with_strs = _flag(body, "return_token_strs", False)
+            answer = await prompts.off_loop(self._answer, (ids, with_strs))
+            return web.Response(body=answer, content_type="application/json", charset="utf-8")
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
+
+    def _answer(self, ids_and_strs: tuple[list[int], bool]) -> bytes:
+        """/tokenize's JSON body (on a tokenizer thread): as json.dumps writes it."""
+        ids, with_strs = ids_and_strs
+        strs = json_list([self.tok.token_piece(t) for t in ids]) if with_strs else "null"
+        return (
+            f'{{"count": {len(ids)}, "max_model_len": {self.max_model_len}, '
+            f'"tokens": {json_list(ids)}, "token_strs": {strs}}}'
+        ).encode()
 
     async def detokenize(self, request: web.Request) -> web.Response:
         try:
@@ -95,6 +103,14 @@ class TokenizationApi:
             return web.json_response({"prompt": await self.prompts.decode(tokens)})
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
+
+
+def json_list(items: Sequence[Any]) -> str:
+    """json.dumps(items), ANSWER_CHUNK items a call."""
+    parts = (
+        json.dumps(items[i : i + ANSWER_CHUNK])[1:-1] for i in range(0, len(items), ANSWER_CHUNK)
+    )
+    return "[" + ", ".join(parts) + "]"
 
 
 async def _body(request: web.Request, kind: str) -> dict[str, Any]:
@@ -131,6 +147,6 @@ def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     if body.get("tools") is None:
         return ()
     try:
-        return parse_tools({"tools": body["tools"], "tool_choice": "none"})
+        return parse_tools({"tools": body["tools"], "tool_choice": "none"}).tools
     except InvalidParams as e:
         raise bad(str(e), e.param) from e

@@ -64,6 +64,10 @@ class Tokenizer:
         self.max_token_chars: int = max(
             (len(piece) for piece in backend.get_vocab(with_added_tokens=True)), default=1
         )
+        # The special tokens: what decode(skip_special_tokens=True) leaves out.
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -147,6 +151,11 @@ class Tokenizer:
         """One token's text for display (logprobs); a partial UTF-8 character shows as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token spelled `text` (an added token's content, or a vocabulary
+        piece), or None."""
+        return self._backend.token_to_id(text)
+
     def token_piece(self, token_id: int) -> str:
         """One token as the vocabulary spells it ("Ġworld", "<0xE3>"): HF's
         convert_ids_to_tokens; "" for an id the tokenizer does not know."""
@@ -155,6 +164,11 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template's source, if it has one."""
+        return self._chat_template
 
     @property
     def template_variables(self) -> dict[str, Any]:
@@ -191,8 +205,12 @@ class Tokenizer:
         text = render_chat(self._chat_template, messages, add_generation_prompt, variables)
         return continue_final(text, messages) if continue_final_message else text
 
-    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def incremental(
+        self, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()
+    ) -> IncrementalDetokenizer:
+        """A streaming detokenizer; `keep`: special tokens shown even when skipping the others
+        (a tool-call format's markers, which its parser must see)."""
+        return IncrementalDetokenizer(self, skip_special_tokens, keep)
 
 
 class IncrementalDetokenizer:
@@ -216,9 +234,18 @@ class IncrementalDetokenizer:
 
     WINDOW = 4
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
+    ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        # Skipping all special tokens but `keep`: the others are dropped as they come and the
+        # rest decode with them kept, which is what the skip does (it drops them before the
+        # decoder runs).
+        self._drop = tokenizer.special_ids - keep if skip_special_tokens and keep else frozenset()
+        self._skip_special = skip_special_tokens and not keep
         self._ids: list[int] = []
         self._read = 0
         self._context_text = ""  # decode(self._ids[: self._read])
@@ -226,6 +253,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the text that became final (maybe "")."""
+        if token_id in self._drop:
+            return ""
         self._ids.append(token_id)
         window_text = self._decode(self._ids)
         context_text = self._context_text

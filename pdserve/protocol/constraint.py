@@ -18,6 +18,15 @@ distinct constraint (an LRU cache), so a schema, regex or grammar that cannot co
 InvalidParams naming `constraint` wherever SamplingParams are checked: the front end (which
 renames the field to the one the client sent), D's /generate, P's PrefillRequest.
 
+Every compile, here and in the engine, runs on the grammar thread (protocol/grammar_thread.py):
+llguidance recurses once per rule or `$ref`, and a long chain within MAX_CONSTRAINT_BYTES would
+overflow an ordinary thread's stack and kill the process. One that takes longer than
+COMPILE_TIMEOUT_S is refused as not compiling (and remembered so); a compiler too busy to
+start it is refused without being remembered. Whatever the caller's thread, it waits for the
+compile: on the front end's event loop that is a few milliseconds for a usual spec, at most
+COMPILE_TIMEOUT_S for a hostile one. A GBNF grammar of more than MAX_GBNF_RULES rules is
+refused before llguidance's converter, whose time grows with the square of a rule chain.
+
 JSON is generated without free whitespace (", " and ": " between items), so a small model
 cannot spend its tokens on blank lines; a schema's own "x-guidance" options override that.
 
@@ -32,7 +41,9 @@ from functools import lru_cache
 
 import llguidance
 import msgspec
+from llguidance.gbnf_to_lark import is_lark_syntax
 
+from pdserve.protocol.grammar_thread import CompilerBusy, CompileTimeout, on_grammar_thread
 from pdserve.protocol.invalid_params import InvalidParams, show
 
 # A constraint's spec in UTF-8 bytes: it travels in every PrefillRequest, whose allowance for
@@ -42,6 +53,10 @@ MAX_CONSTRAINT_BYTES = 128 * 1024
 # every hop and for every choice of n).
 CHECK_CACHE_SIZE = 64
 MAX_ERROR_CHARS = 500  # of llguidance's message, which may quote the whole grammar
+# GBNF rules converted to Lark (llguidance's Python converter takes ~1 s for 2,000 chained
+# rules, ~20 s for the 9,000 a 128 KiB spec can hold); "::=" counted, so a literal holding it
+# counts too.
+MAX_GBNF_RULES = 2000
 JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
@@ -80,7 +95,10 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 f"constraint spec is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted",
                 "constraint",
             )
-        error = compile_error(self.kind, self.spec)
+        try:
+            error = compile_error(self.kind, self.spec)
+        except CompilerBusy as e:  # not the spec's fault, so not remembered
+            raise InvalidParams(f"{self.kind.value} was not compiled: {e}", "constraint") from None
         if error is not None:
             raise InvalidParams(f"{self.kind.value} does not compile: {error}", "constraint")
 
@@ -124,16 +142,28 @@ def grammar_source(kind: ConstraintKind, spec: str) -> str:
                 "start: " + " | ".join(json.dumps(c) for c in choices)
             )
         case ConstraintKind.GRAMMAR:
+            if not is_lark_syntax(spec) and spec.count("::=") > MAX_GBNF_RULES:
+                raise ValueError(f"a GBNF grammar may have at most {MAX_GBNF_RULES} rules")
             return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to it
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
 @lru_cache(maxsize=CHECK_CACHE_SIZE)
 def compile_error(kind: ConstraintKind, spec: str) -> str | None:
-    """Why the constraint cannot compile (llguidance's message), or None if it can."""
+    """Why the constraint cannot compile (llguidance's message, or that it took too long), or
+    None if it can. Runs on the grammar thread; CompilerBusy if that never got to it."""
+    try:
+        return on_grammar_thread(_compile_error, kind, spec)
+    except CompileTimeout as e:
+        return str(e)
+
+
+def _compile_error(kind: ConstraintKind, spec: str) -> str | None:
     try:
         source = grammar_source(kind, spec)
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        return str(e)
+        return str(e)[:MAX_ERROR_CHARS]
+    except RecursionError:  # JSON nested past Python's recursion limit
+        return "it nests too deeply"
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, None)
     return "; ".join(messages)[:MAX_ERROR_CHARS] if is_error else None

@@ -114,6 +114,7 @@ class Router:
             fleet.max_model_len,
             cfg.request_timeout_s,
             prompt_char_bound(self.tokenizer.max_token_chars, fleet.max_model_len),
+            cfg.frontend,
         )
         self._monitor_task = asyncio.get_running_loop().create_task(self.monitor.run(self._stop))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.config import HttpLimits
+from pdserve.config import FrontendConfig, HttpLimits
+from pdserve.frontend.tool_calls.chooser import AUTO, PARSERS
 from pdserve.router.config import WORKER_STREAMS
 from pdserve.router.policy import POLICIES
 from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
@@ -45,6 +46,34 @@ def add_unknown_fields_arg(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answer 400 naming a request field pdserve does not know (default: ignore it "
         "and log one warning per field name, as vLLM does)",
+    )
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """How the OpenAI API treats a chat's tools and its own template (config.FrontendConfig),
+    for `serve`, `router` and `launch` (whose router parses the requests)."""
+    g = p.add_argument_group("chat")
+    g.add_argument(
+        "--tool-call-parser",
+        default=AUTO,
+        choices=(AUTO, *sorted(PARSERS)),
+        metavar="NAME|auto",
+        help="how the model writes tool calls: "
+        f"{', '.join(sorted(PARSERS))}; auto: as its chat template shows them (a template "
+        "that shows none: requests asking for tool calls are refused) (default: auto)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (sandboxed, in a helper process with time "
+        "and memory bounds); off: such a request is refused with a 400",
+    )
+
+
+def frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 
@@ -123,10 +152,11 @@ def add_processes_arg(p: argparse.ArgumentParser, flag: str) -> None:
     p.add_argument(
         flag,
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="router processes sharing the port: one streams ~20,000 chunks/s, so high "
-        "concurrency at fast decode steps needs several (default: 1)",
+        "concurrency at fast decode steps needs several (default: 1; launch on CUDA: 4, at "
+        "most a quarter of the CPUs)",
     )
 
 
@@ -201,6 +231,7 @@ def add_router_command(sub: Any) -> None:
     )
     add_front_end_args(r)
     add_unknown_fields_arg(r)
+    add_chat_args(r)
     add_http_args(r)
     r.set_defaults(func=cmd_router)
 
@@ -240,7 +271,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         http=http_limits(args),
         drain_timeout_s=args.drain_timeout,
         reuse_port=args.reuse_port,
+        frontend=frontend_config(args),
     )
+    if args.processes is None:
+        args.processes = 1
     if not 1 <= args.processes <= MAX_PROCESSES:
         raise ValueError(f"--processes must be in [1, {MAX_PROCESSES}], got {args.processes}")
     if args.processes > 1:

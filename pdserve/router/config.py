@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pdserve.config import HttpLimits
+from pdserve.config import FrontendConfig, HttpLimits
 from pdserve.router.policy import POLICIES
 from pdserve.router.prefix_index import DEFAULT_CAPACITY_PAGES
 
@@ -43,6 +43,7 @@ class RouterConfig:
     worker_streams: str = "shared"
     # Bind with SO_REUSEPORT: one of several routers on one port (router/pool.py).
     reuse_port: bool = False
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)  # the OpenAI API's choices
 
     def __post_init__(self) -> None:
         if not self.decode_urls:

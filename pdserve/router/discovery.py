@@ -93,7 +93,9 @@ def check_fleet(
             )
     return Fleet(
         model=model,
-        max_model_len=min(int(i["max_model_len"]) for _, i in decode),
+        # P computes the prompt, D the whole: a prompt must fit both (each caps its context by
+        # its own pool, engine/sizing.py), or it passes here only to be refused by a worker.
+        max_model_len=min(int(i["max_model_len"]) for _, i in [*decode, *prefill]),
         vocab_size=min(int(i["vocab_size"]) for _, i in decode),
         decode=decode,
         prefill=prefill,

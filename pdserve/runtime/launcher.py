@@ -56,6 +56,8 @@ class LaunchConfig:
     api_key_file: str | None = None  # the router's clients' key (0600), if any
     protect_health: bool = False  # the router's /health and /metrics need a key too
     reject_unknown_fields: bool = False  # the router answers 400 to an unknown request field
+    tool_call_parser: str = "auto"  # the router's --tool-call-parser
+    trust_request_chat_template: bool = False  # the router renders a request's own template
     prefix_index_pages: int | None = None  # --policy prefix's settings (None: the router's)
     prefix_max_imbalance: int | None = None
     max_queue: int = 4096  # the router's completion calls in flight at most
@@ -175,10 +177,12 @@ def router_argv(cfg: LaunchConfig, prefill_urls: list[str], decode_urls: list[st
                 "--cluster-key-file": cfg.cluster_key_file,
                 **({"--api-key-file": cfg.api_key_file} if cfg.api_key_file else {}),
                 "--max-queue": str(cfg.max_queue),
+                "--tool-call-parser": cfg.tool_call_parser,
             }
         )
         + (["--protect-health"] if cfg.protect_health else [])
         + (["--reject-unknown-fields"] if cfg.reject_unknown_fields else [])
+        + (["--trust-request-chat-template"] if cfg.trust_request_chat_template else [])
     )
 
 

@@ -81,6 +81,7 @@ class Server:
             engine.max_model_len,
             cfg.engine.request_timeout_s,
             prompt_char_bound(self.tokenizer.max_token_chars, engine.max_model_len),
+            cfg.frontend,
         )
         self.worker_api = WorkerApi(engine, cfg.role, cfg.engine.model.name, self.host.info)
         self.admission = Admission(cfg.max_queue)

@@ -199,6 +199,35 @@ def test_same_constraint_compiles_once_and_the_cache_is_bounded(tiny_dir, tok):
     assert g.compiles == 4
 
 
+def test_a_grammar_that_did_not_compile_is_remembered_a_busy_compiler_not(tok, monkeypatch):
+    """The compile runs on the grammar thread; a timeout (the constraint's fault) is refused
+    again at once (the isolation's row-by-row retry must not wait for it twice), a compiler
+    that never got to it is asked again."""
+    import pdserve.engine.sampling.grammars as grammars_module
+    from pdserve.protocol.grammar_thread import CompilerBusy, CompileTimeout, on_grammar_thread
+
+    calls: list[str] = []
+
+    def fake(fn, vocab, kind, spec):
+        calls.append(spec)
+        if spec == "slow+":
+            raise CompileTimeout("it did not compile within 10s")
+        if spec == "busy+" and calls.count(spec) == 1:
+            raise CompilerBusy("the grammar compiler is busy")
+        return on_grammar_thread(fn, vocab, kind, spec)
+
+    monkeypatch.setattr(grammars_module, "on_grammar_thread", fake)
+    g = Grammars(lambda: tok, 4096, frozenset())
+    slow, busy = constraint(K.REGEX, "slow+"), constraint(K.REGEX, "busy+")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not compile: it did not compile within"):
+            g.compiled(slow)
+    with pytest.raises(ValueError, match="was not compiled: the grammar compiler is busy"):
+        g.compiled(busy)
+    assert not g.compiled(busy).is_error()
+    assert calls == ["slow+", "busy+", "busy+"] and g.compiles == 1
+
+
 def test_a_refused_token_raises_and_a_late_matcher_catches_up(tok):
     g = Grammars(lambda: tok, 4096, frozenset())
     params = SamplingParams(constraint=constraint(K.REGEX, "abc"))

@@ -40,18 +40,24 @@ def test_a_card_takes_its_share_less_the_weights_and_the_reserve(arch):
     mem = DeviceMemory(total=80 * GiB, free=77 * GiB, held=3 * GiB)
     out, said = sizing.resolve(cfg(), arch, mem)
     s = out.scheduler
-    assert (s.max_running, s.max_batched_tokens) == (256, 4096)
-    reserve = sizing.activation_reserve(arch, 4096, 256)
+    assert (s.max_running, s.max_batched_tokens) == (256, 1024)
+    reserve = sizing.activation_reserve(arch, 1024, 256)
     assert out.cache.kv_budget_bytes == int(0.9 * 80 * GiB) - 3 * GiB - reserve
-    assert "0.90 of 80.0 GiB" in said and "capped" not in said
+    assert "0.90 of 80.0 GiB" in said
 
 
-def test_a_card_another_process_fills_caps_the_budget_by_what_is_free(arch):
+def test_a_share_another_process_holds_part_of_is_refused(arch):
+    """Taking only what is free would count the other process's reserve, not yet allocated,
+    as ours: both would overflow the card at their peaks."""
     mem = DeviceMemory(total=80 * GiB, free=30 * GiB, held=3 * GiB)  # the other worker: 47 GiB
-    out, said = sizing.resolve(cfg(), arch, mem)
-    reserve = sizing.activation_reserve(arch, 4096, 256)
-    assert out.cache.kv_budget_bytes == 30 * GiB - reserve
-    assert "capped by the 30.0 GiB free" in said
+    with pytest.raises(ValueError, match="more than the 30.0 GiB free.*--gpu-memory-utilization"):
+        sizing.resolve(cfg(), arch, mem)
+    half = dataclasses.replace(
+        cfg(), cache=dataclasses.replace(cfg().cache, gpu_memory_utilization=0.35)
+    )
+    out, _ = sizing.resolve(half, arch, mem)  # 28 GiB of the card: within the 30 free
+    reserve = sizing.activation_reserve(arch, 1024, 256)
+    assert out.cache.kv_budget_bytes == int(0.35 * 80 * GiB) - 3 * GiB - reserve
 
 
 def test_a_full_card_refuses_to_start_saying_what_to_change(arch):

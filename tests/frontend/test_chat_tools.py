@@ -1,6 +1,7 @@
 """Tool use in chat (frontend/tools.py): `tool` messages, assistant `tool_calls` and `tools`
 reach a chat template that renders them, and are refused with a 400 naming them by one that
-does not (the built-in ChatML); `tools` only with tool_choice "none" (nothing parses calls).
+does not (the built-in ChatML); a template that shows no tool call format leaves no parser
+for calls (auto, required, named: a 400 naming --tool-call-parser), while "none" passes.
 
 Real aiohttp apps in this process, the built-in models' real tokenizer, an engine that keeps
 the prompt it was given."""
@@ -116,16 +117,36 @@ def test_chatml_refuses_what_it_cannot_render_naming_it(body, param, words):
     assert resp["error"]["param"] == param and words in resp["error"]["message"]
 
 
+# TOOL_TEMPLATE less its call markup: it shows the tools, but not how the model calls them.
+NO_CALL_FORMAT = TOOL_TEMPLATE.replace("<tool_call>", "[").replace("</tool_call>", "]")
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 @pytest.mark.parametrize(
     "extra,param",
     [
         ({"tools": [TOOL]}, "tools"),  # OpenAI's default with tools is "auto": calls
         ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": NAMED}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_calls_without_a_known_parser_are_refused_naming_the_flag(extra, param):
+    status, resp, prompt = chat(NO_CALL_FORMAT, messages=TURNS[:1], **extra)
+    assert status == 400 and resp["error"]["param"] == param and prompt is None, resp
+    assert "no tool call parser is known" in resp["error"]["message"]
+    assert "--tool-call-parser" in resp["error"]["message"]
+    status, resp, _ = chat(NO_CALL_FORMAT, messages=TURNS[:1], tools=[TOOL], tool_choice="none")
+    assert status == 200, resp
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
         ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
     ],
 )
-def test_tools_that_ask_for_parsed_calls_are_refused_even_by_a_tool_template(extra, param):
+def test_tools_that_are_not_function_definitions_are_refused(extra, param):
     status, resp, _ = chat(TOOL_TEMPLATE, messages=TURNS[:1], **extra)
     assert status == 400 and resp["error"]["param"] == param, resp

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.frontend.protocol import ApiError, parse_chat, parse_completion
 from pdserve.protocol.constraint import Constraint, ConstraintKind
+from pdserve.server.json_body import MAX_JSON_DEPTH
 
 K = ConstraintKind
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -98,6 +99,19 @@ def test_no_constraint(parse, base, fields):
         ({"guided_json": "{nope"}, "guided_json", "not JSON"),
         ({"guided_json": [1]}, "guided_json", "JSON schema"),
         ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not exist"),
+        # JSON text nested past Python's recursion limit, and just past the body's own bound
+        ({"guided_json": "[" * 50_000}, "guided_json", "nests deeper than 64 levels"),
+        ({"guided_json": '{"a":' * 65 + "1" + "}" * 65}, "guided_json", "nests deeper"),
+        (
+            {"structured_outputs": {"json": '{"anyOf":[' * 30_000}},
+            "structured_outputs.json",
+            "nests deeper than 64 levels",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "[" * 9999}}},
+            "response_format.json_schema.schema",
+            "nests deeper",
+        ),
         ({"guided_regex": "(a"}, "guided_regex", "does not compile"),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
@@ -124,6 +138,19 @@ def test_refusals_are_400_naming_the_field(parse, base, fields, param, why):
     body: dict[str, Any] = e.value.body()["error"]
     assert e.value.status == 400 and body["type"] == "invalid_request_error"
     assert body["param"] == param and why in body["message"], body
+
+
+@ENDPOINTS
+def test_a_schema_text_as_deep_as_the_body_allows_is_taken(parse, base):
+    inner = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})  # 3 deep
+    for wraps, ok in [(30, True), (31, False)]:  # each wrap an object and a list: 63, 65
+        text = '{"allOf": [' * wraps + inner + "]}" * wraps
+        if ok:
+            got = parse({**base, "guided_json": text}).params.constraint
+            assert got == Constraint(kind=K.JSON_SCHEMA, spec=text)
+        else:
+            with pytest.raises(ApiError, match=f"nests deeper than {MAX_JSON_DEPTH} levels"):
+                parse({**base, "guided_json": text})
 
 
 def test_n_choices_share_the_constraint():

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from pdserve.config import FrontendConfig
 from pdserve.frontend.api import OpenAIApi
 from pdserve.frontend.chat import MAX_TEMPLATE_CHARS
 from pdserve.frontend.template_jail import TemplateJail, TemplateRefused
@@ -45,7 +46,8 @@ class Served:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.engine = Scripted(4096, MAX_LEN)
-        self.api = OpenAIApi(self.engine, tok, "m", MAX_LEN, 5.0, max_prompt_chars=4000)
+        trusted = FrontendConfig(trust_request_chat_template=True)
+        self.api = OpenAIApi(self.engine, tok, "m", MAX_LEN, 5.0, 4000, trusted)
         self.api.prompts.jail = TemplateJail(timeout_s=TIMEOUT_S)
         self.pids: set[int] = set()
 

@@ -5,6 +5,8 @@ Real aiohttp apps in this process, the tiny model's real tokenizer and chat temp
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,30 @@ def test_tokenize_counts_a_text_longer_than_the_context(tok):
     text = "word " * 500  # past the context and the character bound: counting is the point
     status, got = send(tok, "POST", "/tokenize", {"prompt": text})
     assert status == 200 and got["count"] == len(tok.encode(text)) > MAX_LEN
+
+
+def test_a_large_tokenize_is_answered_whole_and_built_off_the_event_loop(tok, monkeypatch):
+    """Pieces and JSON in ANSWER_CHUNK slices, on a tokenizer thread: the same body
+    json.dumps would write, however many chunks."""
+    import pdserve.frontend.tokenization as tokenization
+
+    text = "hello wörld, " * 30_000
+    ids = tok.encode(text)
+    assert len(ids) > 4 * tokenization.ANSWER_CHUNK
+    threads: set[str] = set()
+
+    def spied(items):
+        threads.add(threading.current_thread().name)
+        return json_list(items)
+
+    json_list = tokenization.json_list
+    monkeypatch.setattr(tokenization, "json_list", spied)
+    status, got = send(tok, "POST", "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200 and got["count"] == len(ids) and got["tokens"] == ids
+    assert got["token_strs"] == [tok.token_piece(t) for t in ids]
+    assert threads and all(name.startswith("tokenize-") for name in threads), threads
+    for n in (0, 1, tokenization.ANSWER_CHUNK, tokenization.ANSWER_CHUNK + 1):
+        assert json_list(ids[:n]) == json.dumps(ids[:n])
 
 
 def test_tokenize_messages_as_chat_renders_them(tok):

@@ -80,12 +80,42 @@ def test_tokenizer_matches_transformers(path, hf_tokenizer):
     assert ours.vocab_size == len(hf_tokenizer) == 49152
 
 
-def test_greedy_matches_transformers_token_for_token(path):
-    tok = Tokenizer.from_dir(path)
-    prompts = [tok.encode(tok.apply_chat_template(QUESTION)), tok.encode("def fibonacci(n):")]
-    ours = pdserve_greedy(path, prompts, 16)
+def parity_prompts(tok: Tokenizer) -> list[list[int]]:
+    """Issue 45's parity target: 8 prompts (a chat question, code, five texts of TEXTS)."""
+    chat = tok.encode(tok.apply_chat_template(QUESTION))
+    return [chat, tok.encode("def fibonacci(n):"), *(tok.encode(t) for t in TEXTS[:6])]
+
+
+@pytest.fixture(scope="module")
+def hf_answers(path: Path) -> list[list[int]]:
+    """transformers' float32 greedy answers, 32 tokens each, from the same file."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
-    assert ours == hf_greedy(hf, prompts, 16)
+    return hf_greedy(hf, parity_prompts(Tokenizer.from_dir(path)), 32)
+
+
+def test_greedy_matches_transformers_token_for_token(path, hf_answers):
+    tok = Tokenizer.from_dir(path)
+    prompts = parity_prompts(tok)
+    assert len(prompts) == 8
+    ours = pdserve_greedy(path, prompts, 32)
+    assert ours == hf_answers
     assert "Paris" in tok.decode(ours[0])
+
+
+def test_prefill_and_decode_roles_match_transformers_token_for_token(path, hf_answers):
+    """The same 8 prompts through a prefill role and a decode role (KV over shared memory,
+    tests/worker/wire.py): P's first token and D's 31 equal transformers' 32."""
+    from pdserve.protocol.sampling import SamplingParams
+    from tests.worker.wire import Wire, ended, tokens
+
+    wire = Wire(path, page_size=8, chunk=16, d_kv_mb=64.0, p_kv_mb=64.0)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = [
+        wire.submit(f"r{i}", p, params)
+        for i, p in enumerate(parity_prompts(Tokenizer.from_dir(path)))
+    ]
+    wire.run_until(lambda: all(ended(o) for o in outs), max_ticks=20_000)
+    assert [tokens(o) for o in outs] == hf_answers
+    assert wire.violations() == []

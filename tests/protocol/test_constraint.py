@@ -41,6 +41,9 @@ BAD = [
     (K.CHOICE, json.dumps(["a", 1]), "non-empty list"),
     (K.GRAMMAR, "start: foo", "unknown name"),
     (K.GRAMMAR, "garbage !!! ###", "GBNF"),
+    # JSON nested past Python's recursion limit (a spec off the wire: P, D's /generate)
+    (K.JSON_SCHEMA, "[" * 50_000, "nests too deeply"),
+    (K.CHOICE, "[" * 50_000, "nests too deeply"),
 ]
 
 

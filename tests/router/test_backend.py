@@ -318,6 +318,12 @@ def test_check_fleet_takes_the_smallest_limits_and_refuses_bad_fleets():
         (("http://a", info("colocated")), ("http://b", info("colocated", max_len=80))), ()
     )
     assert (fleet.model, fleet.max_model_len, fleet.vocab_size) == ("m", 80, 50)
+    # A prefill worker whose pool holds less than its decode worker's caps the fleet's context.
+    pd = check_fleet(
+        (("http://d", info("decode")),),
+        (("http://p", info("prefill", max_len=60, control="tcp://127.0.0.1:5")),),
+    )
+    assert pd.max_model_len == 60
     bad = [
         (
             (("http://a", info("colocated")), ("http://b", info("colocated", model="n"))),

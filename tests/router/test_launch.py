@@ -249,3 +249,12 @@ def test_sigkill_of_the_launcher_takes_its_children_down(clusters):
     c.proc.kill()  # no handler runs: only PR_SET_PDEATHSIG can stop the children now
     c.proc.wait(10)
     assert wait_gone(pids, 10.0) == []
+
+
+def test_launch_starts_several_router_processes_on_cuda_only():
+    from pdserve.launch import CUDA_ROUTER_PROCESSES, router_processes
+
+    assert router_processes("cpu", 64) == 1
+    assert router_processes("cuda", 16) == CUDA_ROUTER_PROCESSES == 4
+    assert router_processes("cuda:1", 8) == 2  # a quarter of the CPUs at most
+    assert router_processes("cuda", 2) == 1

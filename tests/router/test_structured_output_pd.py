@@ -90,3 +90,60 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(pd_cluster, tiny
     two = {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}
     status, body = ask(url, "/v1/completions", two)
     assert status == 400 and body["error"]["param"] == "guided_choice", body
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+        "where": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "floor": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "where"],
+    "additionalProperties": False,
+}
+
+
+def test_fifty_json_schema_answers_validate_colocated_and_in_pd(pd_cluster, tiny_server):
+    """Issue 45's target: 50 of 50 json_schema answers validate against their schema, through
+    the router over P and D as through the co-located server, and the two agree (seeded)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = []
+    for i in range(50):
+        schema = (SCHEMA, NESTED)[i % 2]
+        bodies.append(
+            {
+                "messages": [{"role": "user", "content": f"record {i}: give it as JSON"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": f"s{i % 2}", "schema": schema, "strict": True},
+                },
+                "max_tokens": 120,
+                "temperature": 0.9,
+                "seed": i,
+            }
+        )
+
+    def run(url: str) -> list[dict]:
+        def one(body: dict) -> dict:
+            status, resp = ask(url, "/v1/chat/completions", body)
+            assert status == 200, resp
+            return resp["choices"][0]
+
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(one, bodies))
+
+    pd, co = run(pd_cluster.url), run(tiny_server.url)
+    for i, (p, c) in enumerate(zip(pd, co, strict=True)):
+        schema = (SCHEMA, NESTED)[i % 2]
+        assert p["finish_reason"] == "stop", (i, p)
+        assert conforms(json.loads(p["message"]["content"]), schema), (i, p)
+        assert p["message"]["content"] == c["message"]["content"], i

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.model.tokenizer import Tokenizer
 from tests.procs import http
+from tests.protocol.hostile_specs import lark_chain, longest, ref_chain
 
 pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
@@ -194,6 +195,23 @@ def test_malformed_json_unknown_model_and_chat_errors(tiny_server):
         {"model": "tiny", "prompt": "ok", "max_tokens": 2},
     )
     assert status == 200 and resp["choices"][0]["text"] is not None
+
+
+def test_hostile_constraints_are_answered_and_the_server_lives(tiny_server):
+    """Constraints that overflow an ordinary stack in llguidance's compiler (a rule chain, a
+    `$ref` chain: protocol/grammar_thread.py) compile, on the front end and in the engine, and
+    JSON text nested past Python's recursion limit is a 400 naming its field."""
+    url = tiny_server.url + "/v1/completions"
+    base = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    status, resp = http("POST", url, {**base, "guided_json": "[" * 50_000})
+    assert status == 400 and resp["error"]["param"] == "guided_json", resp
+    for field, spec in [
+        ("guided_grammar", longest(lark_chain)),
+        ("guided_json", longest(ref_chain)),
+    ]:
+        status, resp = http("POST", url, {**base, field: spec})
+        assert status == 200 and resp["choices"][0]["finish_reason"] in ("stop", "length"), resp
+    assert http("GET", tiny_server.url + "/health")[0] == 200
 
 
 def wait_idle(url: str, timeout_s: float = 20.0) -> dict:

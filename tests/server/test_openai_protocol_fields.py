@@ -53,7 +53,11 @@ def test_completion_refusals_name_the_field(fields: dict[str, Any], param: str) 
 @pytest.mark.parametrize(
     "fields,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 1},
+            "parallel_tool_calls",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),

@@ -260,3 +260,75 @@ def test_a_repeated_prompt_hits_the_prefill_workers_prefix_cache(tiny_dir, monke
     for eng in (w.p, w.d):  # nothing held but the caches' pages, every count in step
         assert eng.pool.allocator.num_used == eng.pool.allocator.num_evictable
     assert w.violations() == [] and cache.violations() == []
+
+
+def test_a_copy_of_a_live_rooms_prefill_request_is_stale_not_refused(wire, tiny_dir):
+    """A duplicated or garbled copy of the PrefillRequest of a room P is computing must not
+    be refused: D would fail the room and free pages that P's writes still fill (LESSONS #7)."""
+    long = PROMPT * 3  # chunks of 16: several ticks of PREFILLING
+    outs = wire.submit("dup", long, GREEDY)
+    wire.run_until(lambda: (r := _p_room(wire)) is not None and r.state is PState.PREFILLING)
+    room = _p_room(wire)
+    copy = m.PrefillRequest(
+        room=room.room,
+        epoch=room.epoch,
+        prompt_ids=long,
+        dst_pages=list(room.dst_pages),
+        params=GREEDY,
+        write_deadline=time.time() + 30,
+        sender=wire_module.D_ID,
+    )
+    garbled = m.Unreadable(room=room.room, epoch=room.epoch, of="PrefillRequest", detail="x")
+    for msg in (copy, garbled):
+        wire.p.inbox.put(wire_module.Inbound(wire_module.D_ID, msg))
+    wire.run_until(lambda: ended(outs))
+    assert ("p>d", "PrefillReject") not in wire.sent
+    assert wire.p_role.stats.stale["PrefillRequest"] == 2
+    assert outs[-1].finish_reason == "length"
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    assert tokens(outs) == generate(colocated, [long], GREEDY)[0]
+    assert wire.idle() and wire.violations() == []
+
+
+@pytest.fixture
+def start_decode_raises():
+    from pdserve.runtime.faults import FAULTS
+
+    FAULTS.configure("d.start_decode=raise", 0)
+    yield
+    FAULTS.configure("", 0)
+
+
+def test_a_decode_that_cannot_start_fails_its_request_and_frees_its_pages(
+    wire, start_decode_raises
+):
+    """START_DECODE raising (the fault point) used to leave the request in no scheduler and its
+    pages leased for ever, and the finished room in D's table."""
+    outs = wire.submit("nostart", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(outs))
+    assert outs[-1].finish_reason == "error", outs[-1]
+    wire.run_until(wire.idle)
+    assert wire.violations() == [] and not wire.d_role.has_work()
+
+
+def test_a_first_token_d_cannot_take_fails_only_that_request(wire, monkeypatch):
+    """D adopts the request, then taking P's first token raises (a grammar that refuses it):
+    the request fails at once and its pages go back, instead of waiting for its deadline."""
+    real = wire.d.emit_token
+    refused: list[str] = []
+
+    def emit(req, tok, lp, now):
+        if not req.output_ids and not refused:
+            refused.append(req.request_id)
+            raise ValueError("token refused by the test")
+        return real(req, tok, lp, now)
+
+    monkeypatch.setattr(wire.d, "emit_token", emit)
+    bad = wire.submit("bad", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(bad))
+    assert bad[-1].finish_reason == "error" and "refused by the test" in (bad[-1].error or "")
+    good = wire.submit("good", PROMPT[:9], GREEDY)
+    wire.run_until(lambda: ended(good))
+    assert good[-1].finish_reason == "length"
+    wire.run_until(wire.idle)
+    assert wire.violations() == []

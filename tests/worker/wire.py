@@ -43,6 +43,7 @@ class Wire:
         index_k: tuple[str, str] = ("auto", "auto"),  # V3.2's index-K mode on P, on D
         dtype: str = "float32",
         d_kv_mb: float = 4.0,  # D's pool (a small one: memory pressure, preemption on D)
+        p_kv_mb: float = 4.0,  # P's pool
         p_wall_ahead_s: float = 0.0,  # P's wall clock this far ahead of D's (another host's)
     ) -> None:
         def engine(shared: bool) -> Engine:
@@ -50,7 +51,7 @@ class Wire:
                 model_dir,
                 page_size=page_size,
                 max_batched_tokens=chunk,
-                kv_budget_mb=d_kv_mb if shared else 4.0,
+                kv_budget_mb=d_kv_mb if shared else p_kv_mb,
                 max_model_len=1024,
                 shared_pool=shared,
                 overlap_schedule=overlap,

@@ -7,7 +7,11 @@ matcher and a step's token masks (the grammar engine is llguidance: protocol/con
   past the tokenizer's (a padded embedding) are tokens no grammar matches, so their bits are
   always 0 (and logits past the table, if the tokenizer is the wider one, are cut off).
 - **Compiled grammars.** One pristine matcher per (kind, spec), in an LRU of
-  `GRAMMAR_CACHE_SIZE`; a request's matcher is a deep copy of it (microseconds).
+  `GRAMMAR_CACHE_SIZE`; a request's matcher is a deep copy of it (microseconds). The compile
+  runs on the process's grammar thread (protocol/grammar_thread.py: a stack deep enough for
+  any spec within the size bound), the engine thread waiting at most COMPILE_TIMEOUT_S; a
+  constraint that fails to compile (or runs past that) is remembered, in an LRU of the same
+  size, so its other rows and the isolation's row-by-row retry fail at once.
 - **A request's matcher** is made on its first use (its first masked step, or on a decode
   worker the first token P sampled) and has always consumed exactly the request's
   `output_ids`: `accept` advances it with each token the engine emits (Engine.emit_token),
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import llguidance
 import torch
@@ -39,8 +44,11 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling.grammar_mask import GrammarMask
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.constraint import Constraint, ConstraintKind, grammar_source
+from pdserve.protocol.grammar_thread import CompilerBusy, CompileTimeout, on_grammar_thread
 
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept, least recently used evicted
+_Key = tuple[ConstraintKind, str]
+V = TypeVar("V")
 
 
 class Grammars:
@@ -59,9 +67,8 @@ class Grammars:
         self._eos = eos_token_ids
         self._cache_size = cache_size
         self._vocab: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[tuple[ConstraintKind, str], llguidance.LLMatcher] = (
-            OrderedDict()
-        )
+        self._compiled: OrderedDict[_Key, llguidance.LLMatcher] = OrderedDict()
+        self._refused: OrderedDict[_Key, str] = OrderedDict()  # why each did not compile
         self._executor: llguidance.LLExecutor | None = None
         self.compiles = 0  # grammars compiled (cache misses)
 
@@ -95,14 +102,31 @@ class Grammars:
         if m is not None:
             self._compiled.move_to_end(key)
             return m
-        m = llguidance.LLMatcher(self.vocab, grammar_source(c.kind, c.spec), log_level=0)
+        why = self._refused.get(key)
+        if why is None:
+            m, why = self._build(c)
+            if m is not None:
+                self.compiles += 1
+                _remember(self._compiled, key, m, self._cache_size)
+                return m
+            _remember(self._refused, key, why, self._cache_size)
+        raise ValueError(f"the {c.kind.value} constraint does not compile: {why}")
+
+    def _build(self, c: Constraint) -> tuple[llguidance.LLMatcher | None, str]:
+        """(the matcher, "") or (None, why it did not compile); ValueError if the grammar
+        thread never got to it (not the constraint's fault: not remembered)."""
+        vocab = self.vocab
+        try:
+            m = on_grammar_thread(_matcher, vocab, c.kind, c.spec)
+        except CompilerBusy as e:
+            raise ValueError(f"the {c.kind.value} constraint was not compiled: {e}") from e
+        except CompileTimeout as e:
+            return None, str(e)
+        except (ValueError, TypeError, RecursionError) as e:  # grammar_source's
+            return None, str(e) or type(e).__name__
         if m.is_error():
-            raise ValueError(f"the {c.kind.value} constraint does not compile: {m.get_error()}")
-        self.compiles += 1
-        self._compiled[key] = m
-        if len(self._compiled) > self._cache_size:
-            self._compiled.popitem(last=False)
-        return m
+            return None, m.get_error()
+        return m, ""
 
     def matcher(self, req: Request) -> llguidance.LLMatcher:
         """`req`'s matcher, made on first use and caught up with its output so far."""
@@ -157,3 +181,17 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(matchers, flat.data_ptr(), words * 4, g)
         return GrammarMask.upload(flat, g, words, device)
+
+
+def _matcher(
+    vocab: llguidance.LLTokenizer, kind: ConstraintKind, spec: str
+) -> llguidance.LLMatcher:
+    """A pristine matcher of (kind, spec) over `vocab` (on the grammar thread)."""
+    return llguidance.LLMatcher(vocab, grammar_source(kind, spec), log_level=0)
+
+
+def _remember(cache: OrderedDict[_Key, V], key: _Key, value: V, size: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    if len(cache) > size:
+        cache.popitem(last=False)

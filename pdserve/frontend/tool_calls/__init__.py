@@ -8,7 +8,8 @@
 
 call.py (the calls and deltas), json_scan.py (JSON checked a character at a time),
 envelope.py ({"name", "arguments"} objects), stream.py (the machine every format shares),
-one module per format, chooser.py (by name or from the chat template).
+one module per format, chooser.py (by name or from the chat template), grammar.py (the
+grammar that forces calls in a format: tool_choice "required" or a named function).
 """
 
 from pdserve.frontend.tool_calls.call import (

@@ -52,6 +52,7 @@ class _State(Enum):
 class DeepSeekV3(StreamParser):
     name = "deepseek_v3"
     region_end = CALLS_END
+    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         super().__init__(new_id)

@@ -37,6 +37,7 @@ class _State(Enum):
 class Hermes(StreamParser):
     name = "hermes"
     region_end = CLOSE
+    markers = (OPEN, CLOSE)
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         super().__init__(new_id)

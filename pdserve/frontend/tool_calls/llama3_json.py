@@ -37,6 +37,7 @@ class _State(Enum):
 
 class Llama3Json(StreamParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         super().__init__(new_id)

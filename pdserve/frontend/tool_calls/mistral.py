@@ -39,6 +39,7 @@ class _State(Enum):
 
 class Mistral(StreamParser):
     name = "mistral"
+    markers = (TOOL_CALLS, ARGS)
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         super().__init__(new_id)

@@ -80,6 +80,7 @@ class _Call:
 class StreamParser(ABC):
     name: ClassVar[str]  # as --tool-call-parser names it
     region_end: ClassVar[str | None] = None  # where a failed region's text ends
+    markers: ClassVar[tuple[str, ...]] = ()  # the format's fixed strings (maybe special tokens)
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         """`new_id`: makes each call's id (default: the format's, `_make_id`)."""

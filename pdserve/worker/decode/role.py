@@ -292,11 +292,13 @@ class DecodeRole(Role):
             mono, wall = clock.monotonic(), clock.wall()
             past_writes = mono + (room.write_deadline + t.fence_margin_s - wall)
             room.deadline = max(now + t.fence_s, past_writes)
-        for c in out.commands:
-            self._run_command(room, c, now)
-        if room.state in D_TERMINAL:
-            self.by_room.pop(room.room, None)
-            self.by_request.pop(room.request.request_id, None)
+        try:
+            for c in out.commands:
+                self._run_command(room, c, now)
+        finally:  # a command that raised still leaves a finished room finished
+            if room.state in D_TERMINAL:
+                self.by_room.pop(room.room, None)
+                self.by_request.pop(room.request.request_id, None)
 
     def _run_command(self, room: DRoom, c: Cmd, now: float) -> None:
         req = room.request
@@ -309,7 +311,12 @@ class DecodeRole(Role):
                 self._end_detached(req, Event.FAIL, room.reason or "prefill failed")
             case Cmd.START_DECODE:
                 assert room.first_token is not None  # set with the DONE event
-                FAULTS.hit("d.start_decode")
+                try:
+                    FAULTS.hit("d.start_decode")
+                except Exception:  # the request never starts: its pages go back, it fails
+                    room.lease.release()
+                    self._end_detached(req, Event.FAIL, "its decode could not start")
+                    raise
                 self.stats.done += 1
                 lp = room.first_logprob if req.params.logprobs is not None else None
                 lease = room.lease.hand_over(req.request_id)

@@ -135,6 +135,8 @@ class PrefillRole(Role):
             case m.Ping() | m.Hello():
                 pass  # answered on the control thread (on_control); here it only proves D alive
             case m.Unreadable(of="PrefillRequest") if msg.room:
+                if self._is_live(cmd.peer, msg.room, msg.epoch):
+                    return  # a garbled copy of a room we serve: its answer stands
                 self.stats.rejected += 1
                 why = f"bad request: {msg.detail}"
                 self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
@@ -144,6 +146,16 @@ class PrefillRole(Role):
                 self._reply(cmd.peer, m.RegisterAck(ok=False, error=error, layout=ours))
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
+
+    def _is_live(self, peer: str, room: int, epoch: int) -> bool:
+        """Whether (room, epoch) from `peer` is a room this worker serves: a copy of its
+        PrefillRequest is stale, never refused (a refusal would make D free pages that this
+        room's writes still fill; LESSONS #7)."""
+        live = self.by_room.get((peer, room))
+        if live is None or live.epoch != epoch:
+            return False
+        self.stats.stale["PrefillRequest"] += 1
+        return True
 
     def command_failed(self, cmd: object, why: str, now: float) -> None:
         """A peer's message whose handling raised fails its room (or is refused), nothing more."""
@@ -215,7 +227,9 @@ class PrefillRole(Role):
         peer = self.peers.get(peer_id)
         if peer is None:
             return reject("not registered", unregistered=True)
-        if (peer_id, msg.room) in self.by_room:
+        if self._is_live(peer_id, msg.room, msg.epoch):
+            return  # a duplicate: the room is ours already, and D's pages are its writes' own
+        if (peer_id, msg.room) in self.by_room:  # an older attempt still ends here
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
         wall = self.engine.clock.wall()
