@@ -26,13 +26,12 @@ from pdserve.engine import sizing
 from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import (
-    FINISH_REASON,
     Event,
     OutputSink,
     Request,
-    RequestOutput,
     TokenLogprob,
 )
+from pdserve.engine.request_end import RequestEnds
 from pdserve.engine.role import Colocated, Role
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -59,7 +58,7 @@ def _unsent(msg: Send) -> None:
     raise RuntimeError(f"this engine has no transport for {type(msg.msg).__name__}")
 
 
-class Engine:
+class Engine(RequestEnds):
     def __init__(
         self, cfg: EngineConfig, model: LoadedModel, pool: KVPool, eos_token_ids: frozenset[int]
     ) -> None:
@@ -341,99 +340,6 @@ class Engine:
 
     def count_generated_token(self) -> None:
         self._generated += 1  # counted into metrics once a step, with the engine's own
-
-    # -- the engine's verbs ---------------------------------------------------------------------
-    def emit_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> None:
-        """A token was sampled for `req`: record it, stream it, stop if it ends the request.
-        A request that asked for no token (max_tokens 0: it scores its prompt) ends here
-        without it. A constrained request's matcher takes the token (D's first one, from P,
-        included), and the end-of-sequence token that ends its grammar stops it. `now`: when
-        it arrived (the engine clock's monotonic reading)."""
-        if req.params.max_tokens == 0:
-            self.finish(req, Event.LENGTH)
-            return
-        ended = req.constrained and self.grammars.accept(req, tok)  # raises if refused
-        req.output_ids.append(tok)
-        self._generated += 1  # counted into metrics once a step (a lock per inc)
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
-        elif req.last_token_at is not None:
-            self.metrics.itl.observe(now - req.last_token_at)
-        req.last_token_at = now
-        event = Event.STOP if ended else self._stop_event(req, tok)
-        if event is not None:  # the last token carries the finish reason, as in vLLM
-            self.finish(req, event, last=(tok, lp))
-            return
-        req.sink(
-            RequestOutput(
-                req.request_id,
-                (tok,),
-                (lp,) if lp is not None else (),
-                num_prompt_tokens=len(req.prompt_ids),
-                prompt_logprobs=req.take_prompt_logprobs(),
-            )
-        )
-
-    def _stop_event(self, req: Request, tok: int) -> Event | None:
-        p = req.params
-        if len(req.output_ids) >= p.min_tokens and (
-            tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids)
-        ):
-            return Event.STOP
-        num_tokens = len(req.prompt_ids) + len(req.output_ids)  # not a token still in flight
-        if len(req.output_ids) >= p.max_tokens or num_tokens >= self.max_model_len:
-            return Event.LENGTH
-        return None
-
-    def finish(
-        self,
-        req: Request,
-        event: Event,
-        error: str | None = None,
-        *,
-        last: tuple[int, TokenLogprob | None] | None = None,
-        keep_pages_for: str | None = None,
-    ) -> Lease | None:
-        """The one way a request ends: `event` (STOP, LENGTH, ABORT or FAIL) is its reason.
-        Its sink hears once, with `last` (a final token) if given. A scheduled request leaves
-        the scheduler, whose lease on its pages is released, or handed to `keep_pages_for` and
-        returned (the prefill role keeps pages its writes still read). A request outside the
-        scheduler (waiting for pages or for its prefill leg) holds no lease of its own: its
-        room's lease is the room's to release. A finished request is left as it is."""
-        if req.status.finished:
-            return None
-        lease = None
-        self.runner.release(req)  # its page-table row (attention/page_table.py)
-        step = self.stepper.computing(req)
-        if self.scheduler.get(req.request_id) is not req:
-            req.transition(event)
-        elif keep_pages_for is not None:
-            lease = self.scheduler.hand_over(req, event, keep_pages_for)
-        elif step is not None:  # its pages outlive the step (engine/inflight.py)
-            kept = self.scheduler.hand_over(req, event, f"step:{req.request_id}")
-            if kept is not None:
-                step.retire.append(kept)
-        else:
-            self.scheduler.finish(req, event)
-        if error is not None:
-            req.error = error
-        reason = FINISH_REASON[req.status]
-        self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(self.clock.monotonic() - req.arrival)
-        tok, lp = last if last is not None else (None, None)
-        req.sink(
-            RequestOutput(
-                req.request_id,
-                (tok,) if tok is not None else (),
-                (lp,) if lp is not None else (),
-                reason,
-                req.error,
-                len(req.prompt_ids),
-                req.take_prompt_logprobs(),
-            )
-        )
-        return lease
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(
