@@ -325,7 +325,12 @@ class Engine(RequestEnds):
         self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
     ) -> None:
         req.num_computed = len(req.prompt_ids)
-        self.scheduler.adopt(req, lease)  # the scheduler owns the lease from here
+        try:
+            self.scheduler.adopt(req, lease)  # the scheduler owns the lease from here
+        except Exception:
+            lease.release()  # never the scheduler's: it goes back with the request
+            self.finish(req, Event.FAIL, "its decode could not start")
+            raise
         try:
             self.emit_token(req, tok, lp, now)
         except Exception as e:  # noqa: BLE001 - e.g. its grammar refuses P's token: it alone fails

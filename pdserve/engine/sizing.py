@@ -142,7 +142,8 @@ def _cuda_budget(
         # reserve, not yet allocated, as ours, and the card would overflow at both peaks.
         raise ValueError(
             f"this worker's share of the card ({why}) is more than the "
-            f"{memory.free / 2**30:.1f} GiB free: another process uses the card; lower "
+            f"{memory.free / 2**30:.1f} GiB free (another process, or this one's CUDA context, "
+            "holds the rest); lower "
             "--gpu-memory-utilization (pdserve launch divides it among its workers) or give "
             "--kv-budget-mb"
         )

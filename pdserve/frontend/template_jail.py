@@ -14,10 +14,11 @@ template, under limits a process can be held to:
 * output: a text longer than the caller's bound is refused before it is sent back;
 * what it can reach: it starts with a scrubbed environment (`helper_env`: what Python needs to
   start, nothing of pdserve's, so neither the API key nor the cluster key file's name), and
-  once ready it can open no file or socket (RLIMIT_NOFILE at its three pipes, the hard limit
-  too, so it cannot be raised again). That holds a sandbox escape back from reading the
-  cluster key or another process's environment through /proc; the helper still runs as the
-  server's user, so what is in its memory and the pipes is all it has.
+  once ready it can open no file or socket (RLIMIT_NOFILE 0, the hard limit too, so it cannot
+  be raised again; its open pipes still work, and closing one frees no number to open). That
+  holds a sandbox escape back from reading the cluster key or another process's environment
+  through /proc; the helper still runs as the server's user, so what is in its memory and the
+  pipes is all it has.
 
 A helper reads one JSON request a line on stdin and answers one JSON line on stdout; it exits
 at EOF and dies with the thread that started it (PR_SET_PDEATHSIG). `TemplateJail` keeps
@@ -52,7 +53,7 @@ MEMORY_BYTES = 256 * 2**20  # a helper's address space beyond what it starts wit
 STOP_WAIT_S = 2.0  # for a helper to exit at EOF before it is killed
 PR_SET_PDEATHSIG = 1
 READY = b"ready\n"  # a helper's first line
-OPEN_FILES = 3  # a ready helper's descriptors: stdin, stdout, stderr; none can be opened
+OPEN_FILES = 0  # a ready helper may open no descriptor (it keeps stdin, stdout and stderr)
 # The environment a helper gets from the server's: what Python needs to start and find its
 # packages, the locale and the time zone (strftime_now). Nothing else: no PDSERVE_* variable
 # (the API key, the cluster key file's path), no credentials of any other program.
@@ -273,6 +274,8 @@ def _close_the_filesystem() -> None:
         except ValueError:
             pass  # the error path is part of the warm-up
     time.localtime()
+    # 0, not 3: the limit is on descriptor numbers, so at 3 a helper that closed fd 2 could
+    # open a file there; at 0 no new descriptor can be had, and the open ones still work.
     resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
 
 

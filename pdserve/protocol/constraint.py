@@ -99,6 +99,7 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             error = compile_error(self.kind, self.spec)
         except CompilerBusy as e:  # not the spec's fault, so not remembered
             raise InvalidParams(f"{self.kind.value} was not compiled: {e}", "constraint") from None
+
         if error is not None:
             raise InvalidParams(f"{self.kind.value} does not compile: {error}", "constraint")
 
@@ -150,8 +151,9 @@ def grammar_source(kind: ConstraintKind, spec: str) -> str:
 
 @lru_cache(maxsize=CHECK_CACHE_SIZE)
 def compile_error(kind: ConstraintKind, spec: str) -> str | None:
-    """Why the constraint cannot compile (llguidance's message, or that it took too long), or
-    None if it can. Runs on the grammar thread; CompilerBusy if that never got to it."""
+    """Why the constraint cannot compile (llguidance's message, or that its own run took too
+    long: time queued behind others is not counted), or None if it can. Runs on the grammar
+    thread; CompilerBusy if that never got to it."""
     try:
         return on_grammar_thread(_compile_error, kind, spec)
     except CompileTimeout as e:

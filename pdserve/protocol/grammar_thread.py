@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -57,6 +58,7 @@ class _Job(Generic[T]):
     result: T | None = None
     error: BaseException | None = None
     worker: _Worker | None = None  # the thread running it, once one took it
+    taken_at: float = 0.0  # time.monotonic() when a thread took it
     dropped: bool = False  # its caller stopped waiting before a thread took it
 
     def outcome(self) -> T:
@@ -104,6 +106,12 @@ class GrammarThread:
             self._jobs.put(job)
         if job.done.wait(timeout):
             return job.outcome()
+        with self._lock:
+            taken_at = job.taken_at if job.worker is not None else None
+        if taken_at is not None:  # it waited in the queue: its own run gets the whole bound
+            left = taken_at + timeout - time.monotonic()
+            if left > 0 and job.done.wait(left):
+                return job.outcome()
         with self._lock:
             if job.done.is_set():  # it finished as the wait ended
                 return job.outcome()
@@ -155,6 +163,7 @@ class GrammarThread:
                 if job.dropped:
                     continue
                 job.worker = worker
+                job.taken_at = time.monotonic()
             try:
                 job.result = job.fn(*job.args)
             except BaseException as e:  # noqa: BLE001 - the caller gets it

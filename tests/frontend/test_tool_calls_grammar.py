@@ -144,3 +144,26 @@ def test_objects_that_list_their_properties_are_closed_to_others():
     assert props["open"]["additionalProperties"] is True
     assert "additionalProperties" not in closed({"properties": {"a": {}}, "allOf": [{}]})
     assert schema["properties"]["a"] == {"type": "object", "properties": {"b": {}}}  # a copy
+
+
+def test_a_union_beside_listed_properties_stays_satisfiable():
+    """A discriminated union (shared `kind`, branches adding fields): closing the object and
+    its branches would forbid each other's properties and make the schema unsatisfiable."""
+    union = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}},
+        "required": ["kind"],
+        "anyOf": [
+            {"properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}}},
+            {"properties": {"kind": {"const": "dog"}, "bark": {"type": "boolean"}}},
+        ],
+    }
+    got = closed(union)
+    assert "additionalProperties" not in got
+    assert all("additionalProperties" not in b for b in got["anyOf"])
+    # A union of whole objects, with nothing listed beside it, still closes each branch.
+    plain = closed({"anyOf": [{"type": "object", "properties": {"x": {}}}]})
+    assert plain["anyOf"][0]["additionalProperties"] is False
+    from pdserve.protocol.constraint import Constraint, ConstraintKind
+
+    Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(got))  # compiles (satisfiable)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,6 +110,22 @@ def test_past_max_threads_calls_are_busy_until_a_retired_thread_is_done():
     gate.set()
     _until(lambda: _runs(g))  # the retired thread serves again
     assert g.threads() == (1, 1)
+
+
+def test_a_call_taken_late_gets_its_whole_bound_from_when_it_was_taken():
+    """Waiting in the queue behind a slow call is not the call's own fault: it is refused
+    only if its own run passes the bound (it used to be refused, then cached as broken)."""
+    g = GrammarThread(timeout_s=1.0)
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(g.run, gate.wait, WAIT_S, timeout_s=0.5)  # retired at 0.5 s
+        time.sleep(0.05)
+        # Taken at about 0.5 s by the fresh thread, done at about 1.2 s: past 1.0 s from its
+        # call, within 1.0 s from when it was taken.
+        assert g.run(lambda: (time.sleep(0.7), "quick")[1]) == "quick"
+        with pytest.raises(CompileTimeout):
+            slow.result(WAIT_S)
+    gate.set()
 
 
 def test_constraint_refuses_a_timeout_remembering_it_and_a_busy_compiler_not(monkeypatch):

@@ -120,7 +120,7 @@ class Grammars:
             m = on_grammar_thread(_matcher, vocab, c.kind, c.spec)
         except CompilerBusy as e:
             raise ValueError(f"the {c.kind.value} constraint was not compiled: {e}") from e
-        except CompileTimeout as e:
+        except CompileTimeout as e:  # its own run passed the bound (queueing is not counted)
             return None, str(e)
         except (ValueError, TypeError, RecursionError) as e:  # grammar_source's
             return None, str(e) or type(e).__name__

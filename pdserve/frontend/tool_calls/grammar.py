@@ -179,17 +179,22 @@ def closed(schema: Any) -> Any:
     """`schema` with each object that lists its properties, and says nothing of others, closed
     to others: generated arguments hold only declared properties (a small model copies the
     schema's own keywords in as arguments otherwise), and still match the schema as given,
-    which allows a superset. Nothing under or beside `allOf` is closed: its parts add
-    properties."""
+    which allows a superset. An object whose `properties` stand beside a combiner (`allOf`,
+    `anyOf`, `oneOf`, `$ref`, a conditional) is left open, and so are that combiner's parts:
+    each adds properties the other does not list (a discriminated union)."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    combined = "properties" in schema and bool(_COMBINERS & schema.keys())
+    out = {
+        k: closed(v) if k in _SUBSCHEMAS and not (combined and k in _COMBINERS) else v
+        for k, v in schema.items()
+    }
     for k in _SCHEMA_MAPS:
         if isinstance(schema.get(k), dict):
             out[k] = {name: closed(s) for name, s in schema[k].items()}
-    if "properties" in schema and not _OPEN_KEYS & schema.keys() and "allOf" not in schema:
+    if "properties" in schema and not _OPEN_KEYS & schema.keys() and not combined:
         out["additionalProperties"] = False
     return out
 
@@ -197,6 +202,10 @@ def closed(schema: Any) -> Any:
 _SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "prefixItems"})
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+# Keywords whose parts may add properties to an object that lists its own beside them.
+_COMBINERS = frozenset(
+    {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "not"}
+)
 
 
 def _json(schema: dict[str, Any]) -> str:

@@ -313,13 +313,13 @@ class DecodeRole(Role):
                 assert room.first_token is not None  # set with the DONE event
                 try:
                     FAULTS.hit("d.start_decode")
+                    lease = room.lease.hand_over(req.request_id)
                 except Exception:  # the request never starts: its pages go back, it fails
                     room.lease.release()
                     self._end_detached(req, Event.FAIL, "its decode could not start")
                     raise
                 self.stats.done += 1
                 lp = room.first_logprob if req.params.logprobs is not None else None
-                lease = room.lease.hand_over(req.request_id)
                 self.engine.adopt(req, lease, room.first_token, lp, now)
                 self.metrics.kv_complete(room, now)
             case _:
