@@ -167,3 +167,39 @@ def test_a_union_beside_listed_properties_stays_satisfiable():
     from pdserve.protocol.constraint import Constraint, ConstraintKind
 
     Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(got))  # compiles (satisfiable)
+
+
+NESTED_TOOL = {  # what pydantic writes for a nested model: a $ref into the schema's own $defs
+    "type": "object",
+    "properties": {"where": {"$ref": "#/$defs/Loc"}, "days": {"type": "integer"}},
+    "required": ["where"],
+    "$defs": {
+        "Loc": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("named", [False, True])
+def test_a_function_schema_with_refs_can_be_forced(fmt, named):
+    """pydantic's nested models are `$ref`s to the parameters' own `$defs`: under an envelope
+    they must still resolve (they used to reach for the envelope's root and fail), and the
+    grammar must still take a call whose arguments follow them."""
+    parser, special, write = FORMATS[fmt]
+    tools = [
+        {"type": "function", "function": {"name": "trip", "parameters": NESTED_TOOL}},
+        {"type": "function", "function": {"name": "other", "parameters": NESTED_TOOL}},
+    ]
+    choice = {"type": "function", "function": {"name": "trip"}} if named else "required"
+    request = parse_tools({"tools": tools, "tool_choice": choice})
+    tok = tokenizer(None, special)
+    use, params = ToolCalling(tok, parser).plan(request, None, SamplingParams(max_tokens=8))
+    assert use is not None and params.constraint is not None  # it compiled (a 400 before)
+    text = write(("trip", {"where": {"city": "Oslo"}, "days": 3}))
+    assert matches(tok, params.constraint.spec, text), text
+    bad = write(("trip", {"where": {"city": "Rome"}}))  # not one of the $ref'd enum
+    assert not matches(tok, params.constraint.spec, bad), bad

@@ -110,8 +110,11 @@ def _mistral(functions: Sequence[Function], parallel: bool, m: Markers) -> str:
                 lambda f: f"{_literal(f.name)} {m.atom(ARGS)} %json {_json(closed(f.parameters))}",
             ),
         )
-    array: dict[str, Any] = {"type": "array", "items": _any_envelope(functions, "arguments")}
+    items = _any_envelope(functions, "arguments")
+    defs = items.pop("$defs", None)  # refs start at the schema's root: the array's
+    array: dict[str, Any] = {"type": "array", "items": items}
     array |= {"minItems": 1} if parallel else {"minItems": 1, "maxItems": 1}
+    array |= {"$defs": defs} if defs else {}
     return f"start: {calls} %json {_json(array)}"
 
 
@@ -160,19 +163,46 @@ def _more(parallel: bool, separated: str) -> str:
     return f" ({separated})*" if parallel else ""
 
 
-def _envelope(f: Function, key: str) -> dict[str, Any]:
+def _envelope(f: Function, key: str, defs: dict[str, Any], i: int) -> dict[str, Any]:
+    params = closed(f.parameters)
+    if _has_ref(params):  # its refs are to its own root: keep it whole where they still reach
+        defs[f"f{i}"] = _rerooted(params, f"#/$defs/f{i}")
+        params = {"$ref": f"#/$defs/f{i}"}
     return {
         "type": "object",
-        "properties": {"name": {"const": f.name}, key: closed(f.parameters)},
+        "properties": {"name": {"const": f.name}, key: params},
         "required": ["name", key],
         "additionalProperties": False,
     }
 
 
 def _any_envelope(functions: Sequence[Function], key: str) -> dict[str, Any]:
-    if len(functions) == 1:
-        return _envelope(functions[0], key)
-    return {"anyOf": [_envelope(f, key) for f in functions]}
+    """One schema for a call to any of `functions`. A function's parameters that use `$ref`
+    (pydantic's nested models: `#/$defs/...`) move whole under the envelope's `$defs`, their
+    refs rewritten to reach them there (from the envelope's root they would find nothing)."""
+    defs: dict[str, Any] = {}
+    envelopes = [_envelope(f, key, defs, i) for i, f in enumerate(functions)]
+    out = envelopes[0] if len(envelopes) == 1 else {"anyOf": envelopes}
+    return {**out, "$defs": defs} if defs else out
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(_has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with each local `$ref` ("#", "#/...") made to start at `root` instead."""
+    if isinstance(schema, list):
+        return [_rerooted(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rerooted(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def closed(schema: Any) -> Any:
