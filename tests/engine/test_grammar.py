@@ -280,14 +280,7 @@ def test_pd_first_token_obeys_and_decode_continues_the_grammar(tiny_dir, tok):
     colocated = run(make_engine(tiny_dir, page_size=4, chunk=16, overlap=False), jobs)
     for overlap in (False, True):
         wire = Wire(tiny_dir, overlap=overlap)
-        outs = {f"r{i}": wire.submit(f"r{i}", p, sp) for i, (p, sp) in enumerate(jobs)}
-        wire.run_until(lambda outs=outs: all(o and o[-1].finish_reason for o in outs.values()))
-        wire.run_until(wire.idle)
-        got = {
-            rid: ([t for o in os_ for t in o.token_ids], os_[-1].finish_reason)
-            for rid, os_ in outs.items()
-        }
-        assert got == colocated, overlap
+        assert wire.run_jobs(jobs) == colocated, overlap
         assert wire.violations() == []
     assert conforms(json.loads(tok.decode(colocated["r0"][0])), SCHEMA)
     assert re.fullmatch(EMAIL, tok.decode(colocated["r1"][0]))

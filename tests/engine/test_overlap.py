@@ -185,14 +185,7 @@ def test_pd_decode_with_overlap_under_memory_pressure_matches_colocated(tiny_dir
             if len(prompt) + sp.max_tokens <= wire.d.max_model_len:
                 jobs.append((prompt, sp))
         colocated = run(make_engine(tiny_dir, page_size=4, chunk=chunk, overlap=False), jobs)
-        outs = {f"r{i}": wire.submit(f"r{i}", p, sp) for i, (p, sp) in enumerate(jobs)}
-        wire.run_until(lambda outs=outs: all(o and o[-1].finish_reason for o in outs.values()))
-        wire.run_until(wire.idle)
-        got = {
-            rid: ([t for o in os_ for t in o.token_ids], os_[-1].finish_reason)
-            for rid, os_ in outs.items()
-        }
-        assert got == colocated, seed
+        assert wire.run_jobs(jobs) == colocated, seed
         assert wire.violations() == []
         preempting += wire.d.metrics.preemptions._value.get() > 0
     assert preempting >= 2

@@ -97,6 +97,19 @@ class Wire:
         self.d.submit(rid, prompt, params, outs.append, timeout_s, prefill=P_ADDR)
         return outs
 
+    def run_jobs(
+        self, jobs: list[tuple[list[int], SamplingParams]]
+    ) -> dict[str, tuple[list[int], str | None]]:
+        """Submit each (prompt, params) as r0, r1, ...; run until every one ended and both
+        sides are idle; each one's tokens and finish reason, as engine/offline.py `run` gives."""
+        outs = {f"r{i}": self.submit(f"r{i}", p, sp) for i, (p, sp) in enumerate(jobs)}
+        self.run_until(lambda: all(o and o[-1].finish_reason for o in outs.values()))
+        self.run_until(self.idle)
+        return {
+            rid: ([t for o in got for t in o.token_ids], got[-1].finish_reason)
+            for rid, got in outs.items()
+        }
+
     def tick(self, p: bool = True, d: bool = True) -> None:
         if d:
             self.d.tick()
