@@ -89,8 +89,9 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         "--model", args.model, "--device", args.device, "--dtype", args.dtype,
         "--kv-budget-mb", str(args.kv_budget_mb),
         "--max-running", str(max(args.concurrency)),
-        "--max-model-len", str(args.input_len + args.output_len + 64),
     ]  # fmt: skip
+    if args.max_model_len != 0:  # 0: serve's own (the model's context)
+        cmd += ["--max-model-len", str(args.max_model_len or args.input_len + args.output_len + 64)]
     if args.max_batched_tokens is not None:
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.router_processes is not None:
@@ -282,6 +283,10 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--kv-budget-mb", type=float, default=16384)
+    ap.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="serve's (default: input + output + 64; 0: serve's own, the model's context)",
+    )  # fmt: skip
     ap.add_argument(
         "--max-batched-tokens", type=int, default=None, help="serve's (default: its own)"
     )

@@ -76,6 +76,8 @@ class Batch:
     host_query_start: tuple[int, ...]  # [B+1]
     host_kv_lens: tuple[int, ...]  # [B]
     extra: tuple[torch.Tensor, ...] = ()  # BatchBuilder.build's `extra` lists, on the device
+    # [B]: each sequence's per-request state slot (kvcache/state_pool.py; DeepSeek-V4), or ()
+    host_state_slots: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -154,13 +156,20 @@ class BatchBuilder:
                     self.table.release(s)
 
     def build_step(
-        self, decodes: Decodes, prefills: Sequence[SeqSpan], extra: Sequence[Sequence[int]] = ()
+        self,
+        decodes: Decodes,
+        prefills: Sequence[SeqSpan],
+        extra: Sequence[Sequence[int]] = (),
+        state_slots: Sequence[int] = (),
     ) -> Batch:
         """The step's decodes, as columns, then its other spans (`build`: the same from spans;
-        the runner's per-step call)."""
+        the runner's per-step call). `state_slots`: each sequence's state slot, in the same
+        order, for a pool that keeps per-request state."""
         nd = len(decodes.starts)
         if nd + len(prefills) == 0:
             raise ValueError("a batch needs at least one sequence")
+        if state_slots and len(state_slots) != nd + len(prefills):
+            raise ValueError(f"{len(state_slots)} state slots for {nd + len(prefills)} sequences")
         ps = self.page_size
         # Decodes: one token, one slot and one persistent page-table row each.
         ids = list(decodes.token_ids)
@@ -232,6 +241,7 @@ class BatchBuilder:
             host_query_start=tuple(query_start),
             host_kv_lens=tuple(kv_lens),
             extra=tuple(up[8:]),
+            host_state_slots=tuple(state_slots),
         )
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pdserve.attention.backend import AttentionShape, CausalContext, Rope
 from pdserve.attention.batch import Batch, CausalIndex, causal_index
+from pdserve.attention.v4_kv import PoolStepKV
 from pdserve.kvcache.pool import KVPool
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -79,6 +80,7 @@ class TorchMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     causal: CausalIndex | None = None  # for `gather`: a layout with buffers beyond k and v
+    batch: Batch | None = None  # for `step_kv`: a pool with per-request state (DeepSeek-V4)
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -110,6 +112,8 @@ class TorchBackend:
         slots = batch.slot_mapping.long()  # [T]
         new_slots = (slots // ps, slots % ps)
         nd = batch.num_decodes
+        if self.pool.state is not None:  # DeepSeek-V4: only `step_kv` can be asked for
+            return TorchMetadata(new_slots, nd, [], [], None, batch)
         if not self.kv:  # no k/v buffers: only the generic pair can be asked for
             return TorchMetadata(new_slots, nd, [], [], causal_index(batch))
         groups = []
@@ -216,6 +220,13 @@ class TorchBackend:
                 )
             out[sl] = op[0].transpose(0, 1)
         return out
+
+    # -- DeepSeek-V4 (model/deepseek_v4/kv.py V4KVBackend) ---------------------------------
+    def step_kv(self, metadata: TorchMetadata) -> PoolStepKV:
+        """The step's compressed entries and state slots, as V4's attention reads them."""
+        if metadata.batch is None:
+            raise ValueError("step_kv: this KV pool keeps no per-request state")
+        return PoolStepKV(self.pool, metadata.batch)
 
     # -- the generic pair (attention/backend.py GatherBackend) ------------------------------
     def _view(self, layer: int, name: str) -> torch.Tensor:

@@ -70,10 +70,14 @@ class Engine(RequestEnds):
         self.max_model_len = min(
             cfg.scheduler.max_model_len, model.arch.max_position_embeddings, pool.capacity_tokens
         )
-        self.leases = Leases(pool.allocator)  # every page taken from the pool is leased
+        # Every page taken from the pool is leased, and every state slot with it.
+        self.leases = Leases(pool.allocator, pool.state)
+        if cfg.cache.prefix_cache and pool.state is not None:
+            # A cached prefix would need its per-request state at the prefix's end too.
+            log.info("prefix cache: off (it does not keep per-request state yet)")
         self.prefix_cache = (
             PrefixCache(self.leases, pool.page_size, host_tier(pool, cfg.cache.host_cache_bytes))
-            if cfg.cache.prefix_cache
+            if cfg.cache.prefix_cache and pool.state is None
             else None
         )
         pins = lambda req: self.role.pins(req)  # the role is set later, by attach
@@ -133,8 +137,11 @@ class Engine(RequestEnds):
         layout = KVLayout.for_model(
             arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype
         )
-        num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes)
-        pool = KVPool(layout, num_pages, device, shared=shared_pool)
+        if layout.page_size != cfg.cache.page_size:
+            log.info("KV pages of %d tokens (the model's windows)", layout.page_size)
+        slots = cfg.scheduler.max_running if layout.state else 0  # one per running request
+        num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes, slots)
+        pool = KVPool(layout, num_pages, device, shared=shared_pool, state_slots=slots)
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)",
             num_pages,

@@ -69,8 +69,9 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
-        if model.arch.mla is not None and name != "torch":  # the only one with store/gather
-            log.info("latent attention runs on the torch backend, not %s", name)
+        if (model.arch.mla is not None or model.arch.v4 is not None) and name != "torch":
+            # The only one with store/gather (latent attention) and step_kv (DeepSeek-V4).
+            log.info("%s's attention runs on the torch backend, not %s", model.arch.family, name)
             name = "torch"
         self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)
         self.builder = BatchBuilder(pool.page_size, pool.num_pages, self.device, _finished)
@@ -125,11 +126,24 @@ class ModelRunner:
                 span_ids = [*span_ids, 0]
             prefills.append(SeqSpan(span_ids, c.start, req.page_view, c.samples, req))
             at += c.length
+        slots = self._state_slots(chunks)
         if feed is None or not dst:
-            return self.builder.build_step(decodes, prefills)
-        batch = self.builder.build_step(decodes, prefills, feed.staged_rows(dst, src))
+            return self.builder.build_step(decodes, prefills, state_slots=slots)
+        batch = self.builder.build_step(decodes, prefills, feed.staged_rows(dst, src), slots)
         feed.fill(batch.input_ids, dst, src, batch.extra)
         return batch
+
+    def _state_slots(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Each chunk's request's state slot, for a pool that keeps per-request state."""
+        if self.pool.state is None:
+            return []
+        slots = []
+        for c in chunks:
+            lease = c.request.lease
+            if lease is None or lease.slot is None:
+                raise RuntimeError(f"request {c.request.request_id} runs without a state slot")
+            slots.append(lease.slot)
+        return slots
 
     @staticmethod
     def _in_flight(feed: Feed | None, req: Request, missing: int) -> int:

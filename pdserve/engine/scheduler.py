@@ -10,7 +10,9 @@ way, the request that needs a page waits a step instead.
 
 A request's pages are its lease (`req.lease`, kvcache/lease.py): opened when it is first
 given pages, extended as it grows, and ended in `_release` (finish, preemption) or handed to
-its caller (`hand_over`, adopt). Nothing else here takes or gives back a page.
+its caller (`hand_over`, adopt). Nothing else here takes or gives back a page. In a pool that
+keeps per-request state (DeepSeek-V4, kvcache/state_pool.py) the lease also takes a state slot
+when the request is admitted (admission waits while none is free), which goes with its pages.
 
 With a prefix cache (kvcache/prefix_cache.py), a request that gets pages starts with the
 longest cached prefix of its tokens shared into its lease and counted as computed (always
@@ -180,7 +182,7 @@ class Scheduler:
                 continue
             n = min(req.num_uncomputed, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
-            if not self.allocator.can_allocate(need):
+            if not self.allocator.can_allocate(need) or not self._slot_for(req):
                 self._release(req, cache=False)  # a waiting request holds no pages
                 req.num_computed = 0
                 self._lookups.pop(req.request_id, None)
@@ -190,6 +192,8 @@ class Scheduler:
             if self.cache is not None and queried:
                 self.cache.record(queried, req.num_computed, loaded)
             self._grow(req, need)
+            if self.leases.slots is not None and req.lease is not None and req.lease.slot is None:
+                req.lease.take_slot()  # its per-request state (DeepSeek-V4), with its pages
             req.transition(Event.SCHEDULE)
             self.running.append(req)
             # (samples computed: a request preempted with its last token in flight comes
@@ -224,6 +228,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         plan.preempted.append(req)
+
+    def _slot_for(self, req: Request) -> bool:
+        """Whether `req` holds or can take a per-request state slot (always, in a pool that
+        keeps no state)."""
+        slots = self.leases.slots
+        if slots is None or (req.lease is not None and req.lease.slot is not None):
+            return True
+        return slots.num_free > 0
 
     def _grow(self, req: Request, need: int) -> None:
         if need <= 0:

@@ -6,7 +6,9 @@ ids only. Errors are OpenAI-shaped bodies with a 4xx/5xx status; a failure after
 has begun ends the stream with an error finish_reason and an error event, never a fake stop.
 
 A prompt's ids, its bounds and its truncation are frontend/prompts.py's (tokenizing off the
-event loop, LESSONS #19). Detokenizing streamed tokens stays on the loop: about 5 us a token.
+event loop, LESSONS #19). An output constraint is parsed with the body and built (compiled)
+off the loop too, just before the request is served (frontend/constraint_threads.py).
+Detokenizing streamed tokens stays on the loop: about 5 us a token.
 Bodies are read by server/body.py (`read_body`: a time limit, a size limit, and compressed
 bodies inflated with a bound).
 """
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from pdserve.config import FrontendConfig
 from pdserve.frontend.chat import ChatPrompt
+from pdserve.frontend.constraint_threads import ConstraintThreads
 from pdserve.frontend.format import Formatter, sse
 from pdserve.frontend.generation import Backend, Generation
 from pdserve.frontend.prompts import Prompts
@@ -100,6 +103,7 @@ class OpenAIApi:
             tokenizer, max_model_len, max_prompt_chars, frontend.trust_request_chat_template
         )
         self.tool_calling = ToolCalling(tokenizer, frontend.tool_call_parser)
+        self.constraints = ConstraintThreads()
         self.tokenization = TokenizationApi(
             self.prompts, tokenizer, max_model_len, self.check_model
         )
@@ -155,10 +159,12 @@ class OpenAIApi:
             chat = ChatPrompt(spec.messages, spec.chat_kwargs, spec.chat_template, spec.echo_text)
             prompt = await self.prompts.chat_ids(chat, keep)
             try:  # frontend/tool_use.py: the parser, and calls forced by a grammar
-                tools, params = self.tool_calling.plan(spec.tools, spec.chat_template, spec.params)
+                tools, constraint = self.tool_calling.plan(
+                    spec.tools, spec.chat_template, spec.constraint
+                )
             except InvalidParams as e:
                 raise bad(str(e), e.param) from e
-            spec = dataclasses.replace(spec, params=params)
+            spec = dataclasses.replace(spec, constraint=constraint)
             return await self._serve(request, spec, [prompt], tools)
         except ApiError as e:
             return error_response(e)
@@ -181,9 +187,10 @@ class OpenAIApi:
         return n
 
     def close(self) -> None:
-        """Stop the tokenizer threads (what is running finishes; what waits is dropped) and
-        the template jail's helpers."""
+        """Stop the tokenizer and constraint threads (what is running finishes; what waits is
+        dropped) and the template jail's helpers."""
         self.prompts.close()
+        self.constraints.close()
 
     def check_model(self, model: str) -> None:
         """404 for a model this server does not serve ("" asks for no model in particular)."""
@@ -199,6 +206,8 @@ class OpenAIApi:
     ) -> web.StreamResponse:
         params = spec.params
         try:
+            if spec.constraint is not None:  # compiled off the loop: one await, here only
+                params = params.replace(constraint=await self.constraints.build(spec.constraint))
             if not spec.max_tokens_given and spec.kind == "chat":
                 # Chat without max_tokens: generate until EOS or the end of the context.
                 room = self.max_model_len - max(len(p) for p in prompts)

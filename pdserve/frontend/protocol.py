@@ -7,7 +7,9 @@ API), then which fields it may hold (`fields.py`: honoured, refused, or unknown:
 or refused when `strict`), then every field's type and range (sampling fields through
 SamplingParams), then the limits on how much one body may ask for (prompts x n, stop
 strings). An error names the field as the client sent it (`max_completion_tokens`,
-`top_logprobs`), not the SamplingParams field it feeds.
+`top_logprobs`), not the SamplingParams field it feeds. One check is left to the API:
+whether an output constraint compiles, which waits on the grammar thread, so it is built off
+the event loop (frontend/constraint_threads.py) before the request is served.
 
 Every SamplingParams built here has a seed: the client's, or one drawn here. The random
 stream of a request is a function of (seed, output position) (engine/sampling/), so a
@@ -24,7 +26,7 @@ from typing import Any
 from pdserve.frontend.chat import RESERVED_TEMPLATE_NAMES as RESERVED_TEMPLATE_NAMES  # re-exported
 from pdserve.frontend.chat import parse_chat_prompt
 from pdserve.frontend.fields import check_unknown, refuse_unsupported
-from pdserve.frontend.structured import parse_constraint
+from pdserve.frontend.structured import AskedConstraint, find_constraint
 from pdserve.frontend.tools import NO_TOOLS, ToolRequest, parse_tools
 from pdserve.protocol.generate import check_timeout
 from pdserve.protocol.sampling import (
@@ -75,6 +77,9 @@ class GenerationSpec:
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: tokens shown as "token_id:N"
     prompt_logprobs: int | None = None  # the prompt's scores the client asked to be shown
     tools: ToolRequest = NO_TOOLS  # chat's tools and tool choice (frontend/tools.py)
+    # The output constraint, not yet compiled: the API builds it into `params` off the event
+    # loop (frontend/constraint_threads.py), after tool_use.py may have replaced it.
+    constraint: AskedConstraint | None = None
 
 
 _MISSING = object()
@@ -159,7 +164,6 @@ def _params(
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
             prompt_logprobs=prompt_logprobs,
-            constraint=parse_constraint(body),  # structured output: frontend/structured.py
         )
     except InvalidParams as e:
         message, field = str(e), e.param
@@ -168,6 +172,15 @@ def _params(
                 message = names[field] + message[len(field) :]
             field = names[field]
         raise bad(message, field) from e
+
+
+def _constraint(body: dict[str, Any]) -> AskedConstraint | None:
+    """The body's output constraint (structured output: frontend/structured.py), its fields
+    checked; whether it compiles is checked as it is built, off the event loop."""
+    try:
+        return find_constraint(body)
+    except InvalidParams as e:
+        raise bad(str(e), e.param) from e
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -327,6 +340,7 @@ def parse_completion(body: Any, strict: bool | None = None) -> GenerationSpec:
         model=model,
         prompts=tuple(prompts),
         params=_params(body, max_tokens, logprobs, {}, prompt_logprobs),
+        constraint=_constraint(body),
         max_tokens_given=given,
         echo=echo,
         prompt_logprobs=shown,
@@ -362,6 +376,7 @@ def parse_chat(body: Any, strict: bool | None = None) -> GenerationSpec:
             {"max_tokens": max_name, "logprobs": "top_logprobs"},
             shown,
         ),
+        constraint=_constraint(body),
         max_tokens_given=given,
         messages=prompt.messages,
         chat_kwargs=prompt.kwargs,

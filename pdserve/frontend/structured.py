@@ -10,17 +10,22 @@ The fields, honoured by both endpoints (chat and completions):
   key (a backend's tuning) is refused;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`.
 
-A request asks for at most one constraint: a second is a 400 naming it. A spec that cannot
-compile is a 400 naming the field it came in (`response_format.json_schema.schema`,
-`structured_outputs.regex`, `guided_json`), with the grammar engine's reason
-(protocol/constraint.py checks and compiles it), and so is a schema sent as JSON text that
-nests deeper than the body may (MAX_JSON_DEPTH). Raises InvalidParams; torch-free.
+A request asks for at most one constraint: a second is a 400 naming it, as is a malformed
+field or a schema sent as JSON text that nests deeper than the body may (MAX_JSON_DEPTH).
+Two steps, as compiling may take up to the grammar thread's bound:
+- `find_constraint`, on the event loop: the fields -> an `AskedConstraint` (the field it came
+  in, kind and spec), not yet compiled;
+- `build_constraint`, on the constraint threads (frontend/constraint_threads.py), never on the
+  loop: the Constraint, compiled (protocol/constraint.py). A spec that cannot compile is a 400
+  naming the field it came in (`response_format.json_schema.schema`,
+  `structured_outputs.regex`, `guided_json`), with the grammar engine's reason.
+Raises InvalidParams; torch-free.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve.protocol.constraint import Constraint, ConstraintKind
 from pdserve.protocol.invalid_params import InvalidParams, show
@@ -46,8 +51,32 @@ STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED}
 _Found = tuple[str, ConstraintKind, str]  # (the field as the client wrote it, kind, spec)
 
 
-def parse_constraint(body: dict[str, Any]) -> Constraint | None:
-    """The body's one output constraint, checked and compiled; None if it asks for none."""
+class AskedConstraint(NamedTuple):
+    """An output constraint as a request asks for it, not yet compiled: `build_constraint`
+    makes it a Constraint. Its refusals name `field` and start with `context`."""
+
+    field: str  # the body field it came in (its errors' param), or "tools" for forced calls
+    kind: ConstraintKind
+    spec: str
+    context: str = ""  # what the grammar engine's reason follows in a refusal's message
+
+    def refusal(self, e: InvalidParams) -> InvalidParams:
+        """`e` (a refusal naming `constraint`) as this request's: naming `field`."""
+        return InvalidParams(f"'{self.field}': {self.context}{e}", self.field)
+
+
+def build_constraint(asked: AskedConstraint) -> Constraint:
+    """The Constraint, checked and compiled: blocks until the grammar thread is done, so
+    never call it on an event loop (ConstraintThreads.build runs it off the loop)."""
+    try:
+        return Constraint(kind=asked.kind, spec=asked.spec)
+    except InvalidParams as e:
+        raise asked.refusal(e) from None
+
+
+def find_constraint(body: dict[str, Any]) -> AskedConstraint | None:
+    """The body's one output constraint, its fields checked but not compiled; None if it
+    asks for none."""
     found: list[_Found] = []
     if body.get("response_format") is not None:
         found += _response_format(body["response_format"])
@@ -64,11 +93,7 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
             "request may have one",
             found[1][0],
         )
-    where, kind, spec = found[0]
-    try:
-        return Constraint(kind=kind, spec=spec)
-    except InvalidParams as e:
-        raise InvalidParams(f"'{where}': {e}", where) from None
+    return AskedConstraint(*found[0])
 
 
 def _response_format(rf: object) -> list[_Found]:

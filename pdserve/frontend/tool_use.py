@@ -5,8 +5,9 @@ them, and the special tokens the detokenizer must keep for the parser.
   the one whose markers the chat template that renders the request holds (the client's own,
   else the model's). A request that asks for calls (tools, and tool_choice other than "none")
   with no parser known is a 400 naming the flag.
-- **"required" and a named function** constrain the output (SamplingParams.constraint, a
-  Lark grammar: frontend/tool_calls/grammar.py) to one or more calls (one for a name, or
+- **"required" and a named function** constrain the output (an AskedConstraint, built into
+  SamplingParams.constraint off the event loop as any other: frontend/constraint_threads.py;
+  a Lark grammar: frontend/tool_calls/grammar.py) to one or more calls (one for a name, or
   without `parallel_tool_calls`) to the allowed functions, in the parser's own format, each
   call's arguments valid against the function's `parameters` schema; the parser then reads it
   as any output. A request with an output constraint of its own besides is a 400, as is a
@@ -25,11 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.frontend.structured import AskedConstraint
 from pdserve.frontend.tool_calls import AUTO, PARSERS, StreamParser, detect, parser_named
 from pdserve.frontend.tool_calls.grammar import Markers, calls_grammar
 from pdserve.frontend.tools import ChoiceKind, ToolRequest
-from pdserve.protocol.constraint import Constraint, ConstraintKind
-from pdserve.protocol.sampling import InvalidParams, SamplingParams
+from pdserve.protocol.constraint import ConstraintKind
+from pdserve.protocol.sampling import InvalidParams
 
 FLAG = "--tool-call-parser"
 
@@ -57,13 +59,13 @@ class ToolCalling:
         self.configured = None if parser == AUTO else parser_named(parser)
 
     def plan(
-        self, request: ToolRequest, template: str | None, params: SamplingParams
-    ) -> tuple[ToolUse | None, SamplingParams]:
-        """The request's tool use (None when nothing is parsed) and its params, constrained
-        to calls where the choice forces them. `template`: the client's chat template, None
-        for the model's."""
+        self, request: ToolRequest, template: str | None, constraint: AskedConstraint | None
+    ) -> tuple[ToolUse | None, AskedConstraint | None]:
+        """The request's tool use (None when nothing is parsed) and its output constraint:
+        `constraint` (the request's own), or calls where the choice forces them. `template`:
+        the client's chat template, None for the model's."""
         if not request.parses:
-            return None, params
+            return None, constraint
         parser = self.configured or detect(template or getattr(self.tok, "chat_template", None))
         if parser is None:
             known = ", ".join(sorted(PARSERS))
@@ -76,8 +78,8 @@ class ToolCalling:
         markers = self._markers(parser)
         use = ToolUse(request, parser, frozenset(markers.special.values()))
         if request.forced:
-            params = params.replace(constraint=self._constraint(use, markers, params))
-        return use, params
+            constraint = self._constraint(use, markers, constraint)
+        return use, constraint
 
     def _markers(self, parser: type[StreamParser]) -> Markers:
         special: dict[str, int] = {}
@@ -91,9 +93,11 @@ class ToolCalling:
                 special[marker] = token
         return Markers(special, frozenset(tokens))
 
-    def _constraint(self, use: ToolUse, markers: Markers, params: SamplingParams) -> Constraint:
+    def _constraint(
+        self, use: ToolUse, markers: Markers, own: AskedConstraint | None
+    ) -> AskedConstraint:
         request = use.request
-        if params.constraint is not None:
+        if own is not None:
             raise InvalidParams(
                 f"'tool_choice' {_shown(request)} constrains the output to tool calls; the "
                 "request's own output constraint (response_format, structured_outputs or "
@@ -101,12 +105,8 @@ class ToolCalling:
                 "tool_choice",
             )
         grammar = calls_grammar(use.parser, request.forced, use.parallel, markers)
-        try:
-            return Constraint(kind=ConstraintKind.GRAMMAR, spec=grammar)
-        except InvalidParams as e:
-            raise InvalidParams(
-                f"'tools': the functions' parameters cannot constrain the calls: {e}", "tools"
-            ) from None
+        why = "the functions' parameters cannot constrain the calls: "
+        return AskedConstraint("tools", ConstraintKind.GRAMMAR, grammar, why)
 
 
 def _shown(request: ToolRequest) -> str:

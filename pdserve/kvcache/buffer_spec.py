@@ -18,6 +18,7 @@ MAX_LAYERS = 1024
 MAX_NDIM = 4
 MAX_DIM = 1 << 20
 MAX_NAME = 64
+MAX_TOKENS_PER_ROW = 1 << 12
 
 # The dtypes a buffer may have: plain numeric types that a byte slice can be viewed as.
 DTYPES: dict[str, torch.dtype] = {
@@ -59,12 +60,15 @@ def check_ints(what: str, v: object, max_len: int, lo: int, hi: int) -> tuple[in
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One named KV buffer: `shape` per token, of `dtype`, in `layers` (None: every layer)."""
+    """One named KV buffer: `shape` per row, of `dtype`, in `layers` (None: every layer). A row
+    holds one token, or one entry per `tokens_per_row` tokens (DeepSeek-V4's compressed KV,
+    kvcache/v4_layout.py): a page of page_size tokens then has page_size / tokens_per_row rows."""
 
     name: str
-    shape: tuple[int, ...]  # per token, e.g. (num_kv_heads, head_dim)
+    shape: tuple[int, ...]  # per row, e.g. (num_kv_heads, head_dim)
     dtype: str  # a name in DTYPES, e.g. "bfloat16"
     layers: tuple[int, ...] | None = None  # strictly increasing layer indices
+    tokens_per_row: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 1 <= len(self.name) <= MAX_NAME:
@@ -77,6 +81,7 @@ class BufferSpec:
             raise ValueError(f"{what} dtype must be a string, got {type(self.dtype).__name__}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{what} dtype {self.dtype[:32]!r} is not one of {sorted(DTYPES)}")
+        check_int(f"{what} tokens_per_row", self.tokens_per_row, 1, MAX_TOKENS_PER_ROW)
         if self.layers is not None:
             layers = check_ints(f"{what} layers", self.layers, MAX_LAYERS, 0, MAX_LAYERS - 1)
             if any(a >= b for a, b in zip(layers, layers[1:], strict=False)):
@@ -92,5 +97,34 @@ class BufferSpec:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes one token of this buffer occupies in one layer."""
+        """Bytes one row of this buffer occupies in one layer (one token's, at one token a
+        row)."""
         return math.prod(self.shape) * self.itemsize
+
+    def rows_per_page(self, page_size: int) -> int:
+        """Rows a page of `page_size` tokens holds; ValueError unless a row's tokens divide it."""
+        if page_size % self.tokens_per_row:
+            raise ValueError(
+                f"buffer {self.name!r}: a page of {page_size} tokens is not a whole number "
+                f"of rows of {self.tokens_per_row} tokens"
+            )
+        return page_size // self.tokens_per_row
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-request state component: `shape` per request slot, of `dtype`, in `layers`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # The same checks as a paged buffer's (a peer sends these too).
+        BufferSpec(self.name, self.shape, self.dtype, self.layers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one request's slot of this component occupies in one layer."""
+        return BufferSpec(self.name, self.shape, self.dtype, self.layers).token_bytes

@@ -24,8 +24,9 @@ from typing import NamedTuple, Protocol
 import msgspec
 import torch
 
-from pdserve.kvcache.buffer_spec import DTYPES, MAX_LAYERS, BufferSpec, check_int
-from pdserve.protocol.layout_desc import BufferDesc, LayoutDesc
+from pdserve.kvcache.buffer_spec import DTYPES, MAX_LAYERS, BufferSpec, StateSpec, check_int
+from pdserve.kvcache.v4_layout import V4Shape, v4_buffers, v4_page_size, v4_state
+from pdserve.protocol.layout_desc import BufferDesc, LayoutDesc, StateDesc
 
 ALIGN = 64  # bytes: every region starts on this boundary (a cache line; any dtype's alignment)
 # Bounds on a descriptor, so that a peer's cannot make us compute or allocate without end (a
@@ -65,6 +66,8 @@ class ModelShape(Protocol):
     def mla(self) -> LatentShape | None: ...
     @property
     def dsa(self) -> IndexerShape | None: ...
+    @property
+    def v4(self) -> V4Shape | None: ...
 
 
 LATENT = "latent"  # MLA's one cached vector a token (model/mla.py)
@@ -93,7 +96,7 @@ class Region(NamedTuple):
     layer: int
     spec: BufferSpec
     offset: int  # bytes from the page's start, a multiple of ALIGN
-    nbytes: int  # page_size tokens of it: page_size * spec.token_bytes
+    nbytes: int  # a page of it: spec.rows_per_page(page_size) * spec.token_bytes
 
 
 def _align(n: int) -> int:
@@ -109,6 +112,8 @@ class KVLayout:
     num_layers: int
     tp_rank: int = 0
     tp_size: int = 1
+    # Per-request state (kvcache/state_pool.py): not in pages, but a peer must agree on it too.
+    state: tuple[StateSpec, ...] = ()
     # Derived in __post_init__: every (layer, buffer) region in page order, and the page size.
     regions: tuple[Region, ...] = field(init=False, repr=False, compare=False)
     page_bytes: int = field(init=False, repr=False, compare=False)
@@ -122,7 +127,17 @@ class KVLayout:
             raise ValueError(f"KVLayout.buffers must be a tuple of 1 to {MAX_BUFFERS} buffers")
         if not all(isinstance(b, BufferSpec) for b in self.buffers):
             raise ValueError("KVLayout.buffers must hold BufferSpecs")
-        names = [b.name for b in self.buffers]
+        if not isinstance(self.state, tuple) or len(self.state) > MAX_BUFFERS:
+            raise ValueError(f"KVLayout.state must be a tuple of at most {MAX_BUFFERS}")
+        if not all(isinstance(s, StateSpec) for s in self.state):
+            raise ValueError("KVLayout.state must hold StateSpecs")
+        for st in self.state:
+            if st.layers and st.layers[-1] >= self.num_layers:
+                raise ValueError(
+                    f"KVLayout: state {st.name!r} names layer {st.layers[-1]}, "
+                    f"but there are {self.num_layers} layers"
+                )
+        names = [b.name for b in self.buffers] + [st.name for st in self.state]
         if len(set(names)) != len(names):
             raise ValueError(f"KVLayout.buffers: duplicate names in {names}")
         for b in self.buffers:
@@ -137,7 +152,7 @@ class KVLayout:
         for layer in range(self.num_layers):
             for b, layers in zip(self.buffers, present, strict=True):
                 if layer in layers:
-                    nbytes = self.page_size * b.token_bytes
+                    nbytes = b.rows_per_page(self.page_size) * b.token_bytes
                     regions.append(Region(layer, b, offset, nbytes))
                     offset = _align(offset + nbytes)
         if offset > MAX_PAGE_BYTES:
@@ -188,8 +203,18 @@ class KVLayout:
         cls, arch: ModelShape, dtype: str, page_size: int, index_k: str = "auto"
     ) -> KVLayout:
         """The layout a model's attention needs: latent for MLA (`arch.mla`), plus index-K in
-        `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`); else k
+        `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`);
+        DeepSeek-V4's compressed entries and per-request state (`arch.v4`,
+        kvcache/v4_layout.py), in pages of whole compression windows (`v4_page_size`); else k
         and v."""
+        if arch.v4 is not None:
+            v4 = arch.v4
+            return cls(
+                v4_buffers(v4, dtype),
+                v4_page_size(v4, page_size),
+                v4.num_layers,
+                state=v4_state(v4, dtype),
+            )
         if arch.mla is None:
             return cls.llama(dtype, page_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
         m = arch.mla
@@ -267,7 +292,7 @@ class KVLayout:
             if name not in yours:
                 return f"buffer {name!r} missing on {theirs}"
             b = yours[name]
-            for f in ("dtype", "shape"):
+            for f in ("dtype", "shape", "tokens_per_row"):
                 if getattr(a, f) != getattr(b, f):
                     return f"buffer {name!r} {f}: {getattr(a, f)!r} vs {getattr(b, f)!r}"
             if self.layers_of(name) != other.layers_of(name):
@@ -277,6 +302,20 @@ class KVLayout:
                 return f"buffer {name!r} missing on {ours}"
         if list(mine) != list(yours):
             return f"buffer order: {list(mine)} vs {list(yours)}"
+        my_state = {st.name: st for st in self.state}
+        your_state = {st.name: st for st in other.state}
+        for name, sa in my_state.items():
+            if name not in your_state:
+                return f"state {name!r} missing on {theirs}"
+            sb = your_state[name]
+            for f in ("dtype", "shape", "layers"):
+                if getattr(sa, f) != getattr(sb, f):
+                    return f"state {name!r} {f}: {getattr(sa, f)!r} vs {getattr(sb, f)!r}"
+        for name in your_state:
+            if name not in my_state:
+                return f"state {name!r} missing on {ours}"
+        if list(my_state) != list(your_state):
+            return f"state order: {list(my_state)} vs {list(your_state)}"
         if self.page_bytes != other.page_bytes:  # the same buffers placed differently
             return f"page_bytes: {self.page_bytes} vs {other.page_bytes}"
         return None
@@ -286,8 +325,11 @@ class KVLayout:
 
     def to_desc(self) -> LayoutDesc:
         """The wire form (protocol/layout_desc.py)."""
-        bufs = tuple(BufferDesc(b.name, b.shape, b.dtype, b.layers) for b in self.buffers)
-        return LayoutDesc(bufs, self.page_size, self.num_layers, self.tp_rank, self.tp_size)
+        bufs = tuple(
+            BufferDesc(b.name, b.shape, b.dtype, b.layers, b.tokens_per_row) for b in self.buffers
+        )
+        state = tuple(StateDesc(st.name, st.shape, st.dtype, st.layers) for st in self.state)
+        return LayoutDesc(bufs, self.page_size, self.num_layers, self.tp_rank, self.tp_size, state)
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form (/info, /debug): the wire form's builtins."""
@@ -298,13 +340,17 @@ class KVLayout:
     def from_desc(cls, desc: LayoutDesc) -> KVLayout:
         """A peer's descriptor, its types checked by the decoder: every range checked here;
         ValueError, never anything else, if it is not a valid layout."""
-        if len(desc.buffers) > MAX_BUFFERS:
-            raise ValueError(f"KVLayout: buffers must be a list of at most {MAX_BUFFERS}")
+        if len(desc.buffers) > MAX_BUFFERS or len(desc.state) > MAX_BUFFERS:
+            raise ValueError(f"KVLayout: buffers and state are lists of at most {MAX_BUFFERS}")
         try:
-            buffers = tuple(BufferSpec(b.name, b.shape, b.dtype, b.layers) for b in desc.buffers)
+            buffers = tuple(
+                BufferSpec(b.name, b.shape, b.dtype, b.layers, b.tokens_per_row)
+                for b in desc.buffers
+            )
+            state = tuple(StateSpec(st.name, st.shape, st.dtype, st.layers) for st in desc.state)
         except ValueError as e:
             raise ValueError(f"KVLayout: {e}") from None
-        return cls(buffers, desc.page_size, desc.num_layers, desc.tp_rank, desc.tp_size)
+        return cls(buffers, desc.page_size, desc.num_layers, desc.tp_rank, desc.tp_size, state)
 
     @classmethod
     def from_dict(cls, d: object) -> KVLayout:

@@ -12,6 +12,10 @@ counts unchanged, to a new lease (a room that outlives its request, a request th
 its room's pages). A lease used after it ended raises LeaseError, so a double release is a
 loud error, never a second decrement.
 
+A lease may also hold one per-request state slot (kvcache/state_pool.py, DeepSeek-V4): `take_slot`
+gives it one, and it goes wherever the pages go, back to the state pool on `release` or to the
+heir on `hand_over`, so a request's state lives and dies with its pages.
+
 Invariant (`Leases.violations`, checked by /debug/invariants): every page's reference count
 equals the number of live leases holding it; so a free page has count 0 and no lease holds it.
 Engine-thread only, like the allocator under it.
@@ -23,6 +27,7 @@ import enum
 from collections.abc import Hashable, Sequence
 
 from pdserve.kvcache.allocator import PageAllocator, PageAllocError
+from pdserve.kvcache.state_pool import StatePool
 
 VIOLATIONS_LISTED = 20  # a corrupted pool could list every page; say how many more instead
 
@@ -40,8 +45,11 @@ class LeaseState(enum.Enum):
 class Lease:
     """One owner's references on pages. Open it with `Leases.open`."""
 
-    def __init__(self, registry: Leases, owner: Hashable, pages: list[int]) -> None:
+    def __init__(
+        self, registry: Leases, owner: Hashable, pages: list[int], slot: int | None = None
+    ) -> None:
         self.owner = owner
+        self.slot = slot  # its state slot, if it holds one
         self.state = LeaseState.LIVE
         self.heir: Hashable | None = None  # whom it was handed over to
         self._registry = registry
@@ -72,6 +80,17 @@ class Lease:
         new = self._registry.allocator.allocate(n)
         self._append(new)
         return new
+
+    def take_slot(self) -> int:
+        """A state slot from the registry's state pool, held until the lease ends; LeaseError
+        if it holds one already or the pool has none, SlotError if every slot is taken."""
+        self._check_live("take a state slot")
+        if self.slot is not None:
+            raise LeaseError(f"lease of {self.owner!r} holds state slot {self.slot} already")
+        if self._registry.slots is None:
+            raise LeaseError(f"lease of {self.owner!r}: this pool keeps no per-request state")
+        self.slot = self._registry.slots.take()
+        return self.slot
 
     def share(self, pages: Sequence[int]) -> None:
         """Take a reference on each of `pages`, which other leases hold, and append them."""
@@ -117,12 +136,14 @@ class Lease:
         """Drop every reference; the lease ends. A second call raises LeaseError."""
         self._check_live("release")
         self._registry.allocator.release(self._pages)
+        if self.slot is not None and self._registry.slots is not None:
+            self._registry.slots.give_back(self.slot)
         self._end(LeaseState.RELEASED)
 
     def hand_over(self, owner: Hashable) -> Lease:
         """End this lease and give its references, counts unchanged, to a new one for `owner`."""
         self._check_live("hand over")
-        heir = Lease(self._registry, owner, self._pages)
+        heir = Lease(self._registry, owner, self._pages, self.slot)
         self._registry._add(heir)
         self.heir = owner
         self._end(LeaseState.HANDED_OVER)
@@ -130,6 +151,7 @@ class Lease:
 
     def _end(self, state: LeaseState) -> None:
         self._pages = []
+        self.slot = None
         self._held = set()
         self._index = None
         self.state = state
@@ -147,8 +169,9 @@ class Lease:
 class Leases:
     """Every live lease on one pool's pages: the only way pages are taken and given back."""
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, slots: StatePool | None = None) -> None:
         self.allocator = allocator
+        self.slots = slots  # the per-request state slots, where the pool keeps any
         self._live: dict[Lease, None] = {}  # insertion-ordered set
 
     def __len__(self) -> int:
@@ -184,6 +207,8 @@ class Leases:
             refs, owners = self.allocator.refcount(p), holders.get(p, [])
             if refs != len(owners):
                 out.append(f"page {p}: refcount {refs}, held by {len(owners)} leases {owners}")
+        if self.slots is not None:
+            out += self.slots.violations([s.slot for s in self._live if s.slot is not None])
         if len(out) > VIOLATIONS_LISTED:
             out[VIOLATIONS_LISTED:] = [f"... and {len(out) - VIOLATIONS_LISTED} more"]
         return out

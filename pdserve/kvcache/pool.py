@@ -23,6 +23,7 @@ import torch
 
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.state_pool import StatePool, pages_per_slot
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "pdserve-kv-"
@@ -46,8 +47,12 @@ class ShmRef:
     token: str
 
 
-def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
-    return budget_bytes // layout.page_bytes
+def pages_for_budget(layout: KVLayout, budget_bytes: int, state_slots: int = 0) -> int:
+    """Pages that fit the budget once `state_slots` slots of the layout's per-request state
+    (if it has any) are taken off."""
+    each = pages_per_slot(layout.state, layout.page_bytes) if layout.state else 0
+    state = each * layout.page_bytes * state_slots
+    return max(0, budget_bytes - state) // layout.page_bytes
 
 
 def _pages(buf: mmap.mmap, layout: KVLayout, num_pages: int) -> torch.Tensor:
@@ -118,24 +123,36 @@ def map_shared(ref: ShmRef, layout: KVLayout, num_pages: int) -> torch.Tensor:
 
 class KVPool:
     def __init__(
-        self, layout: KVLayout, num_pages: int, device: torch.device, shared: bool = False
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device,
+        shared: bool = False,
+        state_slots: int = 0,
     ) -> None:
-        """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it."""
+        """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it.
+        `state_slots`: per-request state slots, for a layout that has state (DeepSeek-V4)."""
         if num_pages < 1:
             raise ValueError(f"KV budget fits no page: one page needs {layout.page_bytes} bytes")
         self.layout = layout
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # KV pages, the allocator's; state slots' pages follow
         self.device = device
         self.shm: ShmRef | None = None  # how a peer on this host opens the shared pool
+        if layout.state and state_slots < 1:
+            raise ValueError("this KV layout keeps per-request state: give it state slots")
+        each = pages_per_slot(layout.state, layout.page_bytes) if layout.state else 0
+        rows = num_pages + state_slots * each
         if shared:
             if device.type != "cpu":
                 raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
-            self.data, self.shm = create_shared(layout, num_pages)  # [num_pages, page_bytes] uint8
+            self.data, self.shm = create_shared(layout, rows)  # [rows, page_bytes] uint8
         else:
-            self.data = torch.zeros(
-                (num_pages, layout.page_bytes), dtype=torch.uint8, device=device
-            )
+            self.data = torch.zeros((rows, layout.page_bytes), dtype=torch.uint8, device=device)
         self.allocator = PageAllocator(num_pages)
+        self.state: StatePool | None = None  # per-request state (kvcache/state_pool.py)
+        if layout.state:
+            slots = self.data[num_pages:].view(state_slots, each * layout.page_bytes)
+            self.state = StatePool(layout.state, slots, num_pages, each)
 
     def close(self) -> None:
         """Stop offering the shared pool to new peers (mappings stay valid until dropped)."""
@@ -152,15 +169,17 @@ class KVPool:
         return self.num_pages * self.layout.page_size
 
     def view(self, layer: int, name: str) -> torch.Tensor:
-        """Buffer `name` of `layer` in every page: [num_pages, page_size, *shape] of its dtype,
+        """Buffer `name` of `layer` in every page: [num_pages, rows per page, *shape] of its dtype
+        (rows per page: page_size, or page_size / tokens_per_row for a compressed buffer),
         strided across pages, aliasing the pool's bytes (writes through it land in the pool).
         KeyError if that layer has no such buffer."""
         r = self.layout.region(layer, name)
-        raw = self.data[:, r.offset : r.offset + r.nbytes]  # [num_pages, nbytes] uint8
+        raw = self.data[: self.num_pages, r.offset : r.offset + r.nbytes]  # [num_pages, nbytes]
         # Legal as a view: the region's offset and page_bytes are multiples of ALIGN, so
         # every page's slice starts aligned for the dtype and the page stride divides evenly.
-        typed = raw.view(r.spec.torch_dtype)  # [num_pages, page_size * prod(shape)]
-        return typed.view(self.num_pages, self.layout.page_size, *r.spec.shape)
+        typed = raw.view(r.spec.torch_dtype)  # [num_pages, rows * prod(shape)]
+        rows = r.spec.rows_per_page(self.layout.page_size)
+        return typed.view(self.num_pages, rows, *r.spec.shape)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) views of layer i, each [num_pages, page_size, kv_heads, head_dim] (a Llama

@@ -37,6 +37,7 @@ from pdserve.model.builtin_specs import (
     SPECS,
     BuiltinSpec,
     DeepseekShape,
+    DeepseekV4Shape,
     builtin_spec,
 )
 from pdserve.model.corpus import (
@@ -205,7 +206,12 @@ def _hf_config(spec: BuiltinSpec, ids: dict[str, int]) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "use_cache": True,
     }
-    if spec.deepseek is not None:
+    if spec.deepseek_v4 is not None:
+        # V4 has no dense MLP (HF maps `intermediate_size` onto moe_intermediate_size) and
+        # two rope tables instead of one rope_scaling.
+        del cfg["intermediate_size"], cfg["rope_scaling"]
+        cfg.update(_deepseek_v4_fields(spec, spec.deepseek_v4))
+    elif spec.deepseek is not None:
         cfg.update(_deepseek_fields(spec.deepseek))
     elif spec.model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
@@ -226,6 +232,55 @@ def _deepseek_fields(d: DeepseekShape) -> dict[str, Any]:
         **({} if d.index_topk is not None else {"rope_interleave": True}),  # V3.2: always
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
+    }
+
+
+def _deepseek_v4_fields(spec: BuiltinSpec, d: DeepseekV4Shape) -> dict[str, Any]:
+    """V4's fields as HF's save_pretrained writes them: rope_parameters nested by table."""
+    rotary = d.partial_rotary_factor
+    return {
+        "q_lora_rank": d.q_lora_rank,
+        "partial_rotary_factor": rotary,
+        "o_groups": d.o_groups,
+        "o_lora_rank": d.o_lora_rank,
+        "layer_types": list(d.layer_types),
+        "mlp_layer_types": list(d.mlp_layer_types),
+        "sliding_window": d.sliding_window,
+        "compress_rates": {
+            "compressed_sparse_attention": d.csa_ratio,
+            "heavily_compressed_attention": d.hca_ratio,
+        },
+        "compress_rope_theta": d.compress_rope_theta,
+        "rope_parameters": {
+            "main": {
+                "rope_type": "default",
+                "rope_theta": spec.rope_theta,
+                "partial_rotary_factor": rotary,
+            },
+            "compress": {
+                **d.compress_yarn,
+                "attention_factor": 1.0,  # V4 does not scale cos/sin by YaRN's mscale
+                "rope_theta": d.compress_rope_theta,
+                "partial_rotary_factor": rotary,
+            },
+        },
+        "index_n_heads": d.index_n_heads,
+        "index_head_dim": d.index_head_dim,
+        "index_topk": d.index_topk,
+        "hc_mult": d.hc_mult,
+        "hc_sinkhorn_iters": d.hc_sinkhorn_iters,
+        "hc_eps": 1e-6,
+        "n_routed_experts": d.n_routed_experts,
+        "num_experts_per_tok": d.num_experts_per_tok,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": d.moe_intermediate_size,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": d.routed_scaling_factor,
+        "swiglu_limit": d.swiglu_limit,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_nextn_predict_layers": 0,
     }
 
 

@@ -20,6 +20,7 @@ BUILTIN_NAMES: tuple[str, ...] = (
     "llama3.2-1b-shape",
     "deepseek-v3-tiny",
     "deepseek-v32-tiny",
+    "deepseek-v4-tiny",
 )
 
 
@@ -47,6 +48,33 @@ class DeepseekShape:
 
 
 @dataclass(frozen=True)
+class DeepseekV4Shape:
+    """DeepSeek-V4's own fields (HF's names)."""
+
+    q_lora_rank: int
+    partial_rotary_factor: float
+    o_groups: int
+    o_lora_rank: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    sliding_window: int
+    compress_rope_theta: float
+    compress_yarn: dict[str, Any]  # the compress table's YaRN (factor, original context, betas)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    csa_ratio: int = 4  # compress_rates, HF's defaults
+    hca_ratio: int = 128
+
+
+@dataclass(frozen=True)
 class BuiltinSpec:
     """The shape of one built-in model; everything else (weights, tokenizer) is derived."""
 
@@ -71,6 +99,7 @@ class BuiltinSpec:
     add_bos: bool = False
     num_shards: int = 1
     deepseek: DeepseekShape | None = None
+    deepseek_v4: DeepseekV4Shape | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size < TOKENIZER_VOCAB:
@@ -171,6 +200,36 @@ SPECS["deepseek-v32-tiny"] = replace(
     model_type="deepseek_v32",
     deepseek=replace(_V3.deepseek, index_n_heads=16, index_head_dim=32, index_topk=12),
 )
+
+# Every DeepSeek-V4 path at CPU-test size: one layer of each attention type and then some
+# (sliding only, CSA, HCA, CSA, HCA), hash routing in the first two layers (tid2eid) and
+# biased top-k routing after, 4 residual streams (a 2x2 doubly stochastic mix is symmetric,
+# so a transposed mix would go unnoticed), a 16-token window, HF's 4- and 128-token windows
+# (a few hundred tokens cross several HCA entries), YaRN on the compress table only, and an
+# indexer with 16 heads keeping 8 entries (few heads make exact 0.0 ties at the top-k cut,
+# see deepseek-v32-tiny). swiglu_limit 2 clamps some expert inputs.
+_SWA, _CSA, _HCA = (
+    "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+)  # fmt: skip
+SPECS["deepseek-v4-tiny"] = BuiltinSpec(
+    name="deepseek-v4-tiny", architecture="DeepseekV4ForCausalLM", model_type="deepseek_v4",
+    hidden_size=128, intermediate_size=64, num_layers=5, num_heads=4, num_kv_heads=1,
+    head_dim=32, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, qkv_bias=False, qk_norm=False, dtype="float32",
+    deepseek_v4=DeepseekV4Shape(
+        q_lora_rank=64, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=32,
+        layer_types=(_SWA, _CSA, _HCA, _CSA, _HCA),
+        mlp_layer_types=("hash_moe", "hash_moe", "moe", "moe", "moe"),
+        sliding_window=16, compress_rope_theta=160000.0,
+        compress_yarn={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+            "beta_fast": 32, "beta_slow": 1,
+        },
+        index_n_heads=16, index_head_dim=32, index_topk=8, hc_mult=4, hc_sinkhorn_iters=20,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        routed_scaling_factor=1.5, swiglu_limit=2.0,
+    ),
+)  # fmt: skip
 
 
 def builtin_spec(name: str) -> BuiltinSpec:

@@ -44,6 +44,15 @@ class _Init:
     mean: float = 0.0
 
 
+@dataclass(frozen=True)
+class _ExpertIds:
+    """An int64 [rows, k] table of distinct expert ids per row (V4's tid2eid)."""
+
+    rows: int
+    k: int
+    experts: int
+
+
 def _deepseek_layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
     """DeepSeek-V3's layer i, with per-expert tensors as HF's save_pretrained writes them."""
     d = spec.deepseek
@@ -87,9 +96,70 @@ def _deepseek_layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
     return inits
 
 
-def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
+def _deepseek_v4_layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init | _ExpertIds]:
+    """DeepSeek-V4's layer i in HF's in-memory names (what from_pretrained also loads)."""
+    d = spec.deepseek_v4
+    assert d is not None
+    h, heads, hd = spec.hidden_size, spec.num_heads, spec.head_dim
+    kind = d.layer_types[i]
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    per_group, o_rank = heads * hd // d.o_groups, d.o_groups * d.o_lora_rank
+    inits: dict[str, _Init | _ExpertIds] = {
+        a + "q_a_proj.weight": _Init((d.q_lora_rank, h), h**-0.5),
+        a + "q_a_norm.weight": _Init((d.q_lora_rank,), 0.05, 1.0),
+        a + "q_b_proj.weight": _Init((heads * hd, d.q_lora_rank), d.q_lora_rank**-0.5),
+        a + "kv_proj.weight": _Init((hd, h), h**-0.5),
+        a + "kv_norm.weight": _Init((hd,), 0.05, 1.0),
+        a + "o_a_proj.weight": _Init((o_rank, per_group), per_group**-0.5),
+        a + "o_b_proj.weight": _Init((h, o_rank), o_rank**-0.5),
+        a + "sinks": _Init((heads,), 1.0),
+        p + "input_layernorm.weight": _Init((h,), 0.05, 1.0),
+        p + "post_attention_layernorm.weight": _Init((h,), 0.05, 1.0),
+    }  # fmt: skip
+    # The compressors: CSA's pairs two series (2 * head_dim) and carries the indexer.
+    if kind != "sliding_attention":
+        csa = kind == "compressed_sparse_attention"
+        ratio, width = (d.csa_ratio, 2 * hd) if csa else (d.hca_ratio, hd)
+        parts = [(a + "compressor.", width, hd, ratio)]
+        if csa:
+            ix_width = 2 * d.index_head_dim
+            parts.append((a + "compressor.indexer.", ix_width, d.index_head_dim, d.csa_ratio))
+        for c, w, dim, r in parts:
+            inits[c + "kv_proj.weight"] = _Init((w, h), h**-0.5)
+            inits[c + "gate_proj.weight"] = _Init((w, h), h**-0.5)
+            inits[c + "position_bias"] = _Init((r, w), 0.5)
+            inits[c + "kv_norm.weight"] = _Init((dim,), 0.05, 1.0)
+        if csa:
+            ix, n, r = a + "compressor.indexer.", d.index_n_heads, d.q_lora_rank
+            inits[ix + "q_b_proj.weight"] = _Init((n * d.index_head_dim, r), r**-0.5)
+            inits[ix + "scorer.weights_proj.weight"] = _Init((n, h), h**-0.5)
+    e, ff = d.n_routed_experts, d.moe_intermediate_size
+    m = p + "mlp."
+    inits[m + "gate.weight"] = _Init((e, h), h**-0.5)
+    if d.mlp_layer_types[i] == "hash_moe":
+        inits[m + "gate.tid2eid"] = _ExpertIds(spec.vocab_size, d.num_experts_per_tok, e)
+    else:  # 0.3 std moves the choice, not the weights (HF: scores unbiased)
+        inits[m + "gate.e_score_correction_bias"] = _Init((e,), 0.3)
+    inits[m + "experts.gate_up_proj"] = _Init((e, 2 * ff, h), h**-0.5)
+    inits[m + "experts.down_proj"] = _Init((e, h, ff), ff**-0.5)
+    inits[m + "shared_experts.gate_proj.weight"] = _Init((ff, h), h**-0.5)
+    inits[m + "shared_experts.up_proj.weight"] = _Init((ff, h), h**-0.5)
+    inits[m + "shared_experts.down_proj.weight"] = _Init((h, ff), ff**-0.5)
+    # Hyper-connections: unit-scale mixes of the normed streams, varied biases and scales.
+    n = d.hc_mult
+    for hc in ("attn_hc.", "ffn_hc."):
+        inits[p + hc + "fn"] = _Init(((2 + n) * n, n * h), (n * h) ** -0.5)
+        inits[p + hc + "base"] = _Init(((2 + n) * n,), 0.5)
+        inits[p + hc + "scale"] = _Init((3,), 0.1, 1.0)
+    return inits
+
+
+def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init | _ExpertIds]:
+    if spec.deepseek_v4 is not None:
+        return _deepseek_v4_layer_inits(spec, i)
     if spec.deepseek is not None:
-        return _deepseek_layer_inits(spec, i)
+        return dict(_deepseek_layer_inits(spec, i))
     h, q, kv, ff = (
         spec.hidden_size,
         spec.num_heads * spec.head_dim,
@@ -100,7 +170,7 @@ def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
     # 1/sqrt(fan_in) keeps a projection's output at unit scale; see _TIED_RESIDUAL_GAIN for
     # the two that write into the residual stream.
     gain = _TIED_RESIDUAL_GAIN if spec.tie_word_embeddings else 1.0
-    inits = {
+    inits: dict[str, _Init | _ExpertIds] = {
         p + "self_attn.q_proj.weight": _Init((q, h), h**-0.5),
         p + "self_attn.k_proj.weight": _Init((kv, h), h**-0.5),
         p + "self_attn.v_proj.weight": _Init((kv, h), h**-0.5),
@@ -120,17 +190,22 @@ def _layer_inits(spec: BuiltinSpec, i: int) -> dict[str, _Init]:
     return inits
 
 
-def _shard_inits(spec: BuiltinSpec) -> list[dict[str, _Init]]:
+def _shard_inits(spec: BuiltinSpec) -> list[dict[str, _Init | _ExpertIds]]:
     """Tensor inits grouped by shard: embeddings with the first layers, the head with the last."""
     # Logit std ~ 18 whatever the width: peaked next-token distributions, so greedy decoding
     # rarely meets a near-tie that float rounding could flip between implementations.
     head_std = _LOGIT_STD / math.sqrt(spec.hidden_size)
     per_shard = spec.num_layers // spec.num_shards
-    shards: list[dict[str, _Init]] = [{} for _ in range(spec.num_shards)]
+    shards: list[dict[str, _Init | _ExpertIds]] = [{} for _ in range(spec.num_shards)]
     shards[0]["model.embed_tokens.weight"] = _Init((spec.vocab_size, spec.hidden_size), head_std)
     for i in range(spec.num_layers):
         shards[i // per_shard].update(_layer_inits(spec, i))
     shards[-1]["model.norm.weight"] = _Init((spec.hidden_size,), 0.05, 1.0)
+    if spec.deepseek_v4 is not None:  # the head's hyper-connection
+        n, h = spec.deepseek_v4.hc_mult, spec.hidden_size
+        shards[-1]["model.hc_head.hc_fn"] = _Init((n, n * h), (n * h) ** -0.5)
+        shards[-1]["model.hc_head.hc_base"] = _Init((n,), 0.5)
+        shards[-1]["model.hc_head.hc_scale"] = _Init((1,), 0.1, 1.0)
     if not spec.tie_word_embeddings:
         shards[-1]["lm_head.weight"] = _Init((spec.vocab_size, spec.hidden_size), head_std)
     return shards
@@ -148,7 +223,10 @@ def write_weights(spec: BuiltinSpec, out_dir: Path) -> None:
             else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         )
         tensors = {
-            n: _random_tensor(f"{spec.name}/{n}", init, dtype) for n, init in sorted(inits.items())
+            n: _expert_ids(f"{spec.name}/{n}", init)
+            if isinstance(init, _ExpertIds)
+            else _random_tensor(f"{spec.name}/{n}", init, dtype)
+            for n, init in sorted(inits.items())
         }
         save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -166,6 +244,23 @@ _BYTE_MASK = np.uint32(0x00FF00FF)
 # Sum of four uniform bytes: mean 4 * 127.5, variance 4 * (256**2 - 1) / 12.
 _SUM4_MEAN = np.float32(510.0)
 _SUM4_STD = math.sqrt(4 * (256**2 - 1) / 12)
+
+
+def _expert_ids(key: str, init: _ExpertIds) -> torch.Tensor:
+    """[rows, k] int64, each row k distinct ids in [0, experts): a partial Fisher-Yates
+    shuffle per row driven by the same seeded raw stream as the weights (integer steps
+    only, so identical everywhere)."""
+    seed = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little")
+    words = np.random.PCG64(seed).random_raw(init.rows * init.k).astype("<u8", copy=False)
+    words = words.reshape(init.rows, init.k)
+    perm = np.tile(np.arange(init.experts, dtype=np.int64), (init.rows, 1))
+    rows = np.arange(init.rows)
+    for j in range(init.k):
+        pick = j + (words[:, j] % np.uint64(init.experts - j)).astype(np.int64)
+        chosen = perm[rows, pick].copy()
+        perm[rows, pick] = perm[:, j]
+        perm[:, j] = chosen
+    return torch.from_numpy(np.ascontiguousarray(perm[:, : init.k]))
 
 
 def _random_tensor(key: str, init: _Init, dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3), whose variants differ
 only in flags (qkv bias, q/k norm, tied embeddings, RoPE scaling), and for DeepSeek-V3, which
-adds its latent attention (`mla`) and its routed experts (`moe`), and V3.2 (its indexer, `dsa`).
+adds its latent attention (`mla`) and its routed experts (`moe`), and V3.2 (its indexer, `dsa`);
+DeepSeek-V4's own fields are one `V4Arch` (`v4`, model/deepseek_v4/config.py).
 Anything we cannot run faithfully is refused here with an error that names the field, never
 guessed at later. DeepSeek's own fields are read in model/deepseek_config.py, the rope fields
 of every family in model/rope_scaling.py; a GGUF file's metadata becomes such a config in
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.model.deepseek_config import DSAArch, MLAArch, MoEArch, deepseek_v3_fields
+from pdserve.model.deepseek_v4.config import V4Arch
 from pdserve.model.errors import ModelConfigError
 from pdserve.model.gguf_file import find_gguf, open_gguf
 from pdserve.model.rope_scaling import RopeScaling, parse_rope_scaling
@@ -28,11 +30,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v3",  # V3 plus the indexer (ModelArch.dsa)
+    "DeepseekV4ForCausalLM": "deepseek_v4",  # its own fields: ModelArch.v4
 }
 # Architectures people will try, and why they cannot run yet (named in the refusal).
 NOT_YET = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2 (softmax routing) is not supported; V3 is",
-    "DeepseekV4ForCausalLM": "DeepSeek-V4 is not supported",
 }
 
 
@@ -61,6 +63,7 @@ class ModelArch:
     mla: MLAArch | None = None
     moe: MoEArch | None = None
     dsa: DSAArch | None = None
+    v4: V4Arch | None = None  # DeepSeek-V4: everything about it (the fields above mirror it)
     mtp_layers: int = 0  # multi-token prediction layers after the last: their weights are skipped
     # quantization_config of an fp8 block-quantised checkpoint: (rows, cols) of a scale's block.
     fp8_block: tuple[int, int] | None = None
@@ -71,6 +74,34 @@ class ModelArch:
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
+
+    @classmethod
+    def for_v4(cls, v4: V4Arch, fp8_block: tuple[int, int] | None = None) -> ModelArch:
+        """DeepSeek-V4's ModelArch: the common fields read off its V4Arch."""
+        return cls(
+            architecture="DeepseekV4ForCausalLM",
+            family="deepseek_v4",
+            vocab_size=v4.vocab_size,
+            hidden_size=v4.hidden_size,
+            intermediate_size=v4.moe_intermediate_size,
+            num_layers=v4.num_layers,
+            num_heads=v4.num_heads,
+            num_kv_heads=1,  # one K=V head, shared by every query head
+            head_dim=v4.head_dim,
+            rms_norm_eps=v4.rms_norm_eps,
+            rope_theta=v4.main_rope.theta,
+            rope_scaling=v4.main_rope.scaling,
+            max_position_embeddings=v4.max_position_embeddings,
+            tie_word_embeddings=v4.tie_word_embeddings,
+            qkv_bias=False,
+            o_bias=False,
+            mlp_bias=False,
+            qk_norm=False,
+            torch_dtype=v4.torch_dtype,
+            mtp_layers=v4.mtp_layers,
+            v4=v4,
+            fp8_block=fp8_block,
+        )
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelArch:
@@ -103,6 +134,8 @@ class ModelArch:
         family = SUPPORTED_ARCHITECTURES[arch]
         if family == "deepseek_v3":
             return cls(**deepseek_v3_fields(cfg, where, arch), fp8_block=_fp8_block(cfg, where))
+        if family == "deepseek_v4":
+            return cls.for_v4(V4Arch.from_hf_config(cfg, where), _fp8_block(cfg, where))
 
         def need(key: str) -> Any:
             if key not in cfg:

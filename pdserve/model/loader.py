@@ -19,8 +19,9 @@ Also (DeepSeek-V3 and V3.2 checkpoints; V3.2's indexer weights load by name, its
 kept float32 like the router's): fp8 block-quantised weights (`quantization_config` fp8 with a
 `weight_block_size`) are dequantised on load, weight times its `weight_scale_inv` block by
 block, one tensor at a time; the weights of multi-token prediction layers (the
-`num_nextn_predict_layers` layers after the last) are skipped with one log line, as vLLM does:
-pdserve does not run MTP, and the model without them is the whole model.
+`num_nextn_predict_layers` layers after the last; DeepSeek-V4's `mtp.*` modules) are skipped
+with one log line, as vLLM does: pdserve does not run MTP, and the model without them is the
+whole model. DeepSeek-V4's hash-routing tables (tid2eid) load as integers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 
 from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdserve.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
 from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
@@ -139,7 +141,7 @@ def checkpoint_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     return out
 
 
-LoadedModel: TypeAlias = CausalLM | DeepseekV3ForCausalLM
+LoadedModel: TypeAlias = CausalLM | DeepseekV3ForCausalLM | DeepseekV4ForCausalLM
 
 
 def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -148,7 +150,9 @@ def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> Lo
     buffers computed."""
     with torch.device("meta"):
         model: LoadedModel = (
-            CausalLM(arch)
+            DeepseekV4ForCausalLM(arch)
+            if arch.v4 is not None
+            else CausalLM(arch)
             if arch.family != "deepseek_v3"
             else DeepseekV32ForCausalLM(arch)
             if arch.dsa is not None
@@ -161,6 +165,8 @@ def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> Lo
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) not in made:
             want = torch.float32 if name.endswith(keep32) and keep32 else dtype
+            if not p.dtype.is_floating_point:  # an index table (V4's tid2eid) keeps its type
+                want = p.dtype
             data = torch.empty(p.shape, dtype=want, device=device)
             made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
         owner, _, attr = name.rpartition(".")
@@ -185,6 +191,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
     arch = ModelArch.from_dir(path)
     stored = checkpoint_tensors(weight_files(path))
     _skip_mtp_layers(stored, arch)
+    if arch.v4 is not None:
+        _skip_mtp_modules(stored)
     scales = _fp8_scales(stored, arch, str(path))
     model = empty_model(arch, dtype, device)
     shapes = {name: t.shape for name, t in stored.items()}
@@ -334,6 +342,23 @@ def _skip_mtp_layers(stored: dict[str, StoredTensor], arch: ModelArch) -> None:
             len(dropped),
             arch.mtp_layers,
             arch.num_layers,
+        )
+
+
+_MTP_MODULE = re.compile(r"(^|.*\.)mtp\..*")
+
+
+def _skip_mtp_modules(stored: dict[str, StoredTensor]) -> None:
+    """DeepSeek-V4 keeps its multi-token prediction modules under `mtp.*` (HF ignores them
+    on load, and so do we), with one log line."""
+    dropped = [n for n in stored if _MTP_MODULE.fullmatch(n)]
+    for n in dropped:
+        del stored[n]
+    if dropped:
+        log.info(
+            "skipping %d tensors of multi-token prediction modules (mtp.*): pdserve does not "
+            "run MTP",
+            len(dropped),
         )
 
 

@@ -23,8 +23,11 @@ llguidance recurses once per rule or `$ref`, and a long chain within MAX_CONSTRA
 overflow an ordinary thread's stack and kill the process. One that takes longer than
 COMPILE_TIMEOUT_S is refused as not compiling (and remembered so); a compiler too busy to
 start it is refused without being remembered. Whatever the caller's thread, it waits for the
-compile: on the front end's event loop that is a few milliseconds for a usual spec, at most
-COMPILE_TIMEOUT_S for a hostile one. A GBNF grammar of more than MAX_GBNF_RULES rules is
+compile: a few milliseconds for a usual spec, up to COMPILE_TIMEOUT_S for a hostile one (twice
+that behind a busy compiler). So a Constraint never exists unchecked, and no event loop builds
+or decodes one: the front end and a worker's /generate hand that to their constraint threads
+(frontend/constraint_threads.py); P's control thread and an engine process decode theirs on
+threads that serve no HTTP. A GBNF grammar of more than MAX_GBNF_RULES rules is
 refused before llguidance's converter, whose time grows with the square of a rule chain.
 
 JSON is generated without free whitespace (", " and ": " between items), so a small model

@@ -16,6 +16,16 @@ class BufferDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shape: tuple[int, ...]
     dtype: str
     layers: tuple[int, ...] | None = None
+    tokens_per_row: int = 1
+
+
+class StateDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One per-request state component on the wire (kvcache/v4_layout.py's StateSpec)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layers: tuple[int, ...]
 
 
 class LayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -28,3 +38,4 @@ class LayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_layers: int
     tp_rank: int = 0
     tp_size: int = 1
+    state: tuple[StateDesc, ...] = ()

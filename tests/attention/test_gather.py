@@ -103,6 +103,7 @@ def test_the_layout_follows_the_model() -> None:
         num_layers, num_kv_heads, head_dim = 61, 128, 192
         mla: Latent | None = Latent()
         dsa: Indexer | None = None
+        v4 = None
 
     layout = KVLayout.for_model(Arch(), "bfloat16", 64)
     assert [(b.name, b.shape, b.dtype) for b in layout.buffers] == [

@@ -277,3 +277,39 @@ def test_a_request_preempted_with_its_last_token_in_flight_comes_back_without_sa
     assert chunks["b"].length == 0 and not chunks["b"].samples
     for c in plan.chunks:
         assert c.samples == (c.start + c.length == c.request.num_tokens)
+
+
+def test_state_slots_gate_admission_and_follow_the_lease():
+    """A pool with per-request state (DeepSeek-V4): a request takes a slot when admitted,
+    admission waits while none is free, and preemption and finishing give it back."""
+    import torch
+
+    from pdserve.kvcache.buffer_spec import StateSpec
+    from pdserve.kvcache.state_pool import StatePool
+
+    spec = (StateSpec("ring", (2,), "float32", (0,)),)
+    slots = StatePool(spec, torch.zeros(2, 64, dtype=torch.uint8), 4, 1)
+    s = Scheduler(
+        SchedulerConfig(max_batched_tokens=64, max_running=8),
+        Leases(PageAllocator(4), slots),
+        4,
+    )
+    a, b, c = req("a", 7), req("b", 7), req("c", 3)
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.schedule()
+    assert [ch.request for ch in plan.chunks] == [a, b]  # c waits: both slots are taken
+    assert {a.lease.slot, b.lease.slot} == {0, 1} and slots.num_free == 0
+    finish_step(plan)
+    plan = s.schedule()
+    assert [ch.request for ch in plan.chunks] == [a, b]  # decodes; c still waits
+    finish_step(plan)
+    plan = s.schedule()  # a needs a third page: b is preempted, its slot goes back
+    assert plan.preempted == [b] and b.lease is None and slots.num_free == 1
+    assert [ch.request for ch in plan.chunks] == [a]  # b (first in line) waits for pages
+    finish_step(plan)
+    s.finish(a, Event.LENGTH)
+    assert slots.num_free == 2 and s.leases.violations() == []
+    plan = s.schedule()
+    assert [ch.request for ch in plan.chunks] == [b, c]
+    assert {b.lease.slot, c.lease.slot} == {0, 1} and s.leases.violations() == []

@@ -1,7 +1,8 @@
 """The structured-output fields (frontend/structured.py) on both endpoints: OpenAI's
-response_format, vLLM's structured_outputs and guided_* become one Constraint in the
-SamplingParams; two constraints, a malformed field or a spec that cannot compile are a 400
-whose OpenAI-style body names the field the client sent."""
+response_format, vLLM's structured_outputs and guided_* become one asked constraint, which
+builds one Constraint; two constraints, a malformed field or a spec that cannot compile are a
+400 whose OpenAI-style body names the field the client sent. (The API builds it off the event
+loop: tests/frontend/test_constraint_off_loop.py; here it is built in line.)"""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.frontend.protocol import ApiError, parse_chat, parse_completion
+from pdserve.frontend.protocol import ApiError, bad, parse_chat, parse_completion
+from pdserve.frontend.structured import build_constraint
 from pdserve.protocol.constraint import Constraint, ConstraintKind
+from pdserve.protocol.invalid_params import InvalidParams
 from pdserve.server.json_body import MAX_JSON_DEPTH
 
 K = ConstraintKind
@@ -21,6 +24,15 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type"
 ENDPOINTS = pytest.mark.parametrize(
     "parse,base", [(parse_chat, CHAT), (parse_completion, DONE)], ids=["chat", "completion"]
 )
+
+
+def constraint(parse: Any, body: dict[str, Any]) -> Constraint | None:
+    """The body's Constraint as the API builds it (there off the loop), refusals as its 400s."""
+    asked = parse(body).constraint
+    try:
+        return None if asked is None else build_constraint(asked)
+    except InvalidParams as e:
+        raise bad(str(e), e.param) from e
 
 
 @ENDPOINTS
@@ -50,8 +62,10 @@ ENDPOINTS = pytest.mark.parametrize(
     ],
 )
 def test_each_field_becomes_one_constraint(parse, base, fields, kind, spec):
-    params = parse({**base, **fields}, strict=True).params  # known fields, even when strict
-    assert params.constraint == Constraint(kind=kind, spec=spec)
+    got = parse({**base, **fields}, strict=True)  # known fields, even when strict
+    assert got.params.constraint is None  # built later, off the loop
+    assert got.constraint is not None and got.constraint[1:3] == (kind, spec)
+    assert build_constraint(got.constraint) == Constraint(kind=kind, spec=spec)
 
 
 @ENDPOINTS
@@ -61,7 +75,8 @@ def test_each_field_becomes_one_constraint(parse, base, fields, kind, spec):
     + [{"structured_outputs": {"json_object": False, "regex": None}}],
 )
 def test_no_constraint(parse, base, fields):
-    assert parse({**base, **fields}).params.constraint is None
+    spec = parse({**base, **fields})
+    assert spec.constraint is None and spec.params.constraint is None
 
 
 @ENDPOINTS
@@ -134,7 +149,7 @@ def test_no_constraint(parse, base, fields):
 )
 def test_refusals_are_400_naming_the_field(parse, base, fields, param, why):
     with pytest.raises(ApiError) as e:
-        parse({**base, **fields})
+        constraint(parse, {**base, **fields})
     body: dict[str, Any] = e.value.body()["error"]
     assert e.value.status == 400 and body["type"] == "invalid_request_error"
     assert body["param"] == param and why in body["message"], body
@@ -146,7 +161,7 @@ def test_a_schema_text_as_deep_as_the_body_allows_is_taken(parse, base):
     for wraps, ok in [(30, True), (31, False)]:  # each wrap an object and a list: 63, 65
         text = '{"allOf": [' * wraps + inner + "]}" * wraps
         if ok:
-            got = parse({**base, "guided_json": text}).params.constraint
+            got = constraint(parse, {**base, "guided_json": text})
             assert got == Constraint(kind=K.JSON_SCHEMA, spec=text)
         else:
             with pytest.raises(ApiError, match=f"nests deeper than {MAX_JSON_DEPTH} levels"):
@@ -155,5 +170,7 @@ def test_a_schema_text_as_deep_as_the_body_allows_is_taken(parse, base):
 
 def test_n_choices_share_the_constraint():
     spec = parse_chat({**CHAT, "n": 3, "guided_regex": "a+"})
-    assert spec.n == 3 and spec.params.constraint == Constraint(kind=K.REGEX, spec="a+")
-    assert spec.params.replace(seed=5).constraint == spec.params.constraint
+    assert spec.n == 3 and spec.constraint is not None
+    params = spec.params.replace(constraint=build_constraint(spec.constraint))
+    assert params.constraint == Constraint(kind=K.REGEX, spec="a+")
+    assert params.replace(seed=5).constraint is params.constraint  # not built again

@@ -12,13 +12,13 @@ from typing import Any
 import llguidance
 import pytest
 
+from pdserve.frontend.structured import build_constraint
 from pdserve.frontend.tool_calls import PARSERS, StreamParser
 from pdserve.frontend.tool_calls.grammar import closed
 from pdserve.frontend.tool_use import ToolCalling
 from pdserve.frontend.tools import parse_tools
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.constraint import ConstraintKind, grammar_source
-from pdserve.protocol.sampling import SamplingParams
 from tests.frontend.tool_models import EOS, TOOLS, hermes, tokenizer
 
 PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
@@ -68,10 +68,11 @@ FORMATS = {  # (parser, the markers the tokenizer has as special tokens, how cal
 
 def grammar(tok: Tokenizer, parser: str, **body: Any) -> str:
     request = parse_tools({"tools": TOOLS, **body})
-    use, params = ToolCalling(tok, parser).plan(request, None, SamplingParams(max_tokens=8))
-    assert use is not None and params.constraint is not None
-    assert params.constraint.kind is ConstraintKind.GRAMMAR
-    return params.constraint.spec
+    use, asked = ToolCalling(tok, parser).plan(request, None, None)
+    assert use is not None and asked is not None and asked.field == "tools"
+    constraint = build_constraint(asked)  # it compiles
+    assert constraint.kind is ConstraintKind.GRAMMAR
+    return constraint.spec
 
 
 def matches(tok: Tokenizer, spec: str, text: str) -> bool:
@@ -197,9 +198,10 @@ def test_a_function_schema_with_refs_can_be_forced(fmt, named):
     choice = {"type": "function", "function": {"name": "trip"}} if named else "required"
     request = parse_tools({"tools": tools, "tool_choice": choice})
     tok = tokenizer(None, special)
-    use, params = ToolCalling(tok, parser).plan(request, None, SamplingParams(max_tokens=8))
-    assert use is not None and params.constraint is not None  # it compiled (a 400 before)
+    use, asked = ToolCalling(tok, parser).plan(request, None, None)
+    assert use is not None and asked is not None
+    spec = build_constraint(asked).spec  # it compiles (a 400 before)
     text = write(("trip", {"where": {"city": "Oslo"}, "days": 3}))
-    assert matches(tok, params.constraint.spec, text), text
+    assert matches(tok, spec, text), text
     bad = write(("trip", {"where": {"city": "Rome"}}))  # not one of the $ref'd enum
-    assert not matches(tok, params.constraint.spec, bad), bad
+    assert not matches(tok, spec, bad), bad

@@ -51,6 +51,7 @@ def test_names_are_the_documented_ones() -> None:
         "llama3.2-1b-shape",
         "deepseek-v3-tiny",
         "deepseek-v32-tiny",
+        "deepseek-v4-tiny",
     )
     assert set(builtin_specs.SPECS) == set(BUILTIN_NAMES)
 

@@ -62,7 +62,7 @@ def test_another_backend_asked_for_gives_torch_with_a_log_line(ds_dir, caplog) -
     with caplog.at_level(logging.INFO, logger="pdserve.engine.runner"):
         e = engine(ds_dir, attention_backend="triton")
     assert e.runner.backend.name == "torch"
-    assert "latent attention runs on the torch backend, not triton" in caplog.text
+    assert "deepseek_v3's attention runs on the torch backend, not triton" in caplog.text
 
 
 def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:

@@ -192,7 +192,6 @@ def test_mtp_layers_are_skipped_with_one_log_line(ds_dir, tensors, tmp_path, cap
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"architectures": ["DeepseekV4ForCausalLM"]}, "DeepseekV4ForCausalLM: DeepSeek-V4 is"),
         ({"architectures": ["DeepseekV2ForCausalLM"]}, "DeepseekV2ForCausalLM: DeepSeek-V2"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config .*awq"),
         ({"scoring_func": "softmax"}, "scoring_func 'softmax' not supported"),

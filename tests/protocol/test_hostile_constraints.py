@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
         return SamplingParams.from_builtins({"max_tokens": 2, "constraint": c}).constraint.kind
 
     def fields():  # the front end: each field that carries this kind
-        from pdserve.frontend.structured import parse_constraint
+        from pdserve.frontend.structured import build_constraint, find_constraint
         from pdserve.protocol.constraint import compile_error
         if kind == "grammar":
             bodies = [{"guided_grammar": spec}, {"structured_outputs": {"grammar": spec}}]
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
             ]
         for body in bodies:
             compile_error.cache_clear()  # each compiles afresh
-            parse_constraint(body)
+            build_constraint(find_constraint(body))
         return len(bodies)
 
     def engine():  # the engine thread building the request's matcher

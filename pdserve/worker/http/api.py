@@ -21,6 +21,12 @@ would fail on a string seed or a list for an address). /generate's body is
 protocol/generate.py's `Generate`, read by its one decoder (`decode_generate`); whether the
 model can serve the request is the engine's own check, which `engine.submit` runs before it
 takes anything (InvalidParams, answered 400 like a bad field).
+
+Decoding a body that holds a constraint builds, so compiles, it (protocol/constraint.py):
+such a body is decoded on the constraint threads (frontend/constraint_threads.py), not on
+the event loop, which serves every other request's stream meanwhile. A body is decoded on the
+loop only when it cannot hold one (`_holds_no_constraint`): the router writes
+`"constraint":null` for none.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.frontend.api import read_json
+from pdserve.frontend.constraint_threads import ConstraintThreads
 from pdserve.frontend.protocol import ApiError, bad
 from pdserve.protocol.generate import check_request_id, decode_generate
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
@@ -48,6 +55,14 @@ def _refused(e: ApiError | InvalidParams) -> web.Response:
     """The 400 (or other) answer to a request refused before the engine took it."""
     err = bad(str(e), e.param) if isinstance(e, InvalidParams) else e
     return web.json_response(err.body(), status=err.status)
+
+
+def _holds_no_constraint(raw: bytes) -> bool:
+    """True only if decoding `raw` (JSON) can build no Constraint: each `constraint` in it is
+    `"constraint":null` (as the router writes a request without one; none at all without
+    params), and no backslash could spell the key in escapes. A body this refuses may still
+    hold none (other spacing, text naming it): it is only decoded off the loop."""
+    return b"\\" not in raw and raw.count(b"constraint") == raw.count(b'"constraint":null')
 
 
 def _channel_error(e: ChannelError) -> web.Response:
@@ -67,6 +82,7 @@ class WorkerApi:
         self.info_extra = info
         self.channels = Channels()
         self.aborted = AbortedIds()  # an abort can overtake its /generate
+        self.constraints = ConstraintThreads()  # decodes bodies that hold a constraint
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -117,7 +133,11 @@ class WorkerApi:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            g = decode_generate(utf8_body(await read_body(request), request.charset))
+            raw = utf8_body(await read_body(request), request.charset)
+            if _holds_no_constraint(raw):
+                g = decode_generate(raw)
+            else:  # decoding compiles the constraint: off the loop
+                g = await self.constraints.run(decode_generate, raw)
         except (ApiError, InvalidParams) as e:
             return _refused(e)
         rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s

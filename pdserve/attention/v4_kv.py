@@ -1,0 +1,82 @@
+"""DeepSeek-V4's KV over the engine's pool: the model's `StepKV` (attention/step_kv.py) on
+the pool's pages (compressed entries) and its state slots (kvcache/state_pool.py).
+
+Sequence b of a step owns the pages of its page-table row and the state slot the runner gave
+it (`Batch.host_state_slots`). Entry e of a compressed component lives in the sequence's page
+e // rows_per_page, row e % rows_per_page (rows_per_page = page_size / tokens_per_row): the
+entries of a page are the windows of that page's tokens, so a page of entries moves with its
+tokens' page (PD, host tier). Everything here is tensor indexing on the pool's device, with no
+read back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.attention.batch import Batch
+from pdserve.attention.step_kv import SeqKV, Span
+from pdserve.kvcache.pool import KVPool
+
+
+class PoolSeqKV:
+    """Sequence b's components in one layer."""
+
+    def __init__(self, step: PoolStepKV, layer: int, b: int) -> None:
+        self.step, self.layer, self.b = step, layer, b
+
+    def state(self, name: str) -> torch.Tensor:
+        pool = self.step.pool.state
+        assert pool is not None  # PoolStepKV refuses a pool without state
+        return pool.view(self.layer, name)[self.step.slots[self.b]]
+
+    def _view(self, name: str) -> tuple[torch.Tensor, int]:
+        view = self.step.pool.view(self.layer, name)  # [num_pages, rows, *shape]
+        return view, view.shape[1]
+
+    def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:
+        if len(values) == 0:
+            return
+        view, rpp = self._view(name)
+        last = first + len(values) - 1
+        if last // rpp >= self.step.batch.page_table.shape[1]:
+            raise ValueError(f"{name}: entry {last} is past the sequence's pages")
+        idx = torch.arange(first, last + 1, device=view.device)
+        pages = self.step.batch.page_table[self.b].long()[idx // rpp]
+        view[pages, idx % rpp] = values.to(view.dtype)
+
+    def rows(self, name: str, count: int) -> torch.Tensor:
+        view, rpp = self._view(name)
+        if count == 0:
+            return view.new_empty(0, *view.shape[2:])
+        n_pages = -(-count // rpp)
+        pages = self.step.batch.page_table[self.b, :n_pages].long()
+        return view.index_select(0, pages).reshape(n_pages * rpp, *view.shape[2:])[:count]
+
+
+class PoolStepKV:
+    """A step's V4 KV: `Span`s from the Batch's host tuples, slots from the runner."""
+
+    def __init__(self, pool: KVPool, batch: Batch) -> None:
+        if pool.state is None:
+            raise ValueError("DeepSeek-V4 needs a KV pool with per-request state")
+        if len(batch.host_state_slots) != batch.num_seqs:
+            raise ValueError(
+                f"a step of {batch.num_seqs} sequences came with "
+                f"{len(batch.host_state_slots)} state slots"
+            )
+        self.pool, self.batch = pool, batch
+        self.slots = batch.host_state_slots
+        qs, kv = batch.host_query_start, batch.host_kv_lens
+        self._spans = [
+            Span(qs[b], qs[b + 1] - qs[b], kv[b] - (qs[b + 1] - qs[b]))
+            for b in range(batch.num_seqs)
+        ]
+
+    @property
+    def spans(self) -> Sequence[Span]:
+        return self._spans
+
+    def seq(self, layer: int, b: int) -> SeqKV:
+        return PoolSeqKV(self, layer, b)
