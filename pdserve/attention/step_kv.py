@@ -27,8 +27,13 @@ class SeqKV(Protocol):
     """One sequence's KV in one layer, during one step."""
 
     def state(self, name: str) -> torch.Tensor:
-        """The sequence's slot of state component `name` in this layer: a writable view
-        [*shape] whose writes persist to the next step."""
+        """The sequence's slot of state component `name` in this layer, [*shape], to read:
+        write it only through `write_state`."""
+        ...
+
+    def write_state(self, name: str, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+        """state(name)[index] = values, kept to the next step; the pool's implementation
+        journals the rows it overwrites, so a step that fails can be undone."""
         ...
 
     def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:

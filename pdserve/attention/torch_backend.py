@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from pdserve.attention.backend import AttentionShape, CausalContext, Rope
 from pdserve.attention.batch import Batch, CausalIndex, causal_index
-from pdserve.attention.v4_kv import PoolStepKV
+from pdserve.attention.v4_kv import Journal, PoolStepKV, undo
 from pdserve.kvcache.pool import KVPool
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -100,6 +100,7 @@ class TorchBackend:
         )
         self.generic = not names <= {"k", "v"}  # a buffer only `store`/`gather` serve
         self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._journal: Journal = []  # the current step's state writes (DeepSeek-V4)
         self.page_size = pool.page_size
         self.scale = shape.head_dim**-0.5
         self.gqa = shape.num_heads != shape.num_kv_heads
@@ -226,7 +227,12 @@ class TorchBackend:
         """The step's compressed entries and state slots, as V4's attention reads them."""
         if metadata.batch is None:
             raise ValueError("step_kv: this KV pool keeps no per-request state")
-        return PoolStepKV(self.pool, metadata.batch)
+        self._journal = []  # a new step: the last one's writes stand
+        return PoolStepKV(self.pool, metadata.batch, self._journal)
+
+    def undo_state(self) -> None:
+        """Undo the state writes of the step since the last `step_kv` (it failed)."""
+        undo(self._journal)
 
     # -- the generic pair (attention/backend.py GatherBackend) ------------------------------
     def _view(self, layer: int, name: str) -> torch.Tensor:

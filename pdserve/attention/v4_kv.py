@@ -5,8 +5,14 @@ Sequence b of a step owns the pages of its page-table row and the state slot the
 it (`Batch.host_state_slots`). Entry e of a compressed component lives in the sequence's page
 e // rows_per_page, row e % rows_per_page (rows_per_page = page_size / tokens_per_row): the
 entries of a page are the windows of that page's tokens, so a page of entries moves with its
-tokens' page (PD, host tier). Everything here is tensor indexing on the pool's device, with no
-read back to the host.
+tokens' page. Everything here is tensor indexing on the pool's device, with no read back to
+the host.
+
+State is rewritten in place, so a step that fails half way would leave it advanced and a rerun
+of the same chunk would read rows it already overwrote. Every state write therefore records
+the rows it overwrites in the step's journal first; the runner undoes a failed step's writes
+(`undo`) before running its chunks again (engine/isolation.py). Entries need no journal: a
+rerun writes the same values into the same rows.
 """
 
 from __future__ import annotations
@@ -18,6 +24,16 @@ import torch
 from pdserve.attention.batch import Batch
 from pdserve.attention.step_kv import SeqKV, Span
 from pdserve.kvcache.pool import KVPool
+
+# State writes of a step: (the slot's component, the index written, its rows before).
+Journal = list[tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]]
+
+
+def undo(journal: Journal) -> None:
+    """Put back every row the journal's writes overwrote, the latest first, and empty it."""
+    for slot, index, before in reversed(journal):
+        slot[index] = before
+    journal.clear()
 
 
 class PoolSeqKV:
@@ -31,6 +47,11 @@ class PoolSeqKV:
         assert pool is not None  # PoolStepKV refuses a pool without state
         return pool.view(self.layer, name)[self.step.slots[self.b]]
 
+    def write_state(self, name: str, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+        slot = self.state(name)
+        self.step.journal.append((slot, index, slot[index].clone()))
+        slot[index] = values
+
     def _view(self, name: str) -> tuple[torch.Tensor, int]:
         view = self.step.pool.view(self.layer, name)  # [num_pages, rows, *shape]
         return view, view.shape[1]
@@ -40,7 +61,7 @@ class PoolSeqKV:
             return
         view, rpp = self._view(name)
         last = first + len(values) - 1
-        if last // rpp >= self.step.batch.page_table.shape[1]:
+        if last // rpp >= self.step.own_pages[self.b]:
             raise ValueError(f"{name}: entry {last} is past the sequence's pages")
         idx = torch.arange(first, last + 1, device=view.device)
         pages = self.step.batch.page_table[self.b].long()[idx // rpp]
@@ -51,6 +72,8 @@ class PoolSeqKV:
         if count == 0:
             return view.new_empty(0, *view.shape[2:])
         n_pages = -(-count // rpp)
+        if n_pages > self.step.own_pages[self.b]:
+            raise ValueError(f"{name}: {count} entries are past the sequence's pages")
         pages = self.step.batch.page_table[self.b, :n_pages].long()
         return view.index_select(0, pages).reshape(n_pages * rpp, *view.shape[2:])[:count]
 
@@ -58,7 +81,8 @@ class PoolSeqKV:
 class PoolStepKV:
     """A step's V4 KV: `Span`s from the Batch's host tuples, slots from the runner."""
 
-    def __init__(self, pool: KVPool, batch: Batch) -> None:
+    def __init__(self, pool: KVPool, batch: Batch, journal: Journal) -> None:
+        """`journal`: where state writes record the rows they overwrite (`undo`)."""
         if pool.state is None:
             raise ValueError("DeepSeek-V4 needs a KV pool with per-request state")
         if len(batch.host_state_slots) != batch.num_seqs:
@@ -66,8 +90,10 @@ class PoolStepKV:
                 f"a step of {batch.num_seqs} sequences came with "
                 f"{len(batch.host_state_slots)} state slots"
             )
-        self.pool, self.batch = pool, batch
+        self.pool, self.batch, self.journal = pool, batch, journal
         self.slots = batch.host_state_slots
+        ps = batch.page_size
+        self.own_pages = [-(-n // ps) for n in batch.host_kv_lens]  # each sequence's pages
         qs, kv = batch.host_query_start, batch.host_kv_lens
         self._spans = [
             Span(qs[b], qs[b + 1] - qs[b], kv[b] - (qs[b + 1] - qs[b]))

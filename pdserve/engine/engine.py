@@ -74,7 +74,7 @@ class Engine(RequestEnds):
         self.leases = Leases(pool.allocator, pool.state)
         if cfg.cache.prefix_cache and pool.state is not None:
             # A cached prefix would need its per-request state at the prefix's end too.
-            log.info("prefix cache: off (it does not keep per-request state yet)")
+            log.info("prefix cache and host tier: off (they keep no per-request state)")
         self.prefix_cache = (
             PrefixCache(self.leases, pool.page_size, host_tier(pool, cfg.cache.host_cache_bytes))
             if cfg.cache.prefix_cache and pool.state is None
@@ -345,7 +345,14 @@ class Engine(RequestEnds):
             self.finish(req, Event.FAIL, f"its first token could not be taken: {e}")
 
     def open_lease(self, owner: str, num_pages: int) -> Lease:
-        return self.leases.open(owner, num_pages)
+        lease = self.leases.open(owner, num_pages)
+        if self.leases.slots is not None:
+            try:
+                lease.take_slot()
+            except Exception:
+                lease.release()  # nothing half taken
+                raise
+        return lease
 
     def count_prompt_tokens(self, n: int) -> None:
         self.metrics.prompt_tokens.inc(n)

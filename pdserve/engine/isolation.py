@@ -8,7 +8,10 @@ the other chunks of its batch, and a row's draw is a pure function of its logits
 params and its (seed, output position) (engine/sampling/): sampling has no state to rewind.
 
 Rerunning a chunk rewrites the KV slots the failed forward may have written, with the same
-values, so nothing half-written survives. Both paths cost a forward or a sample per chunk:
+values, so nothing half-written survives. Per-request state (DeepSeek-V4), which a step
+rewrites rather than appends to, is put back as it was before the failed forward
+(attention/v4_kv.py's journal, undone by `ModelRunner.forward`), so a rerun reads what the
+first attempt read. Both paths cost a forward or a sample per chunk:
 they are for the rare failure, never the normal step.
 """
 

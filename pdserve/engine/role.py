@@ -84,7 +84,8 @@ class RoleHost(Protocol):
         """End `req` (Engine.finish): its pages released, or kept for `keep_pages_for`."""
 
     def open_lease(self, owner: str, num_pages: int) -> Lease:
-        """A lease on `num_pages` free pages for `owner`; PageAllocError when too few are free."""
+        """A lease on `num_pages` free pages for `owner`, with a state slot where the pool keeps
+        per-request state; PageAllocError (SlotError) when too few are free."""
 
     def count_prompt_tokens(self, n: int) -> None: ...
 

@@ -175,7 +175,32 @@ class ModelRunner:
     def forward(self, chunks: Sequence[Chunk], feed: Feed | None = None) -> torch.Tensor:
         """Logits [N, vocab] (the model's dtype; the sampler widens what it must) for the
         chunks that sample, in chunk order; `feed`: the step in flight's sampled ids, for
-        inputs still on the device."""
+        inputs still on the device.
+
+        With per-request state (DeepSeek-V4), a chunk of no tokens (a request preempted with
+        its last token in flight) takes no part: it computes and samples nothing, and holds no
+        state slot. A forward that raises undoes its state writes (attention/v4_kv.py), so the
+        chunks can run again, one at a time (engine/isolation.py)."""
+        if self.pool.state is None:
+            return self._forward(chunks, feed)
+        chunks = [c for c in chunks if c.length]
+        if not chunks:
+            dtype = self.model.lm_head.weight.dtype
+            return torch.empty(0, self.model.arch.vocab_size, dtype=dtype, device=self.device)
+        try:
+            return self._forward(chunks, feed)
+        except BaseException:
+            self.backend_undo()
+            raise
+
+    def backend_undo(self) -> None:
+        """Undo the state writes of the step that just failed (a backend that keeps none:
+        nothing to undo)."""
+        undo = getattr(self.backend, "undo_state", None)
+        if undo is not None:
+            undo()
+
+    def _forward(self, chunks: Sequence[Chunk], feed: Feed | None) -> torch.Tensor:
         batch = self.build(chunks, feed)
         hidden = self._replay(batch)
         if hidden is None:

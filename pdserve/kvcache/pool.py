@@ -47,6 +47,13 @@ class ShmRef:
     token: str
 
 
+def pool_rows(layout: KVLayout, num_pages: int, state_slots: int) -> int:
+    """Pages a pool of `num_pages` KV pages and `state_slots` state slots spans: what a peer
+    maps or registers (the slots' pages follow the KV pages)."""
+    each = pages_per_slot(layout.state, layout.page_bytes) if layout.state else 0
+    return num_pages + state_slots * each
+
+
 def pages_for_budget(layout: KVLayout, budget_bytes: int, state_slots: int = 0) -> int:
     """Pages that fit the budget once `state_slots` slots of the layout's per-request state
     (if it has any) are taken off."""
@@ -133,6 +140,12 @@ class KVPool:
         """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it.
         `state_slots`: per-request state slots, for a layout that has state (DeepSeek-V4)."""
         if num_pages < 1:
+            if layout.state:
+                each = pages_per_slot(layout.state, layout.page_bytes) * layout.page_bytes
+                raise ValueError(
+                    f"KV budget fits no page beside {state_slots} per-request state slots of "
+                    f"{each} bytes: give more KV budget or fewer --max-running"
+                )
             raise ValueError(f"KV budget fits no page: one page needs {layout.page_bytes} bytes")
         self.layout = layout
         self.num_pages = num_pages  # KV pages, the allocator's; state slots' pages follow
@@ -141,7 +154,7 @@ class KVPool:
         if layout.state and state_slots < 1:
             raise ValueError("this KV layout keeps per-request state: give it state slots")
         each = pages_per_slot(layout.state, layout.page_bytes) if layout.state else 0
-        rows = num_pages + state_slots * each
+        rows = pool_rows(layout, num_pages, state_slots)
         if shared:
             if device.type != "cpu":
                 raise ValueError("a shared-memory KV pool lives on the CPU; use another backend")
@@ -159,6 +172,15 @@ class KVPool:
         if self.shm is not None:
             os.close(self.shm.fd)
             self.shm = None
+
+    @property
+    def num_rows(self) -> int:
+        """Pages of bytes the pool spans: its KV pages, then its state slots' pages."""
+        return self.data.shape[0]
+
+    @property
+    def state_slots(self) -> int:
+        return self.state.num_slots if self.state is not None else 0
 
     @property
     def page_size(self) -> int:

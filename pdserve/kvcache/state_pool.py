@@ -3,8 +3,8 @@
 DeepSeek-V4 keeps, beside its paged compressed entries, a slot of state per running request
 (kvcache/v4_layout.py: the sliding-window ring, the compressors' tails and overlap). The slots
 live in the KV pool's own bytes, after its pages: slot s is `pages_per_slot` whole pages
-(`first_page(s)` on), so everything that moves pages (a PD transfer backend, the host tier)
-moves a slot as pages, byte for byte, and a shared or registered pool covers the slots too.
+(`first_page(s)` on), addressed like pages, so a shared or registered pool covers them and
+page copies can move them byte for byte.
 Inside a slot every (layer, component) has its own region, 64-byte aligned like a page's.
 
 A slot belongs to one lease (kvcache/lease.py) and goes back when that lease ends, with the
@@ -83,11 +83,6 @@ class StatePool:
             self._views[(r.layer, r.spec.name)] = typed.view(self.num_slots, *r.spec.shape)
         self._free = list(range(self.num_slots))  # a heap: the lowest slot first
         self._taken: set[int] = set()
-
-    @staticmethod
-    def slot_bytes(specs: tuple[StateSpec, ...]) -> int:
-        """Bytes one slot of every component in every layer takes (aligned regions)."""
-        return slot_regions(specs)[1]
 
     @property
     def num_free(self) -> int:

@@ -148,6 +148,9 @@ def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> Lo
     """The model with uninitialised parameters, each allocated once in `dtype` on `device`
     (tied parameters share one tensor; the model's FLOAT32_PARAMS in float32), and its derived
     buffers computed."""
+    if arch.v4 is not None and dtype == torch.float16:
+        # HF keeps V4's compressor and indexer projections in float32 under float16.
+        raise ModelConfigError(f"{arch.architecture} runs in float32 or bfloat16, not float16")
     with torch.device("meta"):
         model: LoadedModel = (
             DeepseekV4ForCausalLM(arch)

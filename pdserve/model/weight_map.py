@@ -29,66 +29,23 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model.config import ModelConfigError
+from pdserve.model.deepseek_v4.weight_names import DEEPSEEK_V4_RULES
+from pdserve.model.weight_rules import LAYER as _LAYER
+from pdserve.model.weight_rules import (
+    Concat,
+    Ignore,
+    Rename,
+    Rewrite,
+    Rule,
+    Stack,
+    StackConcat,
+)
 
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Rename:
-    source: str  # regex, full match
-    target: str  # expand template
-
-
-@dataclass(frozen=True)
-class Concat:
-    sources: tuple[str, ...]  # one regex per slice, in slice order
-    target: str  # expand template over each source's own match; equal targets form one group
-    dim: int
-
-
-@dataclass(frozen=True)
-class Stack:
-    source: str  # regex with a group named "expert": the index along `dim`
-    target: str
-    dim: int = 0
-
-    def __post_init__(self) -> None:
-        if "expert" not in re.compile(self.source).groupindex:
-            raise ValueError(f"Stack pattern {self.source!r} has no (?P<expert>...) group")
-
-
-@dataclass(frozen=True)
-class StackConcat:
-    sources: tuple[str, ...]  # one regex per slice, each with a group named "expert"
-    target: str
-    dim: int = 0  # the expert dimension of the parameter
-    cat_dim: int = 0  # the slices' dimension within one expert's part
-
-    def __post_init__(self) -> None:
-        for s in self.sources:
-            if "expert" not in re.compile(s).groupindex:
-                raise ValueError(f"StackConcat pattern {s!r} has no (?P<expert>...) group")
-
-
-@dataclass(frozen=True)
-class Ignore:
-    source: str
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """Not a placement: every match of `source` in the name is replaced (re.sub), and the
-    later rules see the rewritten name (a checkpoint's own naming, normalised step by step)."""
-
-    source: str
-    target: str
-
-
-Rule = Rename | Concat | Stack | StackConcat | Ignore | Rewrite
-
 # The Llama family (Llama, Mistral, Qwen2, Qwen3): HF names, but q/k/v and gate/up are fused
 # (model/llama.py): each fused parameter is the checkpoint's tensors stacked along dim 0.
-_LAYER = r"(model\.layers\.\d+)"
 _HF_LAYOUT: tuple[Rule, ...] = (
     Ignore(r".*rotary_emb\.inv_freq"),
     Concat(
@@ -123,52 +80,6 @@ _DEEPSEEK_V3: tuple[Rule, ...] = (
     Rename(r"(.*)", r"\1"),
 )
 
-# DeepSeek-V4 (model/deepseek_v4/): HF's in-memory names are the parameters' own. DeepSeek's
-# checkpoints use DeepSeek's names, and HF's save_pretrained writes back whichever of them its
-# load converted, so a file may mix both. As HF does (transformers' conversion_mapping.py),
-# every name is rewritten step by step, without its "model." prefix, by each substitution in
-# turn; the result, prefixed again, is ours.
-_V4_REWRITES: tuple[tuple[str, str], ...] = (
-    (r"^model\.", ""),
-    (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."),
-    (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight", "embed_tokens.weight"),
-    (r"^head\.weight", "lm_head.weight"),
-    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
-    (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_(attn|ffn)_(fn|base|scale)", r".\1_hc.\2"),
-    (r"\.attn_sink", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."),
-    (r"\.ape", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."),
-    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-    (r"^(?!lm_head\.)", "model."),
-)
-_V4_EXPERT = rf"{_LAYER}\.mlp\.experts\.(?P<expert>\d+)"
-_DEEPSEEK_V4: tuple[Rule, ...] = (
-    *(Rewrite(source, target) for source, target in _V4_REWRITES),
-    Ignore(r".*rotary_emb\.\w*inv_freq"),
-    StackConcat(
-        tuple(rf"{_V4_EXPERT}\.{w}\.weight" for w in ("w1", "w3")),  # gate, then up
-        r"\1.mlp.experts.gate_up_proj",
-    ),
-    Stack(rf"{_V4_EXPERT}\.w2\.weight", r"\1.mlp.experts.down_proj"),
-    Rename(r"(.*)", r"\1"),
-)
-
 WEIGHT_MAP: dict[str, tuple[Rule, ...]] = {
     "LlamaForCausalLM": _HF_LAYOUT,
     "MistralForCausalLM": _HF_LAYOUT,
@@ -177,7 +88,7 @@ WEIGHT_MAP: dict[str, tuple[Rule, ...]] = {
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     # V3 plus `self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`, loaded by name
     "DeepseekV32ForCausalLM": _DEEPSEEK_V3,
-    "DeepseekV4ForCausalLM": _DEEPSEEK_V4,
+    "DeepseekV4ForCausalLM": DEEPSEEK_V4_RULES,
 }
 
 

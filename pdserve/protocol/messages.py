@@ -74,6 +74,9 @@ class Register(Msg, frozen=True):
     shm: ShmPool | None = None
     num_pages: int = 0
     nixl: NixlPool | None = None
+    # Per-request state slots after the pages (a layout with state: DeepSeek-V4), each of
+    # whole pages: P writes a room's state into the slot's pages (PrefillRequest.state_pages).
+    state_slots: int = 0
 
 
 class RegisterAck(Msg, frozen=True):
@@ -89,6 +92,9 @@ class PrefillRequest(Msg, frozen=True):
     # Wall-clock (unix) time after which P must not write into dst_pages: D fences the pages
     # until then, so a P that was stopped and resumes late cannot write into reused pages.
     write_deadline: float
+    # The pages of the room's state slot on D (a layout with per-request state), written once,
+    # after the prompt's last chunk; empty otherwise.
+    state_pages: list[int] = msgspec.field(default_factory=list)
 
 
 class PrefillAccept(Msg, frozen=True):
@@ -115,6 +121,7 @@ class PrefillDone(Msg, frozen=True):
     first_token: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     kv_bytes: int = 0  # bytes P wrote into the room's pages (D checks conservation)
+    state_bytes: int = 0  # of which into its state slot's pages (D checks every one came)
     # The prompt's scores when the request asked (params.prompt_logprobs): one per prompt token
     # after the first (D checks the count).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()

@@ -200,7 +200,7 @@ class NixlAgent:
             ) from e
         self.local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
-            page_runs(pool.layout, pool.data.data_ptr(), pool.num_pages, self.device_id),
+            page_runs(pool.layout, pool.data.data_ptr(), pool.num_rows, self.device_id),
             self.mem,
         )
         self.unreleased: list[Any] = []  # handles NIXL refused to release yet; retried

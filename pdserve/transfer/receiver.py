@@ -185,6 +185,7 @@ def register_message(receiver: KVReceiver, pool: KVPool) -> Register:
         shm=shm,
         nixl=nixl,
         num_pages=pool.num_pages,
+        state_slots=pool.state_slots,
     )
 
 

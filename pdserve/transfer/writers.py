@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.pool import ShmRef
+from pdserve.kvcache.pool import ShmRef, pool_rows
 from pdserve.protocol import messages as m
 from pdserve.transfer.control import Control
 from pdserve.transfer.copier import Copier
@@ -31,11 +31,12 @@ def open_writer(
     """A writer into the pool `msg` describes (`layout`, already compared with ours).
     `peer`: the decode worker's identity; `identity`: ours; `control`: tcp sends page frames
     on it; `nixl_agent`: our NIXL agent, created on first use."""
+    rows = pool_rows(layout, msg.num_pages, msg.state_slots)  # its pages, then its slots'
     if msg.backend == "shm":
         if msg.shm is None:
             raise ValueError("backend shm needs the decode pool's shm reference")
         ref = ShmRef(msg.shm.pid, msg.shm.fd, msg.shm.token)
-        return ShmWriter(ref, layout, msg.num_pages, copier)
+        return ShmWriter(ref, layout, rows, copier)
     if msg.backend == "tcp":
         if control is None:
             raise ValueError("backend tcp is not available on this prefill worker")
@@ -43,5 +44,5 @@ def open_writer(
     if msg.backend == "nixl":
         if msg.nixl is None:
             raise ValueError("backend nixl needs the decode pool's NIXL descriptor")
-        return NixlWriter(nixl_agent(), msg.nixl, layout, msg.num_pages)
+        return NixlWriter(nixl_agent(), msg.nixl, layout, rows)
     raise ValueError(f"unknown backend {msg.backend!r}; known: {', '.join(m.BACKENDS)}")

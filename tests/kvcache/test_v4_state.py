@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.attention.batch import BatchBuilder, Decodes, SeqSpan
-from pdserve.attention.v4_kv import PoolStepKV
+from pdserve.attention.v4_kv import Journal, PoolStepKV, undo
 from pdserve.kvcache.allocator import PageAllocator
 from pdserve.kvcache.buffer_spec import BufferSpec, StateSpec
 from pdserve.kvcache.layout import KVLayout
@@ -153,14 +153,15 @@ def test_pool_entries_round_trip_across_pages_like_local() -> None:
     lay = layout()
     pool = KVPool(lay, 6, torch.device("cpu"), state_slots=2)
     builder = BatchBuilder(lay.page_size, pool.num_pages, pool.device)
-    # A sequence of 300 tokens on pages [4, 1, 3]: entries cross page boundaries.
+    # 300 tokens on pages [4, 1, 3] (entries cross pages), then 20 tokens on page [5].
     batch = builder.build_step(
         Decodes([], [], [], [], []),
-        [SeqSpan(list(range(300)), 0, [4, 1, 3], True)],
-        state_slots=[1],
+        [SeqSpan(list(range(300)), 0, [4, 1, 3], True), SeqSpan([1] * 20, 0, [5], True)],
+        state_slots=[1, 0],
     )
-    step = PoolStepKV(pool, batch)
-    assert list(step.spans) == [(0, 300, 0)]
+    journal: Journal = []
+    step = PoolStepKV(pool, batch, journal)
+    assert list(step.spans) == [(0, 300, 0), (300, 20, 0)]
     seq = step.seq(1, 0)
     local = LocalSeqKV({b.name: b for b in lay.buffers}, {s.name: s for s in lay.state}).view(1)
     values = torch.randn(75, 64)
@@ -169,7 +170,29 @@ def test_pool_entries_round_trip_across_pages_like_local() -> None:
         local.store_rows(CSA_KV, first, values[first : first + n])
     assert torch.equal(seq.rows(CSA_KV, 75), local.rows(CSA_KV, 75))
     assert torch.equal(pool.view(1, CSA_KV)[1, 0], values[32])  # page 1 holds entries 32..63
-    seq.state(SWA_RING)[3] = 7.0
-    assert pool.state is not None and bool((pool.state.view(1, SWA_RING)[1, 3] == 7).all())
+    assert not journal  # entries are rewritten as they were: no journal
+    # The short sequence holds one page, 32 entries: none past it, whatever the table's width.
+    short = step.seq(1, 1)
     with pytest.raises(ValueError, match="past the sequence's pages"):
-        seq.store_rows(CSA_KV, 96, values[:1])
+        short.store_rows(CSA_KV, 32, values[:1])
+    with pytest.raises(ValueError, match="past the sequence's pages"):
+        short.rows(CSA_KV, 33)
+
+
+def test_state_writes_are_journaled_and_undone() -> None:
+    lay = layout()
+    pool = KVPool(lay, 2, torch.device("cpu"), state_slots=2)
+    assert pool.state is not None
+    builder = BatchBuilder(lay.page_size, pool.num_pages, pool.device)
+    batch = builder.build_step(
+        Decodes([], [], [], [], []), [SeqSpan([1] * 5, 0, [0], True)], state_slots=[1]
+    )
+    pool.state.view(1, SWA_RING)[1].fill_(3.0)
+    before = pool.data.clone()
+    journal: Journal = []
+    seq = PoolStepKV(pool, batch, journal).seq(1, 0)
+    seq.write_state(SWA_RING, torch.tensor([2, 3]), torch.ones(2, 64))
+    seq.write_state(SWA_RING, slice(3, 5), torch.full((2, 64), 5.0))  # row 3 written twice
+    assert bool((pool.state.view(1, SWA_RING)[1, 3] == 5).all()) and len(journal) == 2
+    undo(journal)
+    assert torch.equal(pool.data, before) and journal == []

@@ -185,12 +185,12 @@ def test_a_mixed_step_equals_each_sequence_alone(
         alone = step(model, [(own, tokens, start)])
         torch.testing.assert_close(together[at : at + len(tokens)], alone, atol=1e-5, rtol=0)
         at += len(tokens)
-        assert kv.entries.keys() == own.entries.keys() and kv.state_.keys() == own.state_.keys()
+        assert kv.entries.keys() == own.entries.keys() and kv.slots.keys() == own.slots.keys()
         for key in kv.entries:
             torch.testing.assert_close(kv.entries[key], own.entries[key], atol=1e-5, rtol=0)
-        for key in kv.state_:  # rows never written stay NaN in both
+        for key in kv.slots:  # rows never written stay NaN in both
             torch.testing.assert_close(
-                kv.state_[key], own.state_[key], atol=1e-5, rtol=0, equal_nan=True
+                kv.slots[key], own.slots[key], atol=1e-5, rtol=0, equal_nan=True
             )
 
 
@@ -209,10 +209,10 @@ def test_the_kv_holds_what_the_layout_says(
         names = ("csa.kv", "csa.index_k") if ratio == v4.csa_ratio else ("hca.kv",)
         for name in names:
             assert kv.entries[(layer, name)].shape[0] == 301 // ratio, (layer, kind, name)
-        tail = kv.state_[(layer, "csa.tail_kv" if ratio == v4.csa_ratio else "hca.tail_kv")]
+        tail = kv.slots[(layer, "csa.tail_kv" if ratio == v4.csa_ratio else "hca.tail_kv")]
         assert torch.isfinite(tail[: 301 % ratio]).all()
         assert torch.isnan(tail[301 % ratio :]).all()
-        assert torch.isfinite(kv.state_[(layer, "swa.ring")]).all()
+        assert torch.isfinite(kv.slots[(layer, "swa.ring")]).all()
 
 
 class _Backend:

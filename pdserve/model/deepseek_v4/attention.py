@@ -114,7 +114,8 @@ class V4Attention(nn.Module):
         else:
             keys = k
         kept = min(n, w)
-        ring[torch.arange(start + n - kept, start + n, device=device) % w] = k[n - kept :]
+        rows = torch.arange(start + n - kept, start + n, device=device) % w
+        seq.write_state(SWA_RING, rows, k[n - kept :])
         key_pos = torch.arange(-past, n, device=device)[None, :]  # relative to start
         query_pos = torch.arange(n, device=device)[:, None]
         return keys, (key_pos <= query_pos) & (key_pos > query_pos - w)

@@ -130,8 +130,8 @@ class Compressor(nn.Module):
             positions = (torch.arange(windows, device=kv.device) + first) * r
             seq.store_rows(parts.entries, first, table.at(positions, pooled.dtype).rotate(pooled))
         if kv.shape[0] > cut:  # the new tail, from row 0 (its window starts at a multiple of r)
-            seq.state(parts.tail_kv)[: kv.shape[0] - cut] = kv[cut:]
-            seq.state(parts.tail_gate)[: kv.shape[0] - cut] = gate[cut:]
+            seq.write_state(parts.tail_kv, slice(0, kv.shape[0] - cut), kv[cut:])
+            seq.write_state(parts.tail_gate, slice(0, kv.shape[0] - cut), gate[cut:])
         return seq.rows(parts.entries, first + windows)
 
     def pool(
@@ -164,8 +164,8 @@ class Compressor(nn.Module):
         if first >= 1:
             both_kv[0, :r] = overlap_kv.to(both_kv.dtype)
             both_gate[0, :r] = overlap_gate.to(both_gate.dtype)
-        overlap_kv.copy_(kv[-1, :, :d])
-        overlap_gate.copy_(gate[-1, :, :d])
+        seq.write_state(self.parts.overlap_kv, slice(None), kv[-1, :, :d])
+        seq.write_state(self.parts.overlap_gate, slice(None), gate[-1, :, :d])
         return both_kv, both_gate
 
 

@@ -35,7 +35,7 @@ class LocalSeqKV:
     buffers: dict[str, BufferSpec]
     states: dict[str, StateSpec]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    state_: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    slots: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     entries: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     def view(self, layer: int) -> _LayerView:
@@ -48,15 +48,18 @@ class _LayerView:
 
     def state(self, name: str) -> torch.Tensor:
         key = (self.layer, name)
-        if key not in self.owner.state_:
+        if key not in self.owner.slots:
             spec = self.owner.states[name]
             if self.layer not in spec.layers:
                 raise KeyError(f"layer {self.layer} has no state {name!r}")
             # NaN, not zeros: a model that reads a row it did not write fails loudly.
-            self.owner.state_[key] = torch.full(
+            self.owner.slots[key] = torch.full(
                 spec.shape, float("nan"), dtype=getattr(torch, spec.dtype), device=self.owner.device
             )
-        return self.owner.state_[key]
+        return self.owner.slots[key]
+
+    def write_state(self, name: str, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+        self.state(name)[index] = values
 
     def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:
         spec = self.owner.buffers[name]

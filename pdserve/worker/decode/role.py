@@ -166,7 +166,10 @@ class DecodeRole(Role):
 
     def _try_done(self, room: DRoom, now: float) -> None:
         """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
-        problem = room.take_done(self.receiver.counts_bytes, self.receiver.bytes_may_trail)
+        state_bytes = len(room.state_pages(self.pool)) * self.pool.layout.page_bytes
+        problem = room.take_done(
+            self.receiver.counts_bytes, self.receiver.bytes_may_trail, state_bytes
+        )
         if problem == WAIT:
             return
         if problem is not None:
@@ -188,7 +191,7 @@ class DecodeRole(Role):
                 self._try_done(room, now)
 
     def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...], now: float) -> None:
-        if room.state in D_TERMINAL or not set(msg.dst_pages) <= set(room.lease.pages):
+        if room.state in D_TERMINAL or not set(msg.dst_pages) <= room.writable(self.pool):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
         try:
@@ -216,6 +219,8 @@ class DecodeRole(Role):
             need = self.pool.pages_needed(len(req.prompt_ids))
             if not self.pool.allocator.can_allocate(need):
                 return
+            if self.pool.state is not None and not self.pool.state.num_free:
+                return  # a room takes a state slot too (DeepSeek-V4)
             self.admitting.popleft()
             try:
                 self._open_room(sub, need, now)
@@ -270,6 +275,7 @@ class DecodeRole(Role):
                 epoch=room.epoch,
                 prompt_ids=req.prompt_ids,
                 dst_pages=list(room.lease.pages),
+                state_pages=room.state_pages(self.pool),
                 # The request's seed, drawn here if the caller gave none: P samples output
                 # position 0 by the same (seed, position) rule as D the rest.
                 params=req.params.replace(seed=req.seed),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.kvcache.lease import Lease
+from pdserve.kvcache.pool import KVPool
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import DState
@@ -67,11 +68,25 @@ class DRoom:
     def __post_init__(self) -> None:
         self.opened = self.since
 
-    def take_done(self, counts_bytes: bool, bytes_may_trail: bool) -> str | None:
+    def state_pages(self, pool: KVPool) -> list[int]:
+        """The pages of its state slot (a pool with per-request state), where P writes the
+        room's state once; empty otherwise."""
+        slot = self.lease.slot
+        if pool.state is None or slot is None:
+            return []
+        first = pool.state.first_page(slot)
+        return list(range(first, first + pool.state.pages_each))
+
+    def writable(self, pool: KVPool) -> set[int]:
+        """The pages P may write for it: its destination pages and its state slot's."""
+        return set(self.lease.pages) | set(self.state_pages(pool))
+
+    def take_done(self, counts_bytes: bool, bytes_may_trail: bool, state_bytes: int) -> str | None:
         """Check the PrefillDone it holds and take its first token (and prompt logprobs):
         None when the request can decode, WAIT while its bytes still travel apart from it
         (nixl; the room's deadline bounds the wait), else why the room fails (never decode on
-        KV we did not receive)."""
+        KV we did not receive). `state_bytes`: the bytes of its state slot (0 without one),
+        which P must have written whole."""
         msg, req = self.done, self.request
         assert msg is not None  # only called after PrefillDone was recorded
         waits_for_kv = self.state in (DState.PENDING, DState.PREFILLING)
@@ -79,6 +94,11 @@ class DRoom:
             if bytes_may_trail and self.bytes_received < msg.kv_bytes:
                 return WAIT
             return f"incomplete KV: received {self.bytes_received} of {msg.kv_bytes} bytes"
+        if waits_for_kv and msg.state_bytes != state_bytes:
+            return (
+                f"incomplete KV: the prefill worker wrote {msg.state_bytes} bytes of "
+                f"per-request state, {state_bytes} expected"
+            )
         if req.params.prompt_logprobs is not None:
             if len(msg.prompt_logprobs) != len(req.prompt_ids) - 1:
                 return (

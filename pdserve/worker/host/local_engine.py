@@ -122,11 +122,6 @@ class LocalEngine:
                 )
                 self.engine.attach(d_role, self._send)
             self.info.update(identity=identity, backend=cfg.backend)
-            if self.engine.pool.state is not None:  # issue 40 item 3: not shipped yet
-                raise ValueError(
-                    f"{self.engine.model.arch.architecture} keeps per-request KV state, which "
-                    "prefill-decode transfer does not ship yet: serve it co-located"
-                )
         self.info["layout"] = self.engine.pool.layout.to_dict()
         sched = self.engine.cfg.scheduler  # as resolved (engine/sizing.py)
         self.info["limits"] = {

@@ -34,6 +34,7 @@ class DecodePeer:
     num_pages: int
     generation: int  # which pairing: the same D may register again
     last_seen: float  # monotonic: when it last sent anything
+    state_slots: int = 0  # per-request state slots after its pages (Register.state_slots)
 
 
 class DecodePeers:
@@ -88,7 +89,9 @@ class DecodePeers:
             nixl_agent=self._nixl_agent,
         )
         self.pairings += 1
-        peer = DecodePeer(identity, writer, msg.num_pages, self.pairings, last_seen=now)
+        peer = DecodePeer(
+            identity, writer, msg.num_pages, self.pairings, now, state_slots=msg.state_slots
+        )
         self.by_id[identity] = peer
         return peer
 

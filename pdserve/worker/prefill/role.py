@@ -233,7 +233,13 @@ class PrefillRole(Role):
             return reject(f"room {msg.room} is already in progress")
         need = self.pool.pages_needed(len(msg.prompt_ids))
         wall = self.engine.clock.wall()
-        checked = check_prefill_request(msg, peer.num_pages, need, self.engine.validate, wall)
+        state = None
+        if self.pool.state is not None:
+            each = self.pool.state.pages_each
+            state = (range(peer.num_pages, peer.num_pages + peer.state_slots * each), each)
+        checked = check_prefill_request(
+            msg, peer.num_pages, need, self.engine.validate, wall, state
+        )
         if isinstance(checked, str):
             return reject(checked)
         params, left = checked
@@ -257,6 +263,7 @@ class PrefillRole(Role):
             deadline,
             since=now,
             write_deadline=msg.write_deadline,
+            state_pages=list(msg.state_pages),
         )
         self.by_room[(peer_id, msg.room)] = room
         self.by_request[req.request_id] = room

@@ -41,6 +41,10 @@ class PRoom:
     # only by FREE_PAGES.
     lease: Lease | None = None
     writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
+    # D's pages of the room's state slot (a layout with per-request state), written once after
+    # the prompt's last chunk; what was written there.
+    state_pages: list[int] = field(default_factory=list)
+    state_bytes: int = 0
 
     def write_deadline_mono(self, now: float, wall: float) -> float:
         """The write deadline on the monotonic clock, given one reading of each clock."""
@@ -55,6 +59,7 @@ class PRoom:
             epoch=self.epoch,
             first_token=self.first_token,
             kv_bytes=self.bytes_written,
+            state_bytes=self.state_bytes,
             first_logprob=self.first_logprob,
             prompt_logprobs=tuple(self.request.prompt_logprobs),
         )
@@ -66,13 +71,21 @@ def check_prefill_request(
     pages_needed: int,
     validate: Callable[[list[int], SamplingParams], None],
     wall: float,
+    state: tuple[range, int] | None = None,
 ) -> tuple[SamplingParams, float] | str:
     """(the params P samples with, seconds left to its write deadline), or why P refuses it:
-    destination pages out of D's pool (`num_pages`) or too few, invalid params (`validate`:
-    the engine's rules), a write deadline not finite or already past at `wall` (unix time,
-    P's clock)."""
+    destination pages out of D's pool (`num_pages`) or too few, state pages that are not one
+    slot's (`state`: D's state pages and a slot's page count, for a layout with per-request
+    state; else there must be none), invalid params (`validate`: the engine's rules), a write
+    deadline not finite or already past at `wall` (unix time, P's clock)."""
     if len(msg.dst_pages) < pages_needed or any(not 0 <= p < num_pages for p in msg.dst_pages):
         return f"dst_pages invalid: {pages_needed} pages in [0, {num_pages}) needed"
+    if state is None and msg.state_pages:
+        return "state_pages given, but the KV layout keeps no per-request state"
+    if state is not None:
+        pages, each = state
+        if len(msg.state_pages) != each or any(p not in pages for p in msg.state_pages):
+            return f"state_pages invalid: {each} pages in [{pages.start}, {pages.stop}) needed"
     try:
         # P samples output position 0 only, by the same rule as D samples the rest: a
         # min_tokens of 1 or more bans EOS and the stop ids from this token too.

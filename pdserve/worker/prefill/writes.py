@@ -1,14 +1,15 @@
 """The prefill role's KV writes: each room's computed pages posted to its decode worker, polled.
 
-After a step, the pages its chunks filled are written to each room's destination pages, one
-write a room, through the writer of the decode worker that sent the room (its current pairing
-only: worker/prefill/peers.py). On a GPU every write waits for the step's end (one event a
-step), so no transfer reads KV still being computed. A write stays in `room.inflight` until it
-completes; meanwhile the scheduler never preempts the request, and a room in
-WAITING_FOR_WRITES waits for it before PrefillDone (or its failure) goes out. A write that
-fails fails its room, never the step; one whose peer's transfer layer disconnected (PeerGone)
-drops that peer, failing every room it had at once. Room events go back to the prefill role
-(worker/prefill/role.py), which owns the rooms, through `apply` and `drop_peer`.
+After a step, the pages its chunks filled are written to each room's destination pages (with the
+prompt's last pages, its state slot's pages into D's slot, for a model with per-request state),
+one write a room, through the writer of the decode worker that sent the room (its current
+pairing only: worker/prefill/peers.py). On a GPU every write waits for the step's end (one event
+a step), so no transfer reads KV still being computed. A write stays in `room.inflight` until it
+completes; meanwhile the scheduler never preempts the request, and a room in WAITING_FOR_WRITES
+waits for it before PrefillDone (or its failure) goes out. A write that fails fails its room,
+never the step; one whose peer's transfer layer disconnected (PeerGone) drops that peer, failing
+every room it had at once. Room events go back to the prefill role (worker/prefill/role.py),
+which owns the rooms, through `apply` and `drop_peer`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import StepPlan
 from pdserve.kvcache.pool import KVPool
 from pdserve.protocol.rooms import PEvent, PState
@@ -64,7 +66,9 @@ class PrefillWrites:
                 if done
                 else (req.num_computed // self.pool.page_size)
             )
-            if target <= room.pages_written:
+            # Per-request state (DeepSeek-V4): once, with the prompt's last pages.
+            state = self._state_pages(req) if done and room.state_pages else []
+            if target <= room.pages_written and not state:
                 continue
             peer = self.peers.current(room.peer, room.peer_generation)
             try:
@@ -78,13 +82,14 @@ class PrefillWrites:
                     room.room,
                     room.epoch,
                     self.pool,
-                    req.pages[sl],
-                    room.dst_pages[sl],
+                    [*req.pages[sl], *state],
+                    [*room.dst_pages[sl], *(room.state_pages if state else ())],
                     room.write_deadline_mono(now, wall),
                     ready,
                 )
                 room.inflight.append(xfer)
                 room.bytes_written += xfer.nbytes
+                room.state_bytes += len(state) * self.pool.layout.page_bytes
                 room.pages_written = target
             except PeerGone as e:
                 assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
@@ -92,6 +97,14 @@ class PrefillWrites:
             except Exception as e:  # noqa: BLE001 - any write failure fails this room, not the step
                 log.warning("KV write for room %d failed: %s", room.room, e)
                 self.apply(room, PEvent.WRITE_FAILED, now, f"KV write failed: {e}")
+
+    def _state_pages(self, req: Request) -> list[int]:
+        """The pages of `req`'s state slot in our pool (none without per-request state)."""
+        slot = req.lease.slot if req.lease is not None else None
+        if self.pool.state is None or slot is None:
+            return []
+        first = self.pool.state.first_page(slot)
+        return list(range(first, first + self.pool.state.pages_each))
 
     def poll(self, rooms: Iterable[PRoom], now: float) -> None:
         """Collect completed writes of `rooms`; a failed or overdue one fails its room."""
