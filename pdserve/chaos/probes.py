@@ -102,6 +102,19 @@ class Quiet:
         return total
 
 
+    @property
+    def leaked_state_slots(self) -> int:
+        """Per-request state slots still taken once the bound passed (zero when quiet)."""
+        if self.ok:
+            return 0
+        total = 0
+        for inv in self.workers.values():
+            pool = inv.get("pool") if isinstance(inv, dict) else None
+            if pool:
+                total += pool.get("state_slots", 0) - pool.get("state_slots_free", 0)
+        return total
+
+
 def router_leftovers(router: str) -> tuple[dict[str, Any], list[str]]:
     r = httpcall.get(router + "/debug/cluster", 10.0)
     if not isinstance(r.body, dict):

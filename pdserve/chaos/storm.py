@@ -55,6 +55,7 @@ class AbortStorm:
         s["steady_ratio"] = round(after / fresh, 3) if fresh and after is not None else None
         s["headline"] = (
             f"{s['rounds']} rounds, {s['wedges']} wedges, {s['leaked_pages']} leaked pages, "
+            f"{s['leaked_state_slots']} leaked state slots, "
             f"kill->deep health p50 {fmt(s['kill_to_deep_health_p50_s'])} "
             f"p99 {fmt(s['kill_to_deep_health_p99_s'])} (bound {opts.deep_bound_s:g}s), "
             f"throughput {s['throughput_first_tok_s']} -> {s['throughput_last_tok_s']} tok/s "
@@ -141,6 +142,7 @@ class AbortStorm:
         quiet = probes.wait_quiet(router, workers, opts.quiet_bound_s)
         rec["quiet_after_s"] = quiet.after_s if quiet.ok else None
         rec["leaked_pages"] = quiet.leaked_pages
+        rec["leaked_state_slots"] = quiet.leaked_state_slots
         if not quiet.ok:
             rec["invariants"] = quiet.workers
             bad.append(f"not quiet after {opts.quiet_bound_s:.0f}s: {'; '.join(quiet.violations)}")
@@ -174,6 +176,7 @@ def summarize(rounds: list[dict[str, Any]], opts: ChaosOptions) -> dict[str, Any
         "sessions": opts.sessions,
         "wedges": sum(1 for r in rounds if r.get("wedged")),
         "leaked_pages": sum(r.get("leaked_pages", 0) for r in rounds),
+        "leaked_state_slots": sum(r.get("leaked_state_slots", 0) for r in rounds),
         "kill_to_deep_health_p50_s": percentile(deep, 50),
         "kill_to_deep_health_p99_s": percentile(deep, 99),
         "kill_to_deep_health_max_s": max(deep) if deep else None,

@@ -57,6 +57,9 @@ def engine_snapshot(
             "pages_free": pool.allocator.num_free,
             "pages_used": pool.allocator.num_used,
             "pages_cached": pool.allocator.num_evictable,
+            # Per-request state slots (DeepSeek-V4; kvcache/state_pool.py), 0 without.
+            "state_slots": pool.state.num_slots if pool.state is not None else 0,
+            "state_slots_free": pool.state.num_free if pool.state is not None else 0,
             "leases": len(leases) - (1 if cache is not None else 0),
             "lease_violations": violations,
             "layout": pool.layout.to_dict(),

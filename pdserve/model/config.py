@@ -6,8 +6,8 @@ adds its latent attention (`mla`) and its routed experts (`moe`), and V3.2 (its 
 DeepSeek-V4's own fields are one `V4Arch` (`v4`, model/deepseek_v4/config.py).
 Anything we cannot run faithfully is refused here with an error that names the field, never
 guessed at later. DeepSeek's own fields are read in model/deepseek_config.py, the rope fields
-of every family in model/rope_scaling.py; a GGUF file's metadata becomes such a config in
-model/gguf_file.py.
+of every family in model/rope_scaling.py, a quantised checkpoint's quantization_config in
+model/quant_config.py; a GGUF file's metadata becomes such a config in model/gguf_file.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pdserve.model.deepseek_config import DSAArch, MLAArch, MoEArch, deepseek_v3
 from pdserve.model.deepseek_v4.config import V4Arch
 from pdserve.model.errors import ModelConfigError
 from pdserve.model.gguf_file import find_gguf, open_gguf
+from pdserve.model.quant_config import QuantConfig
 from pdserve.model.rope_scaling import RopeScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = {
@@ -65,8 +66,8 @@ class ModelArch:
     dsa: DSAArch | None = None
     v4: V4Arch | None = None  # DeepSeek-V4: everything about it (the fields above mirror it)
     mtp_layers: int = 0  # multi-token prediction layers after the last: their weights are skipped
-    # quantization_config of an fp8 block-quantised checkpoint: (rows, cols) of a scale's block.
-    fp8_block: tuple[int, int] | None = None
+    # quantization_config of a block-quantised checkpoint (dequantised on load), else None.
+    quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -76,7 +77,7 @@ class ModelArch:
             )
 
     @classmethod
-    def for_v4(cls, v4: V4Arch, fp8_block: tuple[int, int] | None = None) -> ModelArch:
+    def for_v4(cls, v4: V4Arch, quant: QuantConfig | None = None) -> ModelArch:
         """DeepSeek-V4's ModelArch: the common fields read off its V4Arch."""
         return cls(
             architecture="DeepseekV4ForCausalLM",
@@ -100,7 +101,7 @@ class ModelArch:
             torch_dtype=v4.torch_dtype,
             mtp_layers=v4.mtp_layers,
             v4=v4,
-            fp8_block=fp8_block,
+            quant=quant,
         )
 
     @classmethod
@@ -132,10 +133,11 @@ class ModelArch:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        quant = QuantConfig.from_hf_config(cfg, where)
         if family == "deepseek_v3":
-            return cls(**deepseek_v3_fields(cfg, where, arch), fp8_block=_fp8_block(cfg, where))
+            return cls(**deepseek_v3_fields(cfg, where, arch), quant=quant)
         if family == "deepseek_v4":
-            return cls.for_v4(V4Arch.from_hf_config(cfg, where), _fp8_block(cfg, where))
+            return cls.for_v4(V4Arch.from_hf_config(cfg, where), quant)
 
         def need(key: str) -> Any:
             if key not in cfg:
@@ -178,25 +180,5 @@ class ModelArch:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            fp8_block=_fp8_block(cfg, where),
+            quant=quant,
         )
-
-
-def _fp8_block(cfg: dict[str, Any], where: str) -> tuple[int, int] | None:
-    """DeepSeek's fp8 checkpoints: `weight_block_size` [128, 128], one float32
-    `weight_scale_inv` per block of each fp8 weight. Other quantisations are refused."""
-    q = cfg.get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method") if isinstance(q, dict) else None
-    block = q.get("weight_block_size") if isinstance(q, dict) else None
-    if method != "fp8" or not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        raise ModelConfigError(
-            f"{where}: quantization_config {q!r} not supported; only block-quantised fp8 "
-            "(quant_method 'fp8' with a weight_block_size [rows, cols]) is, dequantised on load"
-        )
-    return block[0], block[1]

@@ -92,7 +92,7 @@ class DSAArch:
 
 
 def deepseek_v3_fields(cfg: dict[str, Any], where: str, arch: str) -> dict[str, Any]:
-    """ModelArch's fields for DeepSeek-V3 or V3.2 (`arch`), all but `fp8_block`."""
+    """ModelArch's fields for DeepSeek-V3 or V3.2 (`arch`), all but `quant`."""
 
     def need(key: str) -> Any:
         if cfg.get(key) is None:

@@ -5,20 +5,19 @@ Peak memory is the model in its final dtype plus one read chunk (CHUNK_BYTES):
   * the model is built on the meta device and each parameter is then created empty, in the
     target dtype, on the target device; tied parameters are tied first, so they get one tensor;
   * weight_map.plan() pairs checkpoint tensors with parameters and checks every name and shape
-    before a byte is read;
+    before a byte is read (model/safetensors_file.py reads the files' headers);
   * each tensor is read from its file in chunks into one reused buffer and copied (cast on the
     way) into its destination.
 We read the files with plain reads rather than safetensors' safe_open: safe_open maps the whole
 file, and every page a tensor touches stays resident, counted in the process's RSS, until the
 handle closes: about 600 MiB over the model for qwen2-0.5b-shape's first shard (see
-benchmarks/models/load_memory.py). The safetensors format is an
-8-byte little-endian header length, a JSON header (dtype, shape, data_offsets per tensor) and
-the raw little-endian bytes of each tensor in C order.
+benchmarks/models/load_memory.py).
 
-Also (DeepSeek-V3 and V3.2 checkpoints; V3.2's indexer weights load by name, its weights_proj
-kept float32 like the router's): fp8 block-quantised weights (`quantization_config` fp8 with a
-`weight_block_size`) are dequantised on load, weight times its `weight_scale_inv` block by
-block, one tensor at a time; the weights of multi-token prediction layers (the
+Also (DeepSeek checkpoints; V3.2's indexer weights load by name, its weights_proj kept float32
+like the router's): block-quantised weights (V3's fp8 with float32 `weight_scale_inv`; V4's fp8
+with E8M0 `scale`s and its fp4 routed experts) are paired with their scales and checked by
+model/quantized.py before a byte is read, then dequantised one tensor at a time (fp4 planned at
+its unpacked shape); the weights of multi-token prediction layers (the
 `num_nextn_predict_layers` layers after the last; DeepSeek-V4's `mtp.*` modules) are skipped
 with one log line, as vLLM does: pdserve does not run MTP, and the model without them is the
 whole model. DeepSeek-V4's hash-routing tables (tid2eid) load as integers.
@@ -27,12 +26,10 @@ whole model. DeepSeek-V4's hash-routing tables (tid2eid) load as integers.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
@@ -45,100 +42,20 @@ from pdserve.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
 from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
+from pdserve.model.quantized import BlockScale, dequantize, take_scales
+from pdserve.model.safetensors_file import (
+    StoredTensor,
+    checkpoint_tensors,
+    read_whole,
+    weight_files,
+)
 from pdserve.model.weight_map import Placement, plan, rules_for
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 CHUNK_BYTES = 16 << 20
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelConfigError(f"{path}: shards listed in the index are missing: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ModelConfigError(
-        f"{path}: no weights found (expected model.safetensors or model.safetensors.index.json)"
-    )
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where a checkpoint tensor's bytes are: `offset` is absolute within `file`."""
-
-    file: Path
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def read_header(file: Path) -> dict[str, StoredTensor]:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 or n > min(size - 8, MAX_HEADER_BYTES):
-            raise ModelConfigError(f"{file}: not a safetensors file (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelConfigError(f"{file}: safetensors header is not valid JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ModelConfigError(f"{file}: safetensors header is not a JSON object")
-    out: dict[str, StoredTensor] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelConfigError(f"{file.name}: tensor {name}: bad header entry {entry}") from e
-        if code not in SAFETENSORS_DTYPES:
-            raise ModelConfigError(
-                f"{file.name}: tensor {name} has dtype {code}; "
-                f"supported: {list(SAFETENSORS_DTYPES)}"
-            )
-        dtype = SAFETENSORS_DTYPES[code]
-        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0 or 8 + n + end > size:
-            raise ModelConfigError(
-                f"{file.name}: tensor {name} ({code}, shape {shape}) has byte range "
-                f"[{begin}, {end}) that does not fit its shape or the {size}-byte file"
-            )
-        out[name] = StoredTensor(file, 8 + n + begin, dtype, shape)
-    return out
-
-
-def checkpoint_tensors(files: list[Path]) -> dict[str, StoredTensor]:
-    out: dict[str, StoredTensor] = {}
-    for f in files:
-        for name, t in read_header(f).items():
-            if name in out:
-                raise ModelConfigError(f"tensor {name} is in both {out[name].file} and {f}")
-            out[name] = t
-    return out
+Fp8Scale = BlockScale  # a weight's scale, as copy_placements takes it (the name tests use)
 
 
 LoadedModel: TypeAlias = CausalLM | DeepseekV3ForCausalLM | DeepseekV4ForCausalLM
@@ -196,10 +113,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
     _skip_mtp_layers(stored, arch)
     if arch.v4 is not None:
         _skip_mtp_modules(stored)
-    scales = _fp8_scales(stored, arch, str(path))
+    scales = take_scales(stored, arch.quant, str(path))
     model = empty_model(arch, dtype, device)
-    shapes = {name: t.shape for name, t in stored.items()}
-    placements, params = _plan(model, shapes, arch, str(path))
+    shapes = {n: t.shape for n, t in stored.items()}
+    packed: dict[str, str] = {}  # fp4 is planned at its dequantised shape: two values a byte
+    for n, s in scales.items():
+        shapes[n] = s.weight_shape(stored[n].shape)
+        if shapes[n] != stored[n].shape:
+            packed[n] = f"{s.fmt.value} stored as {stored[n].dtype} {stored[n].shape}"
+    placements, params = _plan(model, shapes, arch, str(path), packed)
     copy_placements(stored, placements, params, scales)
     model.eval()
     log.info(
@@ -209,14 +131,19 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
 
 
 def _plan(
-    model: LoadedModel, shapes: dict[str, tuple[int, ...]], arch: ModelArch, where: str
+    model: LoadedModel,
+    shapes: dict[str, tuple[int, ...]],
+    arch: ModelArch,
+    where: str,
+    stored_as: dict[str, str] | None = None,
 ) -> tuple[list[Placement], dict[str, nn.Parameter]]:
     """weight_map.plan() for `model`'s parameters (one name per tensor: a tied lm_head is an
     alias, not a parameter), and the parameters by name."""
     params = dict(model.named_parameters())
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     targets = {name: tuple(p.shape) for name, p in params.items()}
-    return plan(shapes, targets, rules_for(arch.architecture), aliases, where=where), params
+    rules = rules_for(arch.architecture)
+    return plan(shapes, targets, rules, aliases, where=where, stored_as=stored_as), params
 
 
 def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -241,11 +168,11 @@ def copy_placements(
     stored: dict[str, StoredTensor],
     placements: list[Placement],
     params: dict[str, nn.Parameter],
-    scales: dict[str, Fp8Scale] | None = None,
+    scales: dict[str, BlockScale] | None = None,
 ) -> None:
     """Fill each placement's destination from its file, file by file, in offset order; a
-    source with an fp8 scale (`scales`) is dequantised on the way. Each file is opened once
-    (its scales may sit in another shard) and closed after its last read."""
+    source with a scale (`scales`: model/quantized.py) is dequantised on the way. Each file is
+    opened once (its scales may sit in another shard) and closed after its last read."""
     scales = scales or {}
     by_file: dict[Path, list[Placement]] = defaultdict(list)
     for p in placements:
@@ -260,7 +187,9 @@ def copy_placements(
                 t = stored[p.source]
                 if p.source in scales:
                     scale = scales[p.source]
-                    dst.copy_(_dequantised(files.get(file), t, files.get(scale.tensor.file), scale))
+                    w = read_whole(files.get(file), t)
+                    s = read_whole(files.get(scale.tensor.file), scale.tensor)
+                    dst.copy_(dequantize(w, s, scale, p.source))
                     files.done(scale.tensor.file)
                 else:
                     bounce = _copy_tensor(files.get(file), t, dst, bounce)
@@ -363,73 +292,3 @@ def _skip_mtp_modules(stored: dict[str, StoredTensor]) -> None:
             "run MTP",
             len(dropped),
         )
-
-
-@dataclass(frozen=True)
-class Fp8Scale:
-    """One float32 scale per (rows x cols) block of an fp8 weight: w = fp8 * scale."""
-
-    tensor: StoredTensor
-    block: tuple[int, int]
-
-
-def _fp8_scales(
-    stored: dict[str, StoredTensor], arch: ModelArch, where: str
-) -> dict[str, Fp8Scale]:
-    """Take every `X.weight_scale_inv` out of `stored`: {X.weight: its scale}, each checked
-    against its weight's shape; an fp8 weight without one is refused."""
-    suffix = "_scale_inv"
-    names = [n for n in stored if n.endswith(".weight" + suffix)]
-    if names and arch.fp8_block is None:
-        raise ModelConfigError(
-            f"{where}: {names[0]} and {len(names) - 1} more scales, but config.json has no fp8 "
-            "quantization_config with a weight_block_size"
-        )
-    out: dict[str, Fp8Scale] = {}
-    for n in names:
-        scale = stored.pop(n)
-        weight = n[: -len(suffix)]
-        w = stored.get(weight)
-        assert arch.fp8_block is not None
-        b0, b1 = arch.fp8_block
-        if w is None or len(w.shape) != 2:
-            raise ModelConfigError(f"{where}: scale {n} has no 2-D weight {weight}")
-        want = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
-        if scale.shape != want or scale.dtype != torch.float32:
-            raise ModelConfigError(
-                f"{where}: scale {n} is {scale.dtype} {scale.shape}; weight {weight} "
-                f"{w.shape} in blocks of {arch.fp8_block} needs float32 {want}"
-            )
-        out[weight] = Fp8Scale(scale, arch.fp8_block)
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    unscaled = sorted(n for n, t in stored.items() if t.dtype in fp8 and n not in out)
-    if unscaled:
-        raise ModelConfigError(
-            f"{where}: fp8 tensors without a weight_scale_inv: {', '.join(unscaled[:5])}"
-        )
-    return out
-
-
-def _read_whole(f: io.FileIO, t: StoredTensor) -> torch.Tensor:
-    nbytes = math.prod(t.shape) * t.dtype.itemsize
-    buf = bytearray(nbytes)
-    f.seek(t.offset)
-    view, got = memoryview(buf), 0
-    while got < nbytes:
-        k = f.readinto(view[got:])
-        if not k:
-            raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
-        got += k
-    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
-
-
-def _dequantised(
-    f: io.FileIO, weight: StoredTensor, sf: io.FileIO, scale: Fp8Scale
-) -> torch.Tensor:
-    """The fp8 weight [M, N] (in `f`) times its scale [ceil(M/b0), ceil(N/b1)] (in `sf`, maybe
-    the same file) per block, float32."""
-    w = _read_whole(f, weight).float()  # [M, N]
-    s = _read_whole(sf, scale.tensor)  # [ceil(M / b0), ceil(N / b1)] float32
-    b0, b1 = scale.block
-    m, n = w.shape
-    return w * s.repeat_interleave(b0, 0)[:m].repeat_interleave(b1, 1)[:, :n]

@@ -185,9 +185,12 @@ def plan(
     rules: Sequence[Rule],
     aliases: Collection[str] = (),
     where: str = "checkpoint",
+    stored_as: Mapping[str, str] | None = None,
 ) -> list[Placement]:
     """Where each checkpoint tensor goes. `aliases`: names of tied parameters (lm_head.weight
     when tied to embed_tokens); a checkpoint tensor that maps to one is a copy and is skipped.
+    `stored_as`: how a tensor is stored when `checkpoint` gives it another shape (packed fp4
+    is planned unpacked), said in a shape error.
     Raises ModelConfigError for a tensor with no parameter, a parameter with no tensor, a
     parameter covered twice or partly, and a shape that does not fit."""
     placements: list[Placement] = []
@@ -240,9 +243,11 @@ def plan(
     for p in placements:
         want = region_shape(p.region, params[p.target])
         if tuple(checkpoint[p.source]) != want:
+            how = (stored_as or {}).get(p.source)
             raise ModelConfigError(
-                f"{where}: tensor {p.source} has shape {tuple(checkpoint[p.source])}, "
-                f"but parameter {p.target} needs {want} there (from config.json)"
+                f"{where}: tensor {p.source} has shape {tuple(checkpoint[p.source])}"
+                f"{f' ({how})' if how else ''}, but parameter {p.target} needs {want} there "
+                "(from config.json)"
             )
     _check_coverage(placements, params, where)
     return placements

@@ -133,11 +133,13 @@ def test_summary_counts_wedges_and_compares_throughput():
             "throughput_tok_s": 100.0,
             "wedged": True,
             "leaked_pages": 3,
+            "leaked_state_slots": 2,
             "client": {"started": 5, "ok": 5, "in_flight": 0},
         },
     ]
     s = summarize(rounds, ChaosOptions())
     assert (s["wedges"], s["leaked_pages"], s["requests"], s["streams_killed"]) == (1, 3, 15, 2)
+    assert s["leaked_state_slots"] == 2
     assert s["kill_to_deep_health_p50_s"] == 0.2 and s["throughput_ratio"] == 0.25
     out = Outcome("abort-storm", violations=["round 2: wedged"], summary={"headline": "h"})
     text = render_summary([out], 1, "r.json")
@@ -224,3 +226,12 @@ def test_no_disconnect_prompt_shares_a_cached_page_with_another() -> None:
         keys = set(page_keys(prompt(n), 1))  # page size 1: no shared first token either
         assert len(prompt(n)) == PROMPT_LEN and not keys & seen, n
         seen |= keys
+
+
+def test_a_taken_state_slot_is_counted_as_leaked():
+    from pdserve.chaos.probes import Quiet
+
+    pool = {"pages_total": 4, "pages_free": 4, "state_slots": 8, "state_slots_free": 7}
+    q = Quiet(False, 30.0, workers={"http://w": {"pool": pool}}, violations=["x"])
+    assert (q.leaked_pages, q.leaked_state_slots) == (0, 1)
+    assert Quiet(True, 0.1, workers={"http://w": {"pool": pool}}).leaked_state_slots == 0

@@ -105,6 +105,10 @@ class OpsApi:
                 f"pages free {pool['pages_free']} + cached {pool.get('pages_cached', 0)} "
                 f"!= total {pool['pages_total']}"
             )
+        if pool.get("state_slots_free", 0) != pool.get("state_slots", 0):
+            violations.append(
+                f"state slots free {pool['state_slots_free']} != total {pool['state_slots']}"
+            )
         if pool["leases"]:
             violations.append(f"{pool['leases']} page leases still live")
         violations += [f"lease check: {v}" for v in pool["lease_violations"]]
