@@ -24,6 +24,7 @@ class ModelSpec:
 
 
 INDEX_K_DTYPES = ("auto", "fp8")  # --index-k-dtype
+KV_DTYPES = ("auto", "fp8")  # --kv-dtype (kvcache/v4_layout.py KV_DTYPES, which needs torch)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class CacheConfig:
     # DeepSeek-V3.2's index-K (kvcache/layout.py index_k_buffers): "auto" = the model dtype,
     # "fp8" = float8_e4m3fn plus a float32 scale per token. Other models ignore it.
     index_k_dtype: str = "auto"
+    # DeepSeek-V4's compressed KV (kvcache/v4_layout.py): "auto" = the model dtype, "fp8" =
+    # float8_e4m3fn with float32 block scales, the rotary part in the model dtype. Other
+    # models refuse "fp8" (KVLayout.for_model).
+    kv_dtype: str = "auto"
     # The share of a CUDA card's memory this worker may hold (weights, activations, KV), when
     # the KV budget is left to engine/sizing.py; vLLM's name and default.
     gpu_memory_utilization: float = 0.9
@@ -50,6 +55,8 @@ class CacheConfig:
             raise ValueError(
                 f"index-K dtype must be one of {INDEX_K_DTYPES}, got {self.index_k_dtype!r}"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu memory utilization must be in (0, 1], got {self.gpu_memory_utilization}"

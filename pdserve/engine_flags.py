@@ -10,6 +10,7 @@ from typing import TypeVar
 from pdserve.config import (
     ATTENTION_BACKENDS,
     INDEX_K_DTYPES,
+    KV_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelSpec,
@@ -78,6 +79,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=INDEX_K_DTYPES,
         help="DeepSeek-V3.2's indexer keys in the KV cache: auto = the model dtype (exact "
         "against HF), fp8 = float8_e4m3fn with a float32 scale per token; P and D must agree",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPES,
+        help="DeepSeek-V4's compressed KV and indexer keys: auto = the model dtype (exact "
+        "against HF), fp8 = float8_e4m3fn with float32 scales (a scale per 64 channels, the "
+        "rotary part in the model dtype); other models: auto only; P and D must agree",
     )
     g.add_argument(
         "--max-batched-tokens",
@@ -197,6 +206,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             and not args.no_prefix_cache,
             host_cache_bytes=host_cache_bytes(args),
             index_k_dtype=args.index_k_dtype,
+            kv_dtype=args.kv_dtype,
         ),
         # A limit not given keeps the placeholder until Engine.build resolves it (`auto`).
         scheduler=SchedulerConfig(

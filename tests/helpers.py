@@ -23,6 +23,7 @@ def make_engine(
     kv_mb: float = 16.0,
     max_model_len: int = 1024,
     overlap: bool | None = None,
+    kv_dtype: str = "auto",
 ) -> Engine:
     return build_engine(
         path,
@@ -32,6 +33,7 @@ def make_engine(
         kv_budget_mb=kv_mb,
         max_model_len=max_model_len,
         overlap_schedule=overlap,
+        kv_dtype=kv_dtype,
     )
 
 

@@ -78,6 +78,9 @@ class Batch:
     extra: tuple[torch.Tensor, ...] = ()  # BatchBuilder.build's `extra` lists, on the device
     # [B]: each sequence's per-request state slot (kvcache/state_pool.py; DeepSeek-V4), or ()
     host_state_slots: tuple[int, ...] = ()
+    # [B]: whether each sequence resumes from a cached prefix this step (its state is rebuilt
+    # from the page before it), or ()
+    host_state_resumes: tuple[bool, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -161,10 +164,12 @@ class BatchBuilder:
         prefills: Sequence[SeqSpan],
         extra: Sequence[Sequence[int]] = (),
         state_slots: Sequence[int] = (),
+        state_resumes: Sequence[bool] = (),
     ) -> Batch:
         """The step's decodes, as columns, then its other spans (`build`: the same from spans;
         the runner's per-step call). `state_slots`: each sequence's state slot, in the same
-        order, for a pool that keeps per-request state."""
+        order, for a pool that keeps per-request state, and whether each resumes from a cached
+        prefix (`state_resumes`)."""
         nd = len(decodes.starts)
         if nd + len(prefills) == 0:
             raise ValueError("a batch needs at least one sequence")
@@ -242,6 +247,7 @@ class BatchBuilder:
             host_kv_lens=tuple(kv_lens),
             extra=tuple(up[8:]),
             host_state_slots=tuple(state_slots),
+            host_state_resumes=tuple(state_resumes),
         )
 
 

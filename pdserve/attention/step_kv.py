@@ -13,6 +13,18 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_cast(name: str, values: torch.Tensor, stored: torch.dtype) -> None:
+    """Refuse to store `values` into a buffer of dtype `stored` by a cast that loses its
+    meaning: floats into fp8 need a scale, which only the model can make."""
+    if stored in FP8 and values.dtype != stored:
+        raise ValueError(
+            f"store of {values.dtype} values into {stored} component {name!r}: quantise them "
+            "first (a plain cast has no scale)"
+        )
+
 
 class Span(NamedTuple):
     """One sequence's share of a step: its new tokens are rows first .. first + length - 1 of
@@ -21,6 +33,9 @@ class Span(NamedTuple):
     first: int
     length: int
     start: int
+    # It resumes from a cached prefix this step (start is a page boundary): its state slot is
+    # rebuilt first from the state the page before `start` keeps of its end.
+    resumes: bool = False
 
 
 class SeqKV(Protocol):
@@ -36,9 +51,21 @@ class SeqKV(Protocol):
         journals the rows it overwrites, so a step that fails can be undone."""
         ...
 
+    def buffer_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype paged component `name` is stored in, in this layer; None if the pool has
+        no such component there. How the model learns the storage mode: the layout, not the
+        model, decides it (kvcache/v4_layout.py)."""
+        ...
+
     def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:
         """Write entries first .. first + len(values) - 1 of paged component `name` (the
-        sequence's entry index, 0 at its first window), converted to the buffer's dtype."""
+        sequence's entry index, 0 at its first window), converted to the buffer's dtype;
+        ValueError for floats into an fp8 buffer (a plain cast has no scale: quantise them
+        first)."""
+        ...
+
+    def row_tokens(self, name: str) -> int:
+        """Tokens per row of paged component `name` (its tokens_per_row)."""
         ...
 
     def rows(self, name: str, count: int) -> torch.Tensor:

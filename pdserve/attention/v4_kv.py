@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.attention.batch import Batch
-from pdserve.attention.step_kv import SeqKV, Span
+from pdserve.attention.step_kv import SeqKV, Span, check_cast
 from pdserve.kvcache.pool import KVPool
 
 # State writes of a step: (the slot's component, the index written, its rows before).
@@ -56,16 +56,26 @@ class PoolSeqKV:
         view = self.step.pool.view(self.layer, name)  # [num_pages, rows, *shape]
         return view, view.shape[1]
 
+    def buffer_dtype(self, name: str) -> torch.dtype | None:
+        layout = self.step.pool.layout
+        if name not in {b.name for b in layout.buffers}:
+            return None
+        return layout.buffer(name).torch_dtype if self.layer in layout.layers_of(name) else None
+
     def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:
+        view, rpp = self._view(name)
+        check_cast(name, values, view.dtype)
         if len(values) == 0:
             return
-        view, rpp = self._view(name)
         last = first + len(values) - 1
         if last // rpp >= self.step.own_pages[self.b]:
             raise ValueError(f"{name}: entry {last} is past the sequence's pages")
         idx = torch.arange(first, last + 1, device=view.device)
         pages = self.step.batch.page_table[self.b].long()[idx // rpp]
         view[pages, idx % rpp] = values.to(view.dtype)
+
+    def row_tokens(self, name: str) -> int:
+        return self.step.pool.layout.buffer(name).tokens_per_row
 
     def rows(self, name: str, count: int) -> torch.Tensor:
         view, rpp = self._view(name)
@@ -95,8 +105,9 @@ class PoolStepKV:
         ps = batch.page_size
         self.own_pages = [-(-n // ps) for n in batch.host_kv_lens]  # each sequence's pages
         qs, kv = batch.host_query_start, batch.host_kv_lens
+        resumes = batch.host_state_resumes or (False,) * batch.num_seqs
         self._spans = [
-            Span(qs[b], qs[b + 1] - qs[b], kv[b] - (qs[b + 1] - qs[b]))
+            Span(qs[b], qs[b + 1] - qs[b], kv[b] - (qs[b + 1] - qs[b]), resumes[b])
             for b in range(batch.num_seqs)
         ]
 

@@ -101,7 +101,6 @@ class Quiet:
                 total += pool["pages_total"] - pool["pages_free"] - cached
         return total
 
-
     @property
     def leaked_state_slots(self) -> int:
         """Per-request state slots still taken once the bound passed (zero when quiet)."""

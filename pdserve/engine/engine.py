@@ -72,12 +72,9 @@ class Engine(RequestEnds):
         )
         # Every page taken from the pool is leased, and every state slot with it.
         self.leases = Leases(pool.allocator, pool.state)
-        if cfg.cache.prefix_cache and pool.state is not None:
-            # A cached prefix would need its per-request state at the prefix's end too.
-            log.info("prefix cache and host tier: off (they keep no per-request state)")
         self.prefix_cache = (
             PrefixCache(self.leases, pool.page_size, host_tier(pool, cfg.cache.host_cache_bytes))
-            if cfg.cache.prefix_cache and pool.state is None
+            if cfg.cache.prefix_cache
             else None
         )
         pins = lambda req: self.role.pins(req)  # the role is set later, by attach
@@ -135,7 +132,7 @@ class Engine(RequestEnds):
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
             log.info("limits: %s", chosen)
         layout = KVLayout.for_model(
-            arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype
+            arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype, cfg.cache.kv_dtype
         )
         if layout.page_size != cfg.cache.page_size:
             log.info("KV pages of %d tokens (the model's windows)", layout.page_size)

@@ -38,11 +38,16 @@ def build_engine(
     prefix_cache: bool = CacheConfig.prefix_cache,
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
+    kv_dtype: str = CacheConfig.kv_dtype,
 ) -> Engine:
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
         CacheConfig(
-            page_size, int(kv_budget_mb * 2**20), prefix_cache, index_k_dtype=index_k_dtype
+            page_size,
+            int(kv_budget_mb * 2**20),
+            prefix_cache,
+            index_k_dtype=index_k_dtype,
+            kv_dtype=kv_dtype,
         ),
         SchedulerConfig(
             max_batched_tokens=max_batched_tokens,

@@ -103,6 +103,9 @@ class Request:
     lease: Lease | None = None
     unleased_pages: list[int] = field(default_factory=list, repr=False)  # see `pages`
     num_computed: int = 0  # tokens whose K/V is in the pool
+    # Per-request state (DeepSeek-V4): admitted on a cached prefix, its state slot is rebuilt
+    # from the prefix's last page on its next step (attention/step_kv.py Span.resumes).
+    resumes_state: bool = False
     # Overlapped scheduling (engine/inflight.py): tokens sampled by a step still in flight,
     # counted in `num_tokens` but not yet in `output_ids` (0 or 1 when the scheduler runs; 2
     # while a step is launched before the one in flight is processed), and whether the newest

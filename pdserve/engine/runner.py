@@ -127,9 +127,13 @@ class ModelRunner:
             prefills.append(SeqSpan(span_ids, c.start, req.page_view, c.samples, req))
             at += c.length
         slots = self._state_slots(chunks)
+        resumes = [c.request.resumes_state for c in chunks] if slots else []
         if feed is None or not dst:
-            return self.builder.build_step(decodes, prefills, state_slots=slots)
-        batch = self.builder.build_step(decodes, prefills, feed.staged_rows(dst, src), slots)
+            return self.builder.build_step(
+                decodes, prefills, state_slots=slots, state_resumes=resumes
+            )
+        extra = feed.staged_rows(dst, src)
+        batch = self.builder.build_step(decodes, prefills, extra, slots, resumes)
         feed.fill(batch.input_ids, dst, src, batch.extra)
         return batch
 
@@ -188,10 +192,13 @@ class ModelRunner:
             dtype = self.model.lm_head.weight.dtype
             return torch.empty(0, self.model.arch.vocab_size, dtype=dtype, device=self.device)
         try:
-            return self._forward(chunks, feed)
+            logits = self._forward(chunks, feed)
         except BaseException:
             self.backend_undo()
             raise
+        for c in chunks:  # their slots are rebuilt: the next steps go on from them
+            c.request.resumes_state = False
+        return logits
 
     def backend_undo(self) -> None:
         """Undo the state writes of the step that just failed (a backend that keeps none:

@@ -194,6 +194,7 @@ class Scheduler:
             self._grow(req, need)
             if self.leases.slots is not None and req.lease is not None and req.lease.slot is None:
                 req.lease.take_slot()  # its per-request state (DeepSeek-V4), with its pages
+                req.resumes_state = req.num_computed > 0  # a cached prefix: rebuilt from it
             req.transition(Event.SCHEDULE)
             self.running.append(req)
             # (samples computed: a request preempted with its last token in flight comes

@@ -200,20 +200,34 @@ class KVLayout:
 
     @classmethod
     def for_model(
-        cls, arch: ModelShape, dtype: str, page_size: int, index_k: str = "auto"
+        cls,
+        arch: ModelShape,
+        dtype: str,
+        page_size: int,
+        index_k: str = "auto",
+        kv: str = "auto",
     ) -> KVLayout:
         """The layout a model's attention needs: latent for MLA (`arch.mla`), plus index-K in
         `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`);
-        DeepSeek-V4's compressed entries and per-request state (`arch.v4`,
-        kvcache/v4_layout.py), in pages of whole compression windows (`v4_page_size`); else k
-        and v."""
+        DeepSeek-V4's compressed entries in `kv`'s mode ("auto": the model dtype, "fp8":
+        kvcache/v4_layout.py) and per-request state (`arch.v4`), in pages of whole
+        compression windows (`v4_page_size`); else k and v. `kv` "fp8" is V4's only: other
+        models' KV is refused in it."""
         if arch.v4 is not None:
             v4 = arch.v4
+            size = v4_page_size(v4, page_size)
             return cls(
-                v4_buffers(v4, dtype),
-                v4_page_size(v4, page_size),
+                v4_buffers(v4, dtype, size, kv),
+                size,
                 v4.num_layers,
                 state=v4_state(v4, dtype),
+            )
+        if kv != "auto":
+            what = "MLA's latent" if arch.mla is not None else "k and v"
+            raise ValueError(
+                f"--kv-dtype {kv} is for DeepSeek-V4 only: this model's {what} stays in the "
+                "model dtype (--kv-dtype auto)"
+                + ("; for fp8 indexer keys, --index-k-dtype fp8" if arch.dsa is not None else "")
             )
         if arch.mla is None:
             return cls.llama(dtype, page_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)

@@ -9,6 +9,19 @@ V4's attention (model/deepseek_v4/attention.py) keeps, per layer:
   - "hca.kv" [head_dim]: heavily compressed attention's entries, one per 128 tokens (HCA layers).
   An entry is written once, when its window of source tokens closes, and never changes: a
   page of entries moves (PD, host tier) like any page of token rows.
+  In fp8 mode (`--kv-dtype fp8`, `kv_dtype` below) an entry is stored in parts, DeepSeek's
+  own recipe: "csa.kv"/"hca.kv" hold its first head_dim - rope_dim channels in float8_e4m3fn,
+  "<name>_scale" one float32 scale per `KV_SCALE_BLOCK` of them (the last block may be
+  shorter), "<name>_rope" its trailing rope_dim (rotated) channels in the model dtype; the
+  indexer's keys "csa.index_k" are float8_e4m3fn whole, with one float32 scale a row in
+  "csa.index_k_scale". The fp8 part keeps its component's name, so a peer of the other mode
+  is refused naming it and both dtypes. The quantised values are the model's to make
+  (model/deepseek_v4/kv_quant.py): a store never casts floats to fp8.
+* **Each page's state at its end**, one row per page (tokens_per_row = page_size), written as
+  the page completes: "swa.page_ring" [sliding_window, head_dim] (K=V of its last tokens) and
+  CSA's overlap there ("csa.page_overlap_kv"/"_gate", "csa.page_index_overlap_kv"/"_gate");
+  every tail is empty at a page boundary. A request that resumes from a cached prefix rebuilds
+  its state slot from its last cached page's row (the prefix cache, the host tier).
 * **Per-request state** (`StateSpec`), one slot per running request, rewritten every step:
   - "swa.ring" [sliding_window, head_dim]: the uncompressed K=V of the last `sliding_window`
     tokens, row `position % sliding_window` (every layer);
@@ -24,6 +37,7 @@ V4's attention (model/deepseek_v4/attention.py) keeps, per layer:
   the model never reads a row it has not written for this request, so a slot needs no zeroing.
 
 The ratios and sizes come from the model's config (`V4Shape`); the names above are fixed.
+The per-request state is the same in either mode.
 """
 
 from __future__ import annotations
@@ -33,7 +47,18 @@ from typing import Protocol
 
 from pdserve.kvcache.buffer_spec import BufferSpec, StateSpec, check_int
 
-__all__ = ["StateSpec", "V4Shape", "layers_of", "v4_buffers", "v4_page_size", "v4_state"]
+__all__ = [
+    "KV_DTYPES",
+    "KV_SCALE_BLOCK",
+    "StateSpec",
+    "V4Shape",
+    "layers_of",
+    "rope_of",
+    "scale_of",
+    "v4_buffers",
+    "v4_page_size",
+    "v4_state",
+]
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -44,6 +69,33 @@ CSA_OVERLAP_KV, CSA_OVERLAP_GATE = "csa.overlap_kv", "csa.overlap_gate"
 INDEX_TAIL_KV, INDEX_TAIL_GATE = "csa.index_tail_kv", "csa.index_tail_gate"
 INDEX_OVERLAP_KV, INDEX_OVERLAP_GATE = "csa.index_overlap_kv", "csa.index_overlap_gate"
 HCA_TAIL_KV, HCA_TAIL_GATE = "hca.tail_kv", "hca.tail_gate"
+# A page's state at its end (one row per page), from which a request resuming there from the
+# prefix cache rebuilds its slot: the ring's rows, CSA's overlap (tails are empty there).
+PAGE_RING = "swa.page_ring"
+PAGE_OVERLAP_KV, PAGE_OVERLAP_GATE = "csa.page_overlap_kv", "csa.page_overlap_gate"
+PAGE_INDEX_OVERLAP_KV = "csa.page_index_overlap_kv"
+PAGE_INDEX_OVERLAP_GATE = "csa.page_index_overlap_gate"
+
+KV_DTYPES = ("auto", "fp8")  # --kv-dtype: the paged components in the model dtype, or fp8
+FP8 = "float8_e4m3fn"
+# Channels an entry's fp8 part shares one scale over: DeepSeek's reference quantises the
+# non-rotary part of its KV in blocks of 64 (its `act_quant(kv[..., :-rd], 64, ...)`).
+KV_SCALE_BLOCK = 64
+
+
+def scale_of(name: str) -> str:
+    """The fp8 component `name`'s scales ("csa.kv" -> "csa.kv_scale")."""
+    return f"{name}_scale"
+
+
+def rope_of(name: str) -> str:
+    """The fp8 entry component `name`'s rotary part, kept in the model dtype."""
+    return f"{name}_rope"
+
+
+class RotaryWidth(Protocol):
+    @property
+    def dim(self) -> int: ...  # the rotated trailing channels of a head
 
 
 class V4Shape(Protocol):
@@ -63,6 +115,8 @@ class V4Shape(Protocol):
     def csa_ratio(self) -> int: ...  # compress_rates[CSA]
     @property
     def hca_ratio(self) -> int: ...  # compress_rates[HCA]
+    @property
+    def compress_rope(self) -> RotaryWidth: ...  # the entries' and indexer keys' rotary part
 
 
 def layers_of(shape: V4Shape, kind: str) -> tuple[int, ...]:
@@ -78,16 +132,69 @@ def v4_page_size(shape: V4Shape, asked: int) -> int:
     return size
 
 
-def v4_buffers(shape: V4Shape, dtype: str) -> tuple[BufferSpec, ...]:
-    """The paged components (bf16/f32 layout: every one in the model's dtype)."""
+def v4_buffers(
+    shape: V4Shape, dtype: str, page_size: int, kv_dtype: str = "auto"
+) -> tuple[BufferSpec, ...]:
+    """The paged components: the entries in the model's `dtype` ("auto"), or split into fp8
+    parts and their scales ("fp8"; the module's header); then each page's state at its end
+    (a row per page: the model's dtype, the overlap's biased gates float32), in both modes."""
     csa, hca = layers_of(shape, CSA), layers_of(shape, HCA)
-    out: list[BufferSpec] = []
+    c = shape.csa_ratio
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    if shape.sliding_window > page_size:
+        raise ValueError(
+            f"a sliding window of {shape.sliding_window} tokens needs pages of at least as many"
+        )
+    out = list(_entries(shape, dtype, kv_dtype, csa, hca))
+    d, di = shape.head_dim, shape.index_head_dim
+    out.append(BufferSpec(PAGE_RING, (shape.sliding_window, d), dtype, None, page_size))
     if csa:
-        out.append(BufferSpec(CSA_KV, (shape.head_dim,), dtype, csa, shape.csa_ratio))
-        out.append(BufferSpec(CSA_INDEX_K, (shape.index_head_dim,), dtype, csa, shape.csa_ratio))
-    if hca:
-        out.append(BufferSpec(HCA_KV, (shape.head_dim,), dtype, hca, shape.hca_ratio))
+        out += [
+            BufferSpec(PAGE_OVERLAP_KV, (c, d), dtype, csa, page_size),
+            BufferSpec(PAGE_OVERLAP_GATE, (c, d), "float32", csa, page_size),
+            BufferSpec(PAGE_INDEX_OVERLAP_KV, (c, di), dtype, csa, page_size),
+            BufferSpec(PAGE_INDEX_OVERLAP_GATE, (c, di), "float32", csa, page_size),
+        ]
     return tuple(out)
+
+
+def _entries(
+    shape: V4Shape, dtype: str, kv_dtype: str, csa: tuple[int, ...], hca: tuple[int, ...]
+) -> list[BufferSpec]:
+    """The compressed entries' buffers in `kv_dtype`'s mode."""
+    c, h = shape.csa_ratio, shape.hca_ratio
+    out: list[BufferSpec] = []
+    if kv_dtype == "auto":
+        if csa:
+            out.append(BufferSpec(CSA_KV, (shape.head_dim,), dtype, csa, c))
+            out.append(BufferSpec(CSA_INDEX_K, (shape.index_head_dim,), dtype, csa, c))
+        if hca:
+            out.append(BufferSpec(HCA_KV, (shape.head_dim,), dtype, hca, h))
+        return out
+    rope = shape.compress_rope.dim
+    nope = shape.head_dim - rope
+    if nope < 1:
+        raise ValueError(
+            f"fp8 KV quantises the channels before the rotary part, but all {shape.head_dim} "
+            "of a head rotate"
+        )
+    blocks = -(-nope // KV_SCALE_BLOCK)
+
+    def entry(name: str, layers: tuple[int, ...], ratio: int) -> list[BufferSpec]:
+        return [
+            BufferSpec(name, (nope,), FP8, layers, ratio),
+            BufferSpec(scale_of(name), (blocks,), "float32", layers, ratio),
+            BufferSpec(rope_of(name), (rope,), dtype, layers, ratio),
+        ]
+
+    if csa:
+        out += entry(CSA_KV, csa, c)
+        out.append(BufferSpec(CSA_INDEX_K, (shape.index_head_dim,), FP8, csa, c))
+        out.append(BufferSpec(scale_of(CSA_INDEX_K), (1,), "float32", csa, c))
+    if hca:
+        out += entry(HCA_KV, hca, h)
+    return out
 
 
 def v4_state(shape: V4Shape, dtype: str) -> tuple[StateSpec, ...]:

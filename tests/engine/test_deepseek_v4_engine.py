@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine.test_isolation import GREEDY as ISOLATION_GREEDY
 from tests.engine.test_isolation import POISONED
@@ -36,6 +38,7 @@ def reference(v4_dir):  # type: ignore[no-untyped-def]
 
 
 def empty(engine) -> bool:  # type: ignore[no-untyped-def]
+    """Nothing held but what the prefix cache keeps: pages, state slots, leases."""
     state = engine.pool.state
     return (
         engine.pool.allocator.num_held == 0
@@ -50,7 +53,7 @@ def test_greedy_matches_hf_alone_and_together(v4_dir, reference, chunk):  # type
     prompts, ref = reference
     engine = make_engine(v4_dir, chunk=chunk, max_running=8, kv_mb=64, max_model_len=1024)
     assert engine.pool.page_size == 128  # pages of whole 128-token windows
-    assert engine.prefix_cache is None  # it keeps no per-request state yet
+    assert engine.prefix_cache is not None  # the together run below resumes from it
     alone = [run(engine, [p], GREEDY)[0] for p in prompts]
     bad = [(n, a, r) for n, a, r in zip(LENGTHS, alone, ref, strict=True) if a != r]
     assert not bad, f"prompt length, ours, HF: {bad[:2]}"
@@ -134,4 +137,50 @@ def test_a_failed_step_puts_the_state_back_for_the_rerun(v4_dir, monkeypatch):  
     assert dirty.pop(poisoned)[1].finish_reason != "error"  # alone it is fine: it goes on
     clean.pop(poisoned)
     assert {k: v[0] for k, v in dirty.items()} == {k: v[0] for k, v in clean.items()}
+    assert empty(engine)
+
+
+def cache_engine(v4_dir, pages: int = 64, host_pages: int = 0, cache: bool = True):  # type: ignore[no-untyped-def]
+    page = make_engine(v4_dir, kv_mb=64).pool.layout.page_bytes
+    slots = make_engine(v4_dir, kv_mb=64, max_running=4).pool
+    assert slots.state is not None
+    slot = slots.state.pages_each * page
+    cfg = EngineConfig(
+        ModelSpec(str(v4_dir), "v4", dtype="float32", device="cpu"),
+        CacheConfig(16, pages * page + 4 * slot, cache, host_pages * page),
+        SchedulerConfig(max_batched_tokens=96, max_running=4, max_model_len=1024),
+        RunnerConfig(),
+    )
+    return Engine.build(cfg, frozenset())
+
+
+def test_a_repeated_conversation_resumes_from_the_cache(v4_dir):  # type: ignore[no-untyped-def]
+    """The second turn of a conversation starts from the first's cached pages: its state slot
+    is rebuilt from the state the last cached page kept of its end (ring, CSA overlap), and
+    its tokens are those of an engine without a cache."""
+    (first,) = prompts_for(2000, [300], seed=8)
+    cached, plain = cache_engine(v4_dir), cache_engine(v4_dir, cache=False)
+    reply = run(cached, [first], GREEDY)[0]
+    (more,) = prompts_for(2000, [45], seed=9)
+    second = first + reply + more  # 361 tokens: 2 cached pages, then 105 computed
+    assert run(cached, [second], GREEDY) == run(plain, [second], GREEDY)
+    assert cached.prefix_cache is not None
+    assert cached.prefix_cache.stats.hit_tokens == 256
+    assert empty(cached)
+
+
+def test_the_host_tier_brings_a_prefix_back_byte_exact(v4_dir):  # type: ignore[no-untyped-def]
+    """A device pool of 5 pages: the first conversation's pages leave for the host tier while
+    others run, and come back for its second turn with every component as it was."""
+    (first,) = prompts_for(2000, [300], seed=10)
+    others = prompts_for(2000, [260, 270], seed=11)
+    engine, plain = cache_engine(v4_dir, pages=5, host_pages=16), cache_engine(v4_dir, cache=False)
+    reply = run(engine, [first], GREEDY)[0]
+    for p in others:  # evicts the first's pages to the host
+        run(engine, [p], GREEDY)
+    second = first + reply + prompts_for(2000, [30], seed=12)[0]
+    assert run(engine, [second], GREEDY) == run(plain, [second], GREEDY)
+    assert engine.prefix_cache is not None
+    stats = engine.prefix_cache.stats
+    assert stats.host_written_pages > 0 and stats.host_loaded_pages >= 2
     assert empty(engine)

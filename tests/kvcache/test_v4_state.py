@@ -45,9 +45,8 @@ class Shape:
 
 def layout(dtype: str = "float32", page_size: int = 16) -> KVLayout:
     s = Shape()
-    return KVLayout(
-        v4_buffers(s, dtype), v4_page_size(s, page_size), s.num_layers, state=v4_state(s, dtype)
-    )
+    size = v4_page_size(s, page_size)
+    return KVLayout(v4_buffers(s, dtype, size), size, s.num_layers, state=v4_state(s, dtype))
 
 
 def test_pages_hold_whole_windows_and_rows_per_entry() -> None:
@@ -59,7 +58,7 @@ def test_pages_hold_whole_windows_and_rows_per_entry() -> None:
     assert rows[(2, HCA_KV)] == 1 * 64 * 4  # one HCA entry per page
     assert (0, CSA_KV) not in rows  # a sliding-only layer pages nothing
     with pytest.raises(ValueError, match="not a whole number of rows of 128 tokens"):
-        KVLayout(v4_buffers(Shape(), "float32"), 64, 4)
+        KVLayout(v4_buffers(Shape(), "float32", 128)[:3], 64, 4)
 
 
 def test_state_components_and_their_dtypes() -> None:
@@ -161,7 +160,7 @@ def test_pool_entries_round_trip_across_pages_like_local() -> None:
     )
     journal: Journal = []
     step = PoolStepKV(pool, batch, journal)
-    assert list(step.spans) == [(0, 300, 0), (300, 20, 0)]
+    assert list(step.spans) == [(0, 300, 0, False), (300, 20, 0, False)]
     seq = step.seq(1, 0)
     local = LocalSeqKV({b.name: b for b in lay.buffers}, {s.name: s for s in lay.state}).view(1)
     values = torch.randn(75, 64)

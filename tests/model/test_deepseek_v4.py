@@ -91,7 +91,7 @@ def hf_ref(v4_dir: Path, prompts: dict[int, list[int]]) -> dict[int, tuple[list[
 
 def fresh_kv(model: DeepseekV4ForCausalLM) -> LocalSeqKV:
     v4 = model.v4
-    buffers = {b.name: b for b in v4_buffers(v4, "float32")}
+    buffers = {b.name: b for b in v4_buffers(v4, "float32", 128)}
     return LocalSeqKV(buffers, {s.name: s for s in v4_state(v4, "float32")})
 
 
@@ -198,14 +198,19 @@ def test_the_kv_holds_what_the_layout_says(
     model: DeepseekV4ForCausalLM, prompts: dict[int, list[int]]
 ) -> None:
     """After 301 tokens: 75 CSA entries and index keys, 2 HCA entries per layer; the tails
-    hold 301 % 4 and 301 % 128 rows, the rest of each tail slot was never written."""
+    hold 301 % 4 and 301 % 128 rows, the rest of each tail slot was never written; each of
+    the 2 whole pages of 128 tokens kept its end's ring (every layer) and CSA's overlap."""
     kv = _prefilled(model, prompts[301], 301)
     v4 = model.v4
     for layer, kind in enumerate(v4.layer_types):
         ratio = v4.ratio(layer)
+        assert kv.entries[(layer, "swa.page_ring")].shape == (2, v4.sliding_window, v4.head_dim)
         if ratio is None:
-            assert not any(key[0] == layer for key in kv.entries)
+            assert {key[1] for key in kv.entries if key[0] == layer} == {"swa.page_ring"}
             continue
+        if ratio == v4.csa_ratio:
+            for name in ("csa.page_overlap_kv", "csa.page_index_overlap_gate"):
+                assert kv.entries[(layer, name)].shape[0] == 2
         names = ("csa.kv", "csa.index_k") if ratio == v4.csa_ratio else ("hca.kv",)
         for name in names:
             assert kv.entries[(layer, name)].shape[0] == 301 // ratio, (layer, kind, name)

@@ -48,7 +48,10 @@ def test_the_tiny_model_reads_as_specified(config: dict[str, Any]) -> None:
     assert (v4_config.SWA, v4_config.CSA, v4_config.HCA) == (
         v4_layout.SWA, v4_layout.CSA, v4_layout.HCA,
     )  # fmt: skip
-    assert [b.name for b in v4_buffers(v4, "float32")] == ["csa.kv", "csa.index_k", "hca.kv"]
+    assert [b.name for b in v4_buffers(v4, "float32", 128)] == [
+        "csa.kv", "csa.index_k", "hca.kv", "swa.page_ring", "csa.page_overlap_kv",
+        "csa.page_overlap_gate", "csa.page_index_overlap_kv", "csa.page_index_overlap_gate",
+    ]  # fmt: skip
     state = {s.name: s for s in v4_state(v4, "float32")}
     assert state["swa.ring"].shape == (16, 32) and state["swa.ring"].layers == tuple(range(5))
     assert state["hca.tail_kv"].shape == (127, 32) and state["hca.tail_kv"].layers == (2, 4)

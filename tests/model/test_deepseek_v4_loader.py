@@ -42,7 +42,7 @@ def _hf(path: Path, dtype: torch.dtype = torch.float32) -> Any:
 def _logits(model: DeepseekV4ForCausalLM, ids: list[int]) -> torch.Tensor:
     v4 = model.v4
     kv = LocalSeqKV(
-        {b.name: b for b in v4_buffers(v4, "float32")},
+        {b.name: b for b in v4_buffers(v4, "float32", 128)},
         {s.name: s for s in v4_state(v4, "float32")},
     )
     with torch.no_grad():

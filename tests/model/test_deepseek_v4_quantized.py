@@ -112,7 +112,7 @@ def _greedy(model: DeepseekV4ForCausalLM, prompt: list[int]) -> list[int]:
     """One-shot prefill, then one token a step."""
     v4 = model.v4
     kv = LocalSeqKV(
-        {b.name: b for b in v4_buffers(v4, "float32")},
+        {b.name: b for b in v4_buffers(v4, "float32", 128)},
         {s.name: s for s in v4_state(v4, "float32")},
     )
     ids, start, new = [], 0, prompt

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine.offline import build_engine, generate
 from pdserve.kvcache.pool import KVPool
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
@@ -121,3 +122,17 @@ def msgspec_replace(msg: m.PrefillRequest, **kw: object) -> m.PrefillRequest:
     import msgspec
 
     return msgspec.structs.replace(msg, **kw)
+
+
+def test_p_resumes_a_conversation_from_its_cache(v4_dir) -> None:
+    """P computes the second turn from its cached pages (its state slot rebuilt from the last
+    cached page's end) and ships all of it: D decodes what an engine without a cache would."""
+    (first,) = prompts_for(2000, [300], seed=13)
+    w = wire(v4_dir)
+    reply = w.run_jobs([(first, GREEDY)])["r0"][0]
+    second = first + reply + prompts_for(2000, [40], seed=14)[0]
+    got = w.run_jobs([(second, GREEDY)])["r0"][0]
+    plain = build_engine(v4_dir, max_batched_tokens=100, kv_budget_mb=16.0, prefix_cache=False)
+    assert got == generate(plain, [second], GREEDY)[0]
+    assert w.p.prefix_cache is not None and w.p.prefix_cache.stats.hit_tokens == 256
+    assert w.violations() == []

@@ -41,6 +41,7 @@ class Wire:
         chunk: int = 16,
         overlap: bool | None = None,
         index_k: tuple[str, str] = ("auto", "auto"),  # V3.2's index-K mode on P, on D
+        kv_dtype: tuple[str, str] = ("auto", "auto"),  # V4's KV dtype on P, on D
         dtype: str = "float32",
         d_kv_mb: float = 4.0,  # D's pool (a small one: memory pressure, preemption on D)
         p_kv_mb: float = 4.0,  # P's pool
@@ -56,6 +57,7 @@ class Wire:
                 shared_pool=shared,
                 overlap_schedule=overlap,
                 index_k_dtype=index_k[1 if shared else 0],  # D has the shared pool
+                kv_dtype=kv_dtype[1 if shared else 0],
                 dtype=dtype,
             )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kvcache.v4_layout import CSA, HCA, SWA_RING
+from pdserve.kvcache.v4_layout import CSA, HCA, PAGE_RING, SWA_RING
 from pdserve.model.deepseek_v4.compressor import Compressor, HeavyCompressor, SparseCompressor
 from pdserve.model.deepseek_v4.config import V4Arch
 from pdserve.model.deepseek_v4.kv import SeqKV, StepKV
@@ -87,11 +87,11 @@ class V4Attention(nn.Module):
         for b, span in enumerate(kv.spans):
             seq = kv.seq(self.layer_idx, b)
             rows = slice(span.first, span.first + span.length)
-            keys, visible = self.window(seq, k[rows], span.start)
+            keys, visible = self.window(seq, k[rows], span.start, span.resumes)
             if self.compressor is not None:
                 assert projected is not None
                 entries, seen = self.compressor.context(
-                    projected, rows, seq, span.start, rope.compress_table
+                    projected, rows, seq, span.start, rope.compress_table, span.resumes
                 )
                 keys = torch.cat((keys, entries.to(keys.dtype)))
                 visible = torch.cat((visible, seen), dim=1)
@@ -101,18 +101,28 @@ class V4Attention(nn.Module):
         return self.o_b_proj(grouped.flatten(1))
 
     def window(
-        self, seq: SeqKV, k: torch.Tensor, start: int
+        self, seq: SeqKV, k: torch.Tensor, start: int, resumes: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:  # keys [P + n, D], visible [n, P + n]
         """The sliding window's keys for new tokens k [n, D] at positions start ..: the
         ring's last P = min(start, window - 1) positions, then the new ones; the ring then
-        takes the new rows (the last `window` of them)."""
+        takes the new rows (the last `window` of them). `resumes`: the ring is first rebuilt
+        from the page ending at `start` (a cached prefix). Each page this step completes keeps
+        its last `window` rows (PAGE_RING), for a request that resumes there later."""
         w, n, device = self.window_size, k.shape[0], k.device
+        every = seq.row_tokens(PAGE_RING)  # the page size
+        if resumes:
+            page = start // every - 1  # start is a page boundary, past the window
+            rows = torch.arange(start - w, start, device=device) % w
+            seq.write_state(SWA_RING, rows, seq.rows(PAGE_RING, page + 1)[page])
         ring = seq.state(SWA_RING)  # [window, D]
         past = min(start, w - 1)
         if past:
             keys = torch.cat((ring[torch.arange(start - past, start, device=device) % w], k))
         else:
             keys = k
+        for end in range(-(-(start + 1) // every) * every, start + n + 1, every):
+            lo = end - w - (start - past)  # keys' row of position end - w
+            seq.store_rows(PAGE_RING, end // every - 1, keys[lo : lo + w][None])
         kept = min(n, w)
         rows = torch.arange(start + n - kept, start + n, device=device) % w
         seq.write_state(SWA_RING, rows, k[n - kept :])

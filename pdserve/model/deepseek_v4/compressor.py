@@ -21,7 +21,9 @@ State, per sequence (kvcache/v4_layout.py; which rows hold data follows from `st
     window, row position % ratio, start % ratio of them;
   * CSA's overlap: the last closed window's Ca rows and their biased float32 gates, valid once
     a window closed before this step (start // ratio >= 1);
-  * the entries themselves, paged: this step appends entries start // ratio onwards.
+  * the entries themselves, paged: this step appends entries start // ratio onwards, in the
+    model dtype or, where the pool says so, fp8 (kv_quant.py: an entry's rotary part stays in
+    the model dtype; the indexer's keys are quantised whole).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kvcache import v4_layout as names
+from pdserve.model.deepseek_v4 import kv_quant
 from pdserve.model.deepseek_v4.config import V4Arch
 from pdserve.model.deepseek_v4.kv import SeqKV
+from pdserve.model.deepseek_v4.kv_quant import Fp8Form
 from pdserve.model.deepseek_v4.norm import RMSNorm
 from pdserve.model.deepseek_v4.rope import Angles, RopeTable
 from pdserve.model.dsa_indexer import select
@@ -48,17 +52,26 @@ class Components(NamedTuple):
     entries: str
     overlap_kv: str | None = None  # overlapping (CSA) compressors only
     overlap_gate: str | None = None
+    page_overlap_kv: str | None = None  # the overlap at each page's end
+    page_overlap_gate: str | None = None
 
 
 HCA_PARTS = Components(names.HCA_TAIL_KV, names.HCA_TAIL_GATE, names.HCA_KV)
 CSA_PARTS = Components(
     names.CSA_TAIL_KV, names.CSA_TAIL_GATE, names.CSA_KV,
     names.CSA_OVERLAP_KV, names.CSA_OVERLAP_GATE,
+    names.PAGE_OVERLAP_KV, names.PAGE_OVERLAP_GATE,
 )  # fmt: skip
 INDEX_PARTS = Components(
     names.INDEX_TAIL_KV, names.INDEX_TAIL_GATE, names.CSA_INDEX_K,
     names.INDEX_OVERLAP_KV, names.INDEX_OVERLAP_GATE,
+    names.PAGE_INDEX_OVERLAP_KV, names.PAGE_INDEX_OVERLAP_GATE,
 )  # fmt: skip
+
+
+def entry_form(arch: V4Arch) -> Fp8Form:
+    """An attention entry in fp8: the rotary channels kept, the rest in 64-channel blocks."""
+    return Fp8Form(arch.compress_rope.dim, names.KV_SCALE_BLOCK)
 
 
 class IndexInputs(NamedTuple):
@@ -78,14 +91,23 @@ class Projected(NamedTuple):
 
 class Compressor(nn.Module):
     """The pooling part shared by HCA (overlap=False) and CSA and its indexer (overlap=True);
-    parameter names are HF's (kv_proj, gate_proj, position_bias, kv_norm)."""
+    parameter names are HF's (kv_proj, gate_proj, position_bias, kv_norm). `fp8`: how its
+    entries are stored where the pool keeps them in fp8."""
 
     def __init__(
-        self, hidden: int, head_dim: int, ratio: int, overlap: bool, eps: float, parts: Components
+        self,
+        hidden: int,
+        head_dim: int,
+        ratio: int,
+        overlap: bool,
+        eps: float,
+        parts: Components,
+        fp8: Fp8Form,
     ) -> None:
         super().__init__()
         width = (2 if overlap else 1) * head_dim
         self.head_dim, self.ratio, self.overlap, self.parts = head_dim, ratio, overlap, parts
+        self.fp8 = fp8
         self.kv_proj = nn.Linear(hidden, width, bias=False)
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
@@ -96,11 +118,18 @@ class Compressor(nn.Module):
         return Projected(self.kv_proj(x), self.gate_proj(x))
 
     def context(
-        self, p: Projected, rows: slice, seq: SeqKV, start: int, table: RopeTable
+        self,
+        p: Projected,
+        rows: slice,
+        seq: SeqKV,
+        start: int,
+        table: RopeTable,
+        resumes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's new tokens (`rows` of the step, positions start ..): its entries
-        after this step [E, head_dim] and which each query sees [n, E] bool."""
-        entries = self.update(p.kv[rows], p.gate[rows], seq, start, table)
+        after this step [E, head_dim] and which each query sees [n, E] bool. `resumes`: its
+        state is first rebuilt from the page ending at `start` (a cached prefix)."""
+        entries = self.update(p.kv[rows], p.gate[rows], seq, start, table, resumes)
         return entries, self.closed(start, p.kv[rows].shape[0], entries.shape[0])
 
     def closed(self, start: int, n: int, count: int) -> torch.Tensor:  # [n, count] bool
@@ -116,8 +145,17 @@ class Compressor(nn.Module):
         seq: SeqKV,
         start: int,
         table: RopeTable,
+        resumes: bool = False,
     ) -> torch.Tensor:  # [E, head_dim]: every entry of the sequence after this step
         r, parts = self.ratio, self.parts
+        if resumes and parts.page_overlap_kv is not None:
+            # At a page boundary the tail is empty; the overlap is the page's end's.
+            assert parts.overlap_kv is not None and parts.overlap_gate is not None
+            assert parts.page_overlap_gate is not None
+            page = start // seq.row_tokens(parts.page_overlap_kv) - 1
+            for state, kept in ((parts.overlap_kv, parts.page_overlap_kv),
+                                (parts.overlap_gate, parts.page_overlap_gate)):  # fmt: skip
+                seq.write_state(state, slice(None), seq.rows(kept, page + 1)[page])
         held = start % r  # tail rows from earlier steps: positions start - held .. start - 1
         if held:
             kv = torch.cat((seq.state(parts.tail_kv)[:held], kv))
@@ -128,11 +166,12 @@ class Compressor(nn.Module):
             shape = (windows, r, -1)
             pooled = self.pool(kv[:cut].view(shape), gate[:cut].view(shape), seq, first)
             positions = (torch.arange(windows, device=kv.device) + first) * r
-            seq.store_rows(parts.entries, first, table.at(positions, pooled.dtype).rotate(pooled))
+            rotated = table.at(positions, pooled.dtype).rotate(pooled)
+            kv_quant.store_rows(seq, parts.entries, first, rotated, self.fp8)
         if kv.shape[0] > cut:  # the new tail, from row 0 (its window starts at a multiple of r)
             seq.write_state(parts.tail_kv, slice(0, kv.shape[0] - cut), kv[cut:])
             seq.write_state(parts.tail_gate, slice(0, kv.shape[0] - cut), gate[cut:])
-        return seq.rows(parts.entries, first + windows)
+        return kv_quant.rows(seq, parts.entries, first + windows, self.fp8, kv.dtype)
 
     def pool(
         self,
@@ -164,6 +203,14 @@ class Compressor(nn.Module):
         if first >= 1:
             both_kv[0, :r] = overlap_kv.to(both_kv.dtype)
             both_gate[0, :r] = overlap_gate.to(both_gate.dtype)
+        kept_kv, kept_gate = self.parts.page_overlap_kv, self.parts.page_overlap_gate
+        if kept_kv is not None and kept_gate is not None:  # each page's end keeps its overlap
+            every = seq.row_tokens(kept_kv)
+            for j in range(m):
+                end = (first + j + 1) * r
+                if end % every == 0:
+                    seq.store_rows(kept_kv, end // every - 1, kv[j, :, :d][None])
+                    seq.store_rows(kept_gate, end // every - 1, gate[j, :, :d][None])
         seq.write_state(self.parts.overlap_kv, slice(None), kv[-1, :, :d])
         seq.write_state(self.parts.overlap_gate, slice(None), gate[-1, :, :d])
         return both_kv, both_gate
@@ -173,8 +220,8 @@ class HeavyCompressor(Compressor):
     """HCA's (HF's DeepseekV4HCACompressor): hca_ratio tokens per entry, no overlap."""
 
     def __init__(self, arch: V4Arch) -> None:
-        h, d = arch.hidden_size, arch.head_dim
-        super().__init__(h, d, arch.hca_ratio, False, arch.rms_norm_eps, HCA_PARTS)
+        h, d, eps = arch.hidden_size, arch.head_dim, arch.rms_norm_eps
+        super().__init__(h, d, arch.hca_ratio, False, eps, HCA_PARTS, entry_form(arch))
 
 
 class Scorer(nn.Module):
@@ -191,7 +238,8 @@ class Indexer(Compressor):
 
     def __init__(self, arch: V4Arch) -> None:
         h, d, eps = arch.hidden_size, arch.index_head_dim, arch.rms_norm_eps
-        super().__init__(h, d, arch.csa_ratio, True, eps, INDEX_PARTS)
+        whole = Fp8Form(0, d)  # in fp8, a key is quantised whole: one scale a row
+        super().__init__(h, d, arch.csa_ratio, True, eps, INDEX_PARTS, whole)
         self.heads, self.topk = arch.index_n_heads, arch.index_topk
         self.q_b_proj = nn.Linear(arch.q_lora_rank, self.heads * d, bias=False)
         self.scorer = Scorer(h, self.heads)
@@ -220,8 +268,8 @@ class SparseCompressor(Compressor):
     indexer that narrows each query's entries."""
 
     def __init__(self, arch: V4Arch) -> None:
-        h, d = arch.hidden_size, arch.head_dim
-        super().__init__(h, d, arch.csa_ratio, True, arch.rms_norm_eps, CSA_PARTS)
+        h, d, eps = arch.hidden_size, arch.head_dim, arch.rms_norm_eps
+        super().__init__(h, d, arch.csa_ratio, True, eps, CSA_PARTS, entry_form(arch))
         self.indexer = Indexer(arch)
 
     def project(self, x: torch.Tensor, q_resid: torch.Tensor, angles: Angles) -> Projected:
@@ -229,10 +277,16 @@ class SparseCompressor(Compressor):
         return Projected(self.kv_proj(x), self.gate_proj(x), index)
 
     def context(
-        self, p: Projected, rows: slice, seq: SeqKV, start: int, table: RopeTable
+        self,
+        p: Projected,
+        rows: slice,
+        seq: SeqKV,
+        start: int,
+        table: RopeTable,
+        resumes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        entries, visible = super().context(p, rows, seq, start, table)
+        entries, visible = super().context(p, rows, seq, start, table, resumes)
         ix = p.indexer
         assert ix is not None
-        keys = self.indexer.update(ix.kv[rows], ix.gate[rows], seq, start, table)
+        keys = self.indexer.update(ix.kv[rows], ix.gate[rows], seq, start, table, resumes)
         return entries, self.indexer.choose(ix.q[rows], ix.weights[rows], keys, visible)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.attention.step_kv import SeqKV, Span, StepKV, V4KVBackend
+from pdserve.attention.step_kv import SeqKV, Span, StepKV, V4KVBackend, check_cast
 from pdserve.kvcache.buffer_spec import BufferSpec
 from pdserve.kvcache.v4_layout import StateSpec
 
@@ -61,8 +61,15 @@ class _LayerView:
     def write_state(self, name: str, index: slice | torch.Tensor, values: torch.Tensor) -> None:
         self.state(name)[index] = values
 
+    def buffer_dtype(self, name: str) -> torch.dtype | None:
+        spec = self.owner.buffers.get(name)
+        if spec is None or (spec.layers is not None and self.layer not in spec.layers):
+            return None
+        return spec.torch_dtype
+
     def store_rows(self, name: str, first: int, values: torch.Tensor) -> None:
         spec = self.owner.buffers[name]
+        check_cast(name, values, spec.torch_dtype)
         key = (self.layer, name)
         have = self.owner.entries.get(key)
         if have is None:
@@ -70,6 +77,9 @@ class _LayerView:
         if first != len(have):
             raise ValueError(f"{name}: entries arrive in order (have {len(have)}, got {first})")
         self.owner.entries[key] = torch.cat([have, values.to(spec.torch_dtype)])
+
+    def row_tokens(self, name: str) -> int:
+        return self.owner.buffers[name].tokens_per_row
 
     def rows(self, name: str, count: int) -> torch.Tensor:
         have = self.owner.entries.get((self.layer, name))
