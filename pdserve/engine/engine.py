@@ -131,8 +131,10 @@ class Engine(RequestEnds):
         if cfg.auto:  # the limits the user left to us, now that the weights are on the device
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
             log.info("limits: %s", chosen)
+        c = cfg.cache
+        # DeepSeek-V4's page ends serve only a resume from the prefix cache.
         layout = KVLayout.for_model(
-            arch, cfg.model.dtype, cfg.cache.page_size, cfg.cache.index_k_dtype, cfg.cache.kv_dtype
+            arch, cfg.model.dtype, c.page_size, c.index_k_dtype, c.kv_dtype, c.prefix_cache
         )
         if layout.page_size != cfg.cache.page_size:
             log.info("KV pages of %d tokens (the model's windows)", layout.page_size)

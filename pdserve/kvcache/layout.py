@@ -206,18 +206,20 @@ class KVLayout:
         page_size: int,
         index_k: str = "auto",
         kv: str = "auto",
+        page_ends: bool = True,
     ) -> KVLayout:
         """The layout a model's attention needs: latent for MLA (`arch.mla`), plus index-K in
         `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`);
         DeepSeek-V4's compressed entries in `kv`'s mode ("auto": the model dtype, "fp8":
         kvcache/v4_layout.py) and per-request state (`arch.v4`), in pages of whole
-        compression windows (`v4_page_size`); else k and v. `kv` "fp8" is V4's only: other
-        models' KV is refused in it."""
+        compression windows (`v4_page_size`), with each page's end (`page_ends`: where a prefix
+        cache may resume); else k and v. `kv` "fp8" is V4's only: other models' KV is refused
+        in it."""
         if arch.v4 is not None:
             v4 = arch.v4
             size = v4_page_size(v4, page_size)
             return cls(
-                v4_buffers(v4, dtype, size, kv),
+                v4_buffers(v4, dtype, size, kv, page_ends),
                 size,
                 v4.num_layers,
                 state=v4_state(v4, dtype),

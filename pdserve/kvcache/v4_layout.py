@@ -125,19 +125,22 @@ def layers_of(shape: V4Shape, kind: str) -> tuple[int, ...]:
 
 def v4_page_size(shape: V4Shape, asked: int) -> int:
     """The page size V4 uses: the smallest multiple of `asked` that holds whole windows of
-    both ratios (a page's rows of entries are its own tokens' windows; kvcache/pool.py)."""
+    both ratios (a page's rows of entries are its own tokens' windows; kvcache/pool.py) and
+    the sliding window (a page's end keeps its last window of tokens)."""
     size = asked
     for ratio in (shape.csa_ratio, shape.hca_ratio):
         size = math.lcm(size, ratio)
-    return size
+    return -(-shape.sliding_window // size) * size  # and at least a window: its page ends
 
 
 def v4_buffers(
-    shape: V4Shape, dtype: str, page_size: int, kv_dtype: str = "auto"
+    shape: V4Shape, dtype: str, page_size: int, kv_dtype: str = "auto", page_ends: bool = True
 ) -> tuple[BufferSpec, ...]:
     """The paged components: the entries in the model's `dtype` ("auto"), or split into fp8
     parts and their scales ("fp8"; the module's header); then each page's state at its end
-    (a row per page: the model's dtype, the overlap's biased gates float32), in both modes."""
+    (a row per page: the model's dtype, the overlap's biased gates float32), in both modes,
+    where a prefix cache may resume there (`page_ends`): for V4-Flash's shape they are most
+    of a page's bytes."""
     csa, hca = layers_of(shape, CSA), layers_of(shape, HCA)
     c = shape.csa_ratio
     if kv_dtype not in KV_DTYPES:
@@ -147,6 +150,8 @@ def v4_buffers(
             f"a sliding window of {shape.sliding_window} tokens needs pages of at least as many"
         )
     out = list(_entries(shape, dtype, kv_dtype, csa, hca))
+    if not page_ends:  # no prefix cache: nothing ever resumes at a page's end
+        return tuple(out)
     d, di = shape.head_dim, shape.index_head_dim
     out.append(BufferSpec(PAGE_RING, (shape.sliding_window, d), dtype, None, page_size))
     if csa:

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig, ModelSpec, RunnerConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.offline import build_engine, generate
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine.test_isolation import GREEDY as ISOLATION_GREEDY
 from tests.engine.test_isolation import POISONED
@@ -169,7 +170,7 @@ def test_a_repeated_conversation_resumes_from_the_cache(v4_dir):  # type: ignore
     assert empty(cached)
 
 
-def test_the_host_tier_brings_a_prefix_back_byte_exact(v4_dir):  # type: ignore[no-untyped-def]
+def test_a_conversation_resumes_after_the_host_tier(v4_dir):  # type: ignore[no-untyped-def]
     """A device pool of 5 pages: the first conversation's pages leave for the host tier while
     others run, and come back for its second turn with every component as it was."""
     (first,) = prompts_for(2000, [300], seed=10)
@@ -184,3 +185,19 @@ def test_the_host_tier_brings_a_prefix_back_byte_exact(v4_dir):  # type: ignore[
     stats = engine.prefix_cache.stats
     assert stats.host_written_pages > 0 and stats.host_loaded_pages >= 2
     assert empty(engine)
+
+
+def test_without_a_prefix_cache_pages_keep_no_ends(v4_dir, reference):  # type: ignore[no-untyped-def]
+    """The page ends serve only a resume from the cache: an engine without one does not pay
+    for them, and decodes the same tokens."""
+    prompts, ref = reference
+    with_ends = build_engine(v4_dir, max_batched_tokens=96, kv_budget_mb=64, max_running=8)
+    plain = build_engine(
+        v4_dir, max_batched_tokens=96, kv_budget_mb=64, max_running=8, prefix_cache=False
+    )
+    names = {b.name for b in plain.pool.layout.buffers}
+    assert "swa.page_ring" not in names and "swa.page_ring" in {
+        b.name for b in with_ends.pool.layout.buffers
+    }
+    assert plain.pool.layout.page_bytes < with_ends.pool.layout.page_bytes
+    assert generate(plain, prompts[:4], GREEDY) == ref[:4]

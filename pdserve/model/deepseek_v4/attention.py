@@ -109,9 +109,12 @@ class V4Attention(nn.Module):
         from the page ending at `start` (a cached prefix). Each page this step completes keeps
         its last `window` rows (PAGE_RING), for a request that resumes there later."""
         w, n, device = self.window_size, k.shape[0], k.device
-        every = seq.row_tokens(PAGE_RING)  # the page size
+        ends_kept = seq.buffer_dtype(PAGE_RING) is not None  # with a prefix cache
+        every = seq.row_tokens(PAGE_RING) if ends_kept else 0  # the page size
         if resumes:
-            page = start // every - 1  # start is a page boundary, past the window
+            if not ends_kept or start % every or start < w:
+                raise ValueError(f"a resume at {start} is not at a kept page's end")
+            page = start // every - 1
             rows = torch.arange(start - w, start, device=device) % w
             seq.write_state(SWA_RING, rows, seq.rows(PAGE_RING, page + 1)[page])
         ring = seq.state(SWA_RING)  # [window, D]
@@ -120,7 +123,8 @@ class V4Attention(nn.Module):
             keys = torch.cat((ring[torch.arange(start - past, start, device=device) % w], k))
         else:
             keys = k
-        for end in range(-(-(start + 1) // every) * every, start + n + 1, every):
+        ends = range(-(-(start + 1) // every) * every, start + n + 1, every) if ends_kept else ()
+        for end in ends:
             lo = end - w - (start - past)  # keys' row of position end - w
             seq.store_rows(PAGE_RING, end // every - 1, keys[lo : lo + w][None])
         kept = min(n, w)

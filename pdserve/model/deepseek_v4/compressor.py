@@ -152,7 +152,10 @@ class Compressor(nn.Module):
             # At a page boundary the tail is empty; the overlap is the page's end's.
             assert parts.overlap_kv is not None and parts.overlap_gate is not None
             assert parts.page_overlap_gate is not None
-            page = start // seq.row_tokens(parts.page_overlap_kv) - 1
+            every = seq.row_tokens(parts.page_overlap_kv)
+            if start % every:
+                raise ValueError(f"a resume at {start} is not at a page's end")
+            page = start // every - 1
             for state, kept in ((parts.overlap_kv, parts.page_overlap_kv),
                                 (parts.overlap_gate, parts.page_overlap_gate)):  # fmt: skip
                 seq.write_state(state, slice(None), seq.rows(kept, page + 1)[page])
@@ -204,7 +207,8 @@ class Compressor(nn.Module):
             both_kv[0, :r] = overlap_kv.to(both_kv.dtype)
             both_gate[0, :r] = overlap_gate.to(both_gate.dtype)
         kept_kv, kept_gate = self.parts.page_overlap_kv, self.parts.page_overlap_gate
-        if kept_kv is not None and kept_gate is not None:  # each page's end keeps its overlap
+        if kept_kv is not None and kept_gate is not None and seq.buffer_dtype(kept_kv) is not None:
+            # Each page's end keeps its overlap (a pool with a prefix cache).
             every = seq.row_tokens(kept_kv)
             for j in range(m):
                 end = (first + j + 1) * r
