@@ -90,28 +90,21 @@ class Quiet:
 
     @property
     def leaked_pages(self) -> int:
-        """Pages still in use once the bound passed (zero when quiet)."""
-        if self.ok:
-            return 0
-        total = 0
-        for inv in self.workers.values():
-            pool = inv.get("pool") if isinstance(inv, dict) else None
-            if pool:
-                cached = pool.get("pages_cached", 0)  # the prefix cache's: evictable, not leaked
-                total += pool["pages_total"] - pool["pages_free"] - cached
-        return total
+        """Pages still in use once the bound passed (zero when quiet); the prefix cache's are
+        evictable, not leaked."""
+        return self._pools(lambda p: p["pages_total"] - p["pages_free"] - p.get("pages_cached", 0))
 
     @property
     def leaked_state_slots(self) -> int:
         """Per-request state slots still taken once the bound passed (zero when quiet)."""
+        return self._pools(lambda p: p.get("state_slots", 0) - p.get("state_slots_free", 0))
+
+    def _pools(self, count: Callable[[dict[str, Any]], int]) -> int:
+        """`count` summed over the workers' pools, when not quiet."""
         if self.ok:
             return 0
-        total = 0
-        for inv in self.workers.values():
-            pool = inv.get("pool") if isinstance(inv, dict) else None
-            if pool:
-                total += pool.get("state_slots", 0) - pool.get("state_slots_free", 0)
-        return total
+        pools = [inv.get("pool") for inv in self.workers.values() if isinstance(inv, dict)]
+        return sum(count(pool) for pool in pools if pool)
 
 
 def router_leftovers(router: str) -> tuple[dict[str, Any], list[str]]:

@@ -7,14 +7,11 @@ registration, naming the component and both dtypes."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.transfer.dataplane import ShmWriter
-from pdserve.worker.decode.role import DecodeRole
 from tests.engine.test_parity import prompts_for
 from tests.helpers import make_engine, run
-from tests.worker.test_deepseek_v4_pd import components
+from tests.worker.test_deepseek_v4_pd import watch_byte_exact
 from tests.worker.wire import Wire, ended, tokens
 
 NEW_TOKENS = 8
@@ -38,30 +35,7 @@ def test_fp8_pd_equals_colocated_fp8_every_component_byte_exact(v4_dir, monkeypa
     prompts = prompts_for(2000, LENGTHS, seed=5)
     colocated = run(make_engine(v4_dir, chunk=100, kv_mb=16, kv_dtype="fp8"), prompts, GREEDY)
     w = wire(v4_dir, ("fp8", "fp8"))
-    sent: dict[int, torch.Tensor] = {}  # D's page -> P's bytes for it
-    real_write = ShmWriter.write
-
-    def write(self, room, epoch, src, src_pages, dst_pages, deadline, ready):  # type: ignore[no-untyped-def]
-        for s, d in zip(src_pages, dst_pages, strict=True):
-            sent[d] = src.page(s).clone()
-        return real_write(self, room, epoch, src, src_pages, dst_pages, deadline, ready)
-
-    checked: set[str] = set()
-    real_done = DecodeRole._try_done
-
-    def try_done(self, room, now):  # type: ignore[no-untyped-def]
-        pages = [*room.lease.pages, *room.state_pages(self.pool)]
-        assert set(pages) <= set(sent), "D decodes from a page P never wrote"
-        for page in pages:
-            ours = components(self.pool, page, self.pool.page(page))
-            theirs = components(self.pool, page, sent.pop(page))
-            bad = [name for name in ours if ours[name] != theirs[name]]
-            assert not bad, f"page {page}: {bad}"
-            checked.update(name.split("@")[0] for name in ours)
-        return real_done(self, room, now)
-
-    monkeypatch.setattr(ShmWriter, "write", write)
-    monkeypatch.setattr(DecodeRole, "_try_done", try_done)
+    checked = watch_byte_exact(monkeypatch)
     got = w.run_jobs([(p, GREEDY) for p in prompts])
     assert [got[f"r{i}"][0] for i in range(len(prompts))] == colocated
     assert all(reason == "length" for _, reason in got.values())

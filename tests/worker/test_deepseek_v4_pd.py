@@ -68,11 +68,10 @@ def components(pool: KVPool, page: int, data: torch.Tensor) -> dict[str, bytes]:
     return out
 
 
-def test_every_component_arrives_byte_exact(v4_dir, monkeypatch) -> None:
-    """Every page P wrote for a room, its KV pages and its state slot's, as P held it when the
-    write was posted, equals D's page when D takes the room's PrefillDone: compared component
-    by component, every paged buffer and every state component checked."""
-    w = wire(v4_dir, chunk=64)
+def watch_byte_exact(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """From now on, every page P writes for a room (its KV pages and its state slot's), as P
+    held it when the write was posted, must equal D's page when D takes the room's
+    PrefillDone, component by component. Returns the set of components checked so far."""
     sent: dict[int, torch.Tensor] = {}  # D's page -> P's bytes for it
     real_write = ShmWriter.write
 
@@ -97,6 +96,13 @@ def test_every_component_arrives_byte_exact(v4_dir, monkeypatch) -> None:
 
     monkeypatch.setattr(ShmWriter, "write", write)
     monkeypatch.setattr(DecodeRole, "_try_done", try_done)
+    return checked
+
+
+def test_every_component_arrives_byte_exact(v4_dir, monkeypatch) -> None:
+    """watch_byte_exact over three prompts: every paged buffer and state component checked."""
+    w = wire(v4_dir, chunk=64)
+    checked = watch_byte_exact(monkeypatch)
     prompts = prompts_for(2000, [131, 301, 5], seed=6)
     got = w.run_jobs([(p, GREEDY) for p in prompts])
     assert all(reason == "length" for _, reason in got.values())
