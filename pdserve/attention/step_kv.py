@@ -68,6 +68,10 @@ class SeqKV(Protocol):
         """Tokens per row of paged component `name` (its tokens_per_row)."""
         ...
 
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Entry `index` of paged component `name` as stored: [*shape] (one page read)."""
+        ...
+
     def rows(self, name: str, count: int) -> torch.Tensor:
         """Entries 0 .. count - 1 of paged component `name` as stored: [count, *shape]."""
         ...

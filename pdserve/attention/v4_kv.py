@@ -77,6 +77,13 @@ class PoolSeqKV:
     def row_tokens(self, name: str) -> int:
         return self.step.pool.layout.buffer(name).tokens_per_row
 
+    def row(self, name: str, index: int) -> torch.Tensor:
+        view, rpp = self._view(name)
+        if index // rpp >= self.step.own_pages[self.b]:
+            raise ValueError(f"{name}: entry {index} is past the sequence's pages")
+        page = self.step.batch.page_table[self.b, index // rpp].long()  # no host read
+        return view[page, index % rpp]
+
     def rows(self, name: str, count: int) -> torch.Tensor:
         view, rpp = self._view(name)
         if count == 0:

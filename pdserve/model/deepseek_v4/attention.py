@@ -116,7 +116,7 @@ class V4Attention(nn.Module):
                 raise ValueError(f"a resume at {start} is not at a kept page's end")
             page = start // every - 1
             rows = torch.arange(start - w, start, device=device) % w
-            seq.write_state(SWA_RING, rows, seq.rows(PAGE_RING, page + 1)[page])
+            seq.write_state(SWA_RING, rows, seq.row(PAGE_RING, page))
         ring = seq.state(SWA_RING)  # [window, D]
         past = min(start, w - 1)
         if past:

@@ -158,7 +158,7 @@ class Compressor(nn.Module):
             page = start // every - 1
             for state, kept in ((parts.overlap_kv, parts.page_overlap_kv),
                                 (parts.overlap_gate, parts.page_overlap_gate)):  # fmt: skip
-                seq.write_state(state, slice(None), seq.rows(kept, page + 1)[page])
+                seq.write_state(state, slice(None), seq.row(kept, page))
         held = start % r  # tail rows from earlier steps: positions start - held .. start - 1
         if held:
             kv = torch.cat((seq.state(parts.tail_kv)[:held], kv))

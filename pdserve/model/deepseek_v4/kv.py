@@ -81,6 +81,9 @@ class _LayerView:
     def row_tokens(self, name: str) -> int:
         return self.owner.buffers[name].tokens_per_row
 
+    def row(self, name: str, index: int) -> torch.Tensor:
+        return self.rows(name, index + 1)[index]
+
     def rows(self, name: str, count: int) -> torch.Tensor:
         have = self.owner.entries.get((self.layer, name))
         n = 0 if have is None else len(have)
