@@ -24,6 +24,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import sizing
 from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
+from pdserve.engine.grammar_waits import GRAMMAR_POLL_S, GrammarWaits
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import (
     Event,
@@ -98,6 +99,8 @@ class Engine(RequestEnds):
         self.grammars = Grammars(
             lambda: Tokenizer.from_dir(Path(cfg.model.path)), self.vocab_size, eos_token_ids
         )
+        # Requests held while their grammar compiles (the loop never waits on a compile).
+        self.grammar_waits = GrammarWaits(self.grammars)
         # The penalties' device state, and the grammars' masks.
         self.sampler = Sampler(cfg.scheduler.max_running, self.grammars)
         self.metrics = EngineMetrics()
@@ -218,6 +221,7 @@ class Engine(RequestEnds):
         self.last_tick = self.clock.monotonic()
         self._drain_inbox(self._wait_s())
         now = self.clock.monotonic()
+        self._settle_grammars(now)
         self.role.poll_transfers(now)
         self.role.expire(now)
         self._expire_requests(now)
@@ -239,10 +243,28 @@ class Engine(RequestEnds):
 
     def _wait_s(self) -> float:
         if self.has_work():
-            return 0.0
+            return GRAMMAR_POLL_S if self._all_held() else 0.0
         if self.role.has_work():  # transfers to poll, rooms to time: short waits, no spinning
             return ROLE_POLL_S
         return self.cfg.idle_wait_s
+
+    def _all_held(self) -> bool:
+        """Every request the scheduler has is held for its grammar, and no step is in flight:
+        the loop waits a little for the compile (or a command) instead of spinning."""
+        held = len(self.grammar_waits)
+        s = self.scheduler
+        return held > 0 and not self.stepper.in_flight and held >= len(s.waiting) + len(s.running)
+
+    def _settle_grammars(self, now: float) -> None:
+        """Held requests whose grammar is done go on, or fail alone (engine/grammar_waits.py)."""
+        for held, why in self.grammar_waits.settle():
+            req, c = held.req, held.req.params.constraint
+            if why is not None:  # the role's first (P tells D), as any failure of its own
+                kind = c.kind.value if c is not None else "?"
+                self.stepper.fail(req, f"the {kind} constraint {why}")
+            elif held.first is not None:
+                tok, lp, at = held.first
+                self._take_first_token(req, tok, lp, at)
 
     def _send_outbox(self) -> None:
         for msg in self.role.take_outbox():
@@ -283,6 +305,7 @@ class Engine(RequestEnds):
                     return
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
+                self.grammar_waits.hold(req)
                 self.role.local_prefill(req, now)
             case AbortCommand(request_id=rid):
                 if self.role.abort(rid, now):
@@ -290,6 +313,9 @@ class Engine(RequestEnds):
                 live = self.scheduler.get(rid)
                 if live is not None:  # unknown or already finished: nothing to do
                     self.finish(live, Event.ABORT)
+            case SubmitCommand(request=req) if req.params.constraint is not None:
+                self.grammars.poll(req.params.constraint)  # its compile starts with P's prefill
+                self.role.handle(cmd, now)
             case SnapshotQuery(reply=fut):
                 if not fut.done():
                     fut.set_result(self._snapshot())
@@ -325,6 +351,7 @@ class Engine(RequestEnds):
 
     def compute_prompt(self, req: Request) -> None:
         self.scheduler.add(req)
+        self.grammar_waits.hold(req)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
 
     def adopt(
@@ -337,6 +364,13 @@ class Engine(RequestEnds):
             lease.release()  # never the scheduler's: it goes back with the request
             self.finish(req, Event.FAIL, "its decode could not start")
             raise
+        if not self.grammar_waits.hold(req, (tok, lp, now)):  # else taken once it compiled
+            self._take_first_token(req, tok, lp, now)
+
+    def _take_first_token(
+        self, req: Request, tok: int, lp: TokenLogprob | None, now: float
+    ) -> None:
+        """D's first token, sampled by P: emitted like any other (its grammar takes it)."""
         try:
             self.emit_token(req, tok, lp, now)
         except Exception as e:  # noqa: BLE001 - e.g. its grammar refuses P's token: it alone fails

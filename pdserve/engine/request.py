@@ -132,6 +132,8 @@ class Request:
     # advanced by every token emitted (engine/sampling/grammars.py); None without one.
     constrained: bool = field(init=False)
     matcher: LLMatcher | None = field(default=None, repr=False)
+    # Its grammar is still compiling: the scheduler passes it over (engine/grammar_waits.py).
+    grammar_wait: bool = False
 
     def __post_init__(self) -> None:
         p = self.params

@@ -26,7 +26,8 @@ queue, holding its pages, until the load ends; requests behind it may go first. 
 shares the pages and prefills only the rest (they enter the device cache too); failed or timed
 out, it prefills from where the device match ended. A request that leaves while loading gives
 its load's pages back only once the copy ended. A loading request is not running, so it is
-never preempted.
+never preempted. A request whose grammar is still compiling (`grammar_wait`) is passed over
+the same way.
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ class Scheduler:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[j]
+            if req.grammar_wait:
+                j += 1  # its grammar is compiling (engine/grammar_waits.py); the next may go
+                continue
             self._match(req)
             if self.loads is not None and self.loads.loading(req.request_id):
                 j += 1  # its KV is on its way from host memory; the next may go first

@@ -17,10 +17,14 @@ benchmarks/RESULTS.md):
 * **Requests in flight** (`max_running`): on CUDA, CUDA_MAX_RUNNING, the largest decode batch
   the CUDA graphs replay by default, where a batch of 1B-class decodes is still bound by memory
   bandwidth; on a CPU, CPU_MAX_RUNNING.
-* **Step budget** (`max_batched_tokens`): on CUDA, CUDA_MAX_BATCHED_TOKENS, measured: at 1024 a
-  step is always replayed as a CUDA graph (mixed steps are up to 2048) and a decode's gap
-  behind a prompt chunk stays short; on an H100 at concurrency 128 it served 14% more than
-  4096, with a third of the TTFT; on a CPU, CPU_MAX_BATCHED_TOKENS.
+* **Step budget** (`max_batched_tokens`): on CUDA, room for every request in flight to decode
+  plus a prompt chunk of CUDA_PROMPT_CHUNK tokens (`max_running + CUDA_PROMPT_CHUNK`), so the
+  share of a step left for prompts does not shrink as the decode batch grows: with a fixed
+  1024-token step, 512 decode rows left prompts 512 tokens a step, and admitting 512 new
+  256-token prompts took hundreds of steps (TTFT p99 1.4 s on an H100,
+  benchmarks/RESULTS.md). A 1024-token chunk was measured best at concurrency 128 (14% more
+  than a 4096-token step, with a third of the TTFT); a step stays within the CUDA graphs'
+  `cuda_graph_max_tokens` up to 1024 requests in flight. On a CPU, CPU_MAX_BATCHED_TOKENS.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ CPU_KV_BUDGET = 256 * 2**20
 CPU_MAX_RUNNING = 64
 CPU_MAX_BATCHED_TOKENS = 512
 CUDA_MAX_RUNNING = 256
-CUDA_MAX_BATCHED_TOKENS = 1024
+CUDA_PROMPT_CHUNK = 1024  # a step's tokens for prompts, beside one per request in flight
 # Memory a step needs beyond the weights and the KV pool, besides what scales with the step:
 # the CUDA graphs' pools, cuBLAS workspaces, the allocator's slack.
 FIXED_RESERVE = 1 << 30
@@ -92,12 +96,18 @@ def resolve(
         return value
 
     max_running = pick("max_running", sched.max_running, CPU_MAX_RUNNING, CUDA_MAX_RUNNING)
-    max_batched = pick(
-        "max_batched_tokens",
-        sched.max_batched_tokens,
-        CPU_MAX_BATCHED_TOKENS,
-        CUDA_MAX_BATCHED_TOKENS,
-    )
+    if "max_batched_tokens" not in auto:
+        max_batched = sched.max_batched_tokens
+        said.append(f"max_batched_tokens={max_batched} (given)")
+    elif cuda:
+        max_batched = max_running + CUDA_PROMPT_CHUNK
+        said.append(
+            f"max_batched_tokens={max_batched} (a decode per request in flight and a "
+            f"{CUDA_PROMPT_CHUNK}-token prompt chunk)"
+        )
+    else:
+        max_batched = CPU_MAX_BATCHED_TOKENS
+        said.append(f"max_batched_tokens={max_batched} (a CPU's default)")
     if "max_model_len" in auto:
         max_model_len = arch.max_position_embeddings
         said.append(f"max_model_len={max_model_len} (the model's context)")

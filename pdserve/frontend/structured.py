@@ -69,7 +69,9 @@ def build_constraint(asked: AskedConstraint) -> Constraint:
     """The Constraint, checked and compiled: blocks until the grammar thread is done, so
     never call it on an event loop (ConstraintThreads.build runs it off the loop)."""
     try:
-        return Constraint(kind=asked.kind, spec=asked.spec)
+        c = Constraint(kind=asked.kind, spec=asked.spec)
+        c.check_compiles()
+        return c
     except InvalidParams as e:
         raise asked.refusal(e) from None
 

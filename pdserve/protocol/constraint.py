@@ -13,22 +13,25 @@ and one (kind, spec) pair names one compiled grammar in the engine's cache
 
 The grammar engine is llguidance (its compiler runs without a tokenizer here, and with the
 model's vocabulary in the engine). `grammar_source` turns a constraint into llguidance's
-grammar text, the one translation both sides use; `__post_init__` compiles it once per
-distinct constraint (an LRU cache), so a schema, regex or grammar that cannot compile is
-InvalidParams naming `constraint` wherever SamplingParams are checked: the front end (which
-renames the field to the one the client sent), D's /generate, P's PrefillRequest.
+grammar text, the one translation both sides use. Building or decoding a Constraint checks
+only what costs nothing (its kind, its text, its size), so any thread may decode one: P's
+control thread, an engine process's pipe, an event loop. Whether it compiles is a separate
+check, `check_compiles`, once per distinct constraint (an LRU cache), made by the sides that
+face a client: the front end (which renames the field to the one the client sent) and D's
+/generate, each on its constraint threads (frontend/constraint_threads.py), so a schema,
+regex or grammar that cannot compile is a 400 there. The engine compiles its own matcher
+without waiting (engine/sampling/grammars.py) and fails the request alone if that fails.
 
 Every compile, here and in the engine, runs on the grammar thread (protocol/grammar_thread.py):
 llguidance recurses once per rule or `$ref`, and a long chain within MAX_CONSTRAINT_BYTES would
 overflow an ordinary thread's stack and kill the process. One that takes longer than
 COMPILE_TIMEOUT_S is refused as not compiling (and remembered so); a compiler too busy to
-start it is refused without being remembered. Whatever the caller's thread, it waits for the
-compile: a few milliseconds for a usual spec, up to COMPILE_TIMEOUT_S for a hostile one (twice
-that behind a busy compiler). So a Constraint never exists unchecked, and no event loop builds
-or decodes one: the front end and a worker's /generate hand that to their constraint threads
-(frontend/constraint_threads.py); P's control thread and an engine process decode theirs on
-threads that serve no HTTP. A GBNF grammar of more than MAX_GBNF_RULES rules is
-refused before llguidance's converter, whose time grows with the square of a rule chain.
+start it is refused without being remembered. `check_compiles` waits for its compile: a few
+milliseconds for a usual spec, up to COMPILE_TIMEOUT_S for a hostile one (twice that behind a
+busy compiler). A GBNF grammar of more than MAX_GBNF_RULES rules is refused before
+llguidance's converter, whose time grows with the square of a rule chain. A `oneOf` is
+compiled as `anyOf` (llguidance's `coerce_one_of`, as xgrammar does): an output matching
+more than one branch is allowed.
 
 JSON is generated without free whitespace (", " and ": " between items), so a small model
 cannot spend its tokens on blank lines; a schema's own "x-guidance" options override that.
@@ -64,6 +67,7 @@ JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
+    "coerce_one_of": True,
 }
 
 
@@ -98,11 +102,15 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 f"constraint spec is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted",
                 "constraint",
             )
+
+    def check_compiles(self) -> None:
+        """InvalidParams naming `constraint` unless it compiles (remembered per process): the
+        check of a side facing a client, which blocks up to COMPILE_TIMEOUT_S (twice that
+        behind a busy compiler), so never on an event loop."""
         try:
             error = compile_error(self.kind, self.spec)
         except CompilerBusy as e:  # not the spec's fault, so not remembered
             raise InvalidParams(f"{self.kind.value} was not compiled: {e}", "constraint") from None
-
         if error is not None:
             raise InvalidParams(f"{self.kind.value} does not compile: {error}", "constraint")
 

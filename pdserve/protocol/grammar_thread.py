@@ -13,7 +13,9 @@ touches is ever resident), so no spec within the size bound reaches its end.
   `threading.stack_size` is process-wide, so it is set under the lock just around the start
   and restored (a thread another caller starts in that instant gets the big stack too, which
   costs only address space). A call made on the grammar thread itself runs inline.
-- **Bounded waits.** `run` waits at most its timeout (COMPILE_TIMEOUT_S), queueing included.
+- **Bounded waits.** `run` waits at most its timeout (COMPILE_TIMEOUT_S), queueing included;
+  `submit` queues the call and returns a `Pending` that a loop polls (`ready`, `outcome`)
+  under the same deadline, so the engine thread never waits on a compile.
   A compile cannot be interrupted, so one that runs past its caller's deadline is
   CompileTimeout (the spec's fault: it costs too much) and its thread is retired: it finishes
   that compile and exits, and a fresh thread takes the queue. At most MAX_THREADS run at
@@ -72,6 +74,54 @@ class _Worker:
     retired: bool = False  # it exits after the call it is running (unless none serves)
 
 
+class Pending(Generic[T]):
+    """A call on the grammar thread, not waited for: `ready()` once it finished or its
+    deadline passed, then `outcome()`. Its deadline is `timeout` from when it was queued, or
+    from when a thread took it if that was later (time queued behind others is not its own)."""
+
+    def __init__(self, owner: GrammarThread, job: _Job[T], timeout: float) -> None:
+        self._owner = owner
+        self._job = job
+        self._timeout = timeout
+        self._queued_at = time.monotonic()
+        self._error: BaseException | None = None  # past the deadline: CompileTimeout or busy
+
+    def deadline(self) -> float:
+        with self._owner._lock:
+            taken = self._job.taken_at if self._job.worker is not None else None
+        base = self._queued_at + self._timeout
+        return base if taken is None else max(base, taken + self._timeout)
+
+    def ready(self) -> bool:
+        """Finished, or past its deadline (without waiting). Once True, `outcome()` is decided:
+        a call past its deadline is given up here, atomically (busy, or timed out and its
+        thread retired), so a thread taking it just after cannot move the deadline."""
+        if self._job.done.is_set() or self._error is not None:
+            return True
+        if time.monotonic() < self.deadline():
+            return False
+        self._error = self._owner._give_up(self._job, self._timeout)
+        return True  # finished meanwhile (no error) or given up
+
+    def outcome(self) -> T:
+        """The call's result or exception; CompileTimeout or CompilerBusy if it was given up.
+        RuntimeError if it is not `ready()`."""
+        if not self.ready():
+            raise RuntimeError("a grammar call's outcome asked for before it is ready")
+        if self._error is not None:
+            raise self._error
+        return self._job.outcome()
+
+    def wait(self) -> T:
+        """Block until `ready()`, then its `outcome()`."""
+        while not self._job.done.is_set():
+            left = self.deadline() - time.monotonic()
+            if left <= 0:
+                break
+            self._job.done.wait(left)
+        return self.outcome()
+
+
 class GrammarThread:
     """Runs calls on a big-stack thread, one at a time, each within a deadline."""
 
@@ -98,27 +148,38 @@ class GrammarThread:
         it ran past `timeout_s` (default: this thread's), CompilerBusy if it never started."""
         if getattr(self._local, "on_thread", False):
             return fn(*args)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return self.submit(fn, *args, timeout_s=timeout_s).wait()
+
+    def submit(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None
+    ) -> Pending[T]:
+        """`fn(*args)` queued for the grammar thread, without waiting: the engine thread polls
+        it (`Pending.ready`) between steps. CompilerBusy if no thread could be started."""
         job: _Job[T] = _Job(fn, args)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if getattr(self._local, "on_thread", False):  # inline, done at once
+            try:
+                job.result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - the caller gets it
+                job.error = e
+            job.done.set()
+            return Pending(self, job, timeout)
         with self._lock:
             if self._active is None:
                 self._start_locked()
             self._jobs.put(job)
-        if job.done.wait(timeout):
-            return job.outcome()
-        with self._lock:
-            taken_at = job.taken_at if job.worker is not None else None
-        if taken_at is not None:  # it waited in the queue: its own run gets the whole bound
-            left = taken_at + timeout - time.monotonic()
-            if left > 0 and job.done.wait(left):
-                return job.outcome()
+        return Pending(self, job, timeout)
+
+    def _give_up(self, job: _Job[T], timeout: float) -> BaseException | None:
+        """Past `job`'s deadline: None if it finished meanwhile, else CompilerBusy (never
+        taken: dropped from the queue) or CompileTimeout (its thread retired)."""
         with self._lock:
             if job.done.is_set():  # it finished as the wait ended
-                return job.outcome()
+                return None
             worker = job.worker
             if worker is None:
                 job.dropped = True
-                raise CompilerBusy(
+                return CompilerBusy(
                     f"the grammar compiler did not get to this constraint within {timeout:g}s "
                     "(it is busy with others); try again"
                 )
@@ -127,7 +188,7 @@ class GrammarThread:
                 self._active = None
                 if self._alive < self.max_threads:
                     self._start_locked()
-        raise CompileTimeout(f"it did not compile within {timeout:g}s")
+        return CompileTimeout(f"it did not compile within {timeout:g}s")
 
     def threads(self) -> tuple[int, int]:
         """(alive, ever started): for tests and diagnostics."""
@@ -194,3 +255,10 @@ os.register_at_fork(after_in_child=GRAMMAR_THREAD._forget_threads)
 def on_grammar_thread(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on the process's grammar thread (GRAMMAR_THREAD.run)."""
     return GRAMMAR_THREAD.run(fn, *args)
+
+
+def on_grammar_thread_later(
+    fn: Callable[..., T], *args: Any, timeout_s: float | None = None
+) -> Pending[T]:
+    """`fn(*args)` queued on the process's grammar thread, not waited for (its `submit`)."""
+    return GRAMMAR_THREAD.submit(fn, *args, timeout_s=timeout_s)

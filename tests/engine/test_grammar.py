@@ -203,20 +203,30 @@ def test_a_grammar_that_did_not_compile_is_remembered_a_busy_compiler_not(tok, m
     """The compile runs on the grammar thread; a timeout (the constraint's fault) is refused
     again at once (the isolation's row-by-row retry must not wait for it twice), a compiler
     that never got to it is asked again."""
-    import pdserve.engine.sampling.grammars as grammars_module
-    from pdserve.protocol.grammar_thread import CompilerBusy, CompileTimeout, on_grammar_thread
+    import pdserve.engine.sampling.grammar_compiles as grammars_module
+    from pdserve.protocol.grammar_thread import (
+        CompilerBusy,
+        CompileTimeout,
+        on_grammar_thread_later,
+    )
 
     calls: list[str] = []
 
-    def fake(fn, vocab, kind, spec):
+    def timed_out() -> None:
+        raise CompileTimeout("it did not compile within 10s")
+
+    def fake(fn, *args, timeout_s=None):
+        if not args:  # the vocabulary
+            return on_grammar_thread_later(fn, timeout_s=timeout_s)
+        kind, spec = args
         calls.append(spec)
         if spec == "slow+":
-            raise CompileTimeout("it did not compile within 10s")
+            return on_grammar_thread_later(timed_out)
         if spec == "busy+" and calls.count(spec) == 1:
             raise CompilerBusy("the grammar compiler is busy")
-        return on_grammar_thread(fn, vocab, kind, spec)
+        return on_grammar_thread_later(fn, kind, spec)
 
-    monkeypatch.setattr(grammars_module, "on_grammar_thread", fake)
+    monkeypatch.setattr(grammars_module, "on_grammar_thread_later", fake)
     g = Grammars(lambda: tok, 4096, frozenset())
     slow, busy = constraint(K.REGEX, "slow+"), constraint(K.REGEX, "busy+")
     for _ in range(2):
@@ -224,6 +234,7 @@ def test_a_grammar_that_did_not_compile_is_remembered_a_busy_compiler_not(tok, m
             g.compiled(slow)
     with pytest.raises(ValueError, match="was not compiled: the grammar compiler is busy"):
         g.compiled(busy)
+    g.sweep()  # the next tick: a busy compiler's refusal is forgotten, a timeout's is not
     assert not g.compiled(busy).is_error()
     assert calls == ["slow+", "busy+", "busy+"] and g.compiles == 1
 

@@ -40,10 +40,27 @@ def test_a_card_takes_its_share_less_the_weights_and_the_reserve(arch):
     mem = DeviceMemory(total=80 * GiB, free=77 * GiB, held=3 * GiB)
     out, said = sizing.resolve(cfg(), arch, mem)
     s = out.scheduler
-    assert (s.max_running, s.max_batched_tokens) == (256, 1024)
-    reserve = sizing.activation_reserve(arch, 1024, 256)
+    assert (s.max_running, s.max_batched_tokens) == (256, 256 + sizing.CUDA_PROMPT_CHUNK)
+    reserve = sizing.activation_reserve(arch, 256 + sizing.CUDA_PROMPT_CHUNK, 256)
     assert out.cache.kv_budget_bytes == int(0.9 * 80 * GiB) - 3 * GiB - reserve
     assert "0.90 of 80.0 GiB" in said
+
+
+def test_the_step_has_a_decode_per_request_in_flight_and_a_prompt_chunk(arch):
+    """However many requests are in flight, a step leaves prompts a whole chunk."""
+    mem = DeviceMemory(total=80 * GiB, free=77 * GiB, held=3 * GiB)
+    for running in (32, 512):
+        given = dataclasses.replace(
+            cfg(AUTO_LIMITS - {"max_running"}),
+            scheduler=dataclasses.replace(cfg().scheduler, max_running=running),
+        )
+        out, said = sizing.resolve(given, arch, mem)
+        step = out.scheduler.max_batched_tokens
+        assert (
+            step - running == sizing.CUDA_PROMPT_CHUNK
+            and step <= given.runner.cuda_graph_max_tokens
+        )
+        assert f"max_batched_tokens={step} (a decode per request in flight" in said
 
 
 def test_a_share_another_process_holds_part_of_is_refused(arch):
@@ -56,7 +73,7 @@ def test_a_share_another_process_holds_part_of_is_refused(arch):
         cfg(), cache=dataclasses.replace(cfg().cache, gpu_memory_utilization=0.35)
     )
     out, _ = sizing.resolve(half, arch, mem)  # 28 GiB of the card: within the 30 free
-    reserve = sizing.activation_reserve(arch, 1024, 256)
+    reserve = sizing.activation_reserve(arch, out.scheduler.max_batched_tokens, 256)
     assert out.cache.kv_budget_bytes == int(0.35 * 80 * GiB) - 3 * GiB - reserve
 
 

@@ -28,7 +28,7 @@ from pdserve.frontend.api import OpenAIApi
 from pdserve.protocol.constraint import Constraint, ConstraintKind
 from pdserve.protocol.grammar_thread import GRAMMAR_THREAD
 from pdserve.server.errors import error_middleware
-from pdserve.worker.http.api import WorkerApi, _holds_no_constraint
+from pdserve.worker.http.api import WorkerApi
 from tests.frontend.fakes import Scripted, Tokenizer, app_with
 from tests.frontend.tool_models import hermes, tokenizer, writer
 
@@ -280,19 +280,3 @@ def test_a_generate_constraint_that_does_not_compile_is_a_400(constraint_, words
         api.constraints.close()
     assert status == 400 and answer["error"]["param"] == "constraint", answer
     assert words in answer["error"]["message"] and engine.prompts == []
-
-
-@pytest.mark.parametrize(
-    "raw,on_loop",
-    [
-        (b'{"request_id":"r","prompt_ids":[1]}', True),
-        (b'{"request_id":"r","prompt_ids":[1],"params":{"max_tokens":2,"constraint":null}}', True),
-        (b'{"params":{"constraint":{"kind":"regex","spec":"a"}}}', False),
-        (b'{"params":{"constraint" : null}}', False),  # other spacing: decoded off the loop
-        (b'{"params":{"constr\\u0061int":{"kind":"regex","spec":"a"}}}', False),  # escapes
-        (b'{"request_id":"constraint","params":{"constraint":null}}', False),
-        (b'{"params":{"constraint":null,"constraint":{"kind":"regex","spec":"a"}}}', False),
-    ],
-)
-def test_only_a_body_that_cannot_hold_a_constraint_is_decoded_on_the_loop(raw, on_loop):
-    assert _holds_no_constraint(raw) is on_loop

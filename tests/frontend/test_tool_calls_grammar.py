@@ -167,7 +167,7 @@ def test_a_union_beside_listed_properties_stays_satisfiable():
     assert plain["anyOf"][0]["additionalProperties"] is False
     from pdserve.protocol.constraint import Constraint, ConstraintKind
 
-    Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(got))  # compiles (satisfiable)
+    Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(got)).check_compiles()
 
 
 NESTED_TOOL = {  # what pydantic writes for a nested model: a $ref into the schema's own $defs

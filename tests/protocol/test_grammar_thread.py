@@ -139,10 +139,10 @@ def test_constraint_refuses_a_timeout_remembering_it_and_a_busy_compiler_not(mon
     compile_error.cache_clear()
     for _ in range(2):
         with pytest.raises(InvalidParams, match="regex does not compile") as e:
-            Constraint(kind=ConstraintKind.REGEX, spec="slow")
+            Constraint(kind=ConstraintKind.REGEX, spec="slow").check_compiles()
         assert e.value.param == "constraint"
         with pytest.raises(InvalidParams, match="regex was not compiled") as e:
-            Constraint(kind=ConstraintKind.REGEX, spec="busy")
+            Constraint(kind=ConstraintKind.REGEX, spec="busy").check_compiles()
         assert e.value.param == "constraint"
     assert calls == ["slow", "busy", "busy"]  # the timeout remembered, busy asked again
     compile_error.cache_clear()
@@ -160,7 +160,7 @@ def test_constraints_compile_on_the_grammar_thread(monkeypatch):
 
     monkeypatch.setattr(constraint_module, "on_grammar_thread", spy)
     compile_error.cache_clear()
-    Constraint(kind=ConstraintKind.REGEX, spec="on+the+thread")
+    Constraint(kind=ConstraintKind.REGEX, spec="on+the+thread").check_compiles()
     assert len(names) == 1 and names[0].startswith("grammar-")
     compile_error.cache_clear()
 
@@ -169,9 +169,9 @@ def test_a_gbnf_grammar_with_too_many_rules_is_refused_before_converting():
     rules = "".join(f'r{i} ::= "x" r{i + 1}\n' for i in range(MAX_GBNF_RULES))
     spec = f'root ::= r0\n{rules}r{MAX_GBNF_RULES} ::= "x"\n'
     with pytest.raises(InvalidParams, match=f"at most {MAX_GBNF_RULES} rules"):
-        Constraint(kind=ConstraintKind.GRAMMAR, spec=spec)
+        Constraint(kind=ConstraintKind.GRAMMAR, spec=spec).check_compiles()
     lark = spec.replace("root ::=", "start:").replace(" ::=", ":")  # Lark has no such bound
-    assert Constraint(kind=ConstraintKind.GRAMMAR, spec=lark).kind is ConstraintKind.GRAMMAR
+    Constraint(kind=ConstraintKind.GRAMMAR, spec=lark).check_compiles()
 
 
 def _runs(g: GrammarThread) -> bool:
@@ -188,3 +188,33 @@ def _until(cond, timeout_s: float = WAIT_S) -> None:
             return
         done.wait(0.02)
     raise AssertionError("condition not met in time")
+
+
+def test_a_pending_call_given_up_stays_given_up_when_a_thread_takes_it_late():
+    """`ready()` decides: a call past its queue deadline is dropped there and then, so a
+    thread that frees up a moment later neither runs it nor turns its outcome into an error
+    of another kind."""
+    g = GrammarThread(timeout_s=0.2)
+    gate = threading.Event()
+    first = g.submit(lambda: gate.wait(WAIT_S), timeout_s=WAIT_S)  # holds the thread
+    ran: list[str] = []
+    late = g.submit(lambda: ran.append("late"), timeout_s=0.2)
+    _until(late.ready)
+    gate.set()
+    assert first.wait() is True
+    for _ in range(3):
+        with pytest.raises(CompilerBusy):
+            late.outcome()
+    assert g.run(lambda: "next") == "next" and ran == []
+
+
+def test_a_submitted_call_is_polled_without_waiting():
+    g = GrammarThread()
+    gate = threading.Event()
+    p = g.submit(lambda: gate.wait(WAIT_S) and "done")
+    assert not p.ready()
+    with pytest.raises(RuntimeError, match="before it is ready"):
+        p.outcome()
+    gate.set()
+    _until(p.ready)
+    assert p.outcome() == "done"

@@ -1,7 +1,7 @@
 """Constraints that recurse deep in llguidance's compiler (protocol/grammar_thread.py): a Lark
 rule chain and a JSON-schema `$ref` chain, each as long as MAX_CONSTRAINT_BYTES allows, either
 compile or are refused with InvalidParams on every path that checks a constraint (the front
-end's fields, SamplingParams off the wire as P decodes a PrefillRequest, the engine's matcher),
+end's fields, SamplingParams off the wire as D's /generate checks them, the engine's matcher),
 called from a thread with an ordinary 8 MiB stack, and the process lives.
 
 Each runs in a subprocess, so an overflow (SIGSEGV) fails the test instead of killing pytest;
@@ -39,12 +39,16 @@ SCRIPT = textwrap.dedent(
 
     def constraint():
         from pdserve.protocol.constraint import Constraint, ConstraintKind
-        return Constraint(kind=ConstraintKind(kind), spec=spec).kind
+        c = Constraint(kind=ConstraintKind(kind), spec=spec)
+        c.check_compiles()
+        return c.kind
 
-    def wire():  # P's control thread decoding a PrefillRequest's SamplingParams
+    def wire():  # D's /generate: SamplingParams off the wire, then the compile check
         from pdserve.protocol.sampling import SamplingParams
         c = {"kind": kind, "spec": spec}
-        return SamplingParams.from_builtins({"max_tokens": 2, "constraint": c}).constraint.kind
+        params = SamplingParams.from_builtins({"max_tokens": 2, "constraint": c})
+        params.constraint.check_compiles()
+        return params.constraint.kind
 
     def fields():  # the front end: each field that carries this kind
         from pdserve.frontend.structured import build_constraint, find_constraint

@@ -6,14 +6,13 @@ matcher and a step's token masks (the grammar engine is llguidance: protocol/con
   model/tokenizer.py) with the end-of-sequence ids, sized to cover the model's logits: ids
   past the tokenizer's (a padded embedding) are tokens no grammar matches, so their bits are
   always 0 (and logits past the table, if the tokenizer is the wider one, are cut off).
-- **Compiled grammars.** One pristine matcher per (kind, spec), in an LRU of
-  `GRAMMAR_CACHE_SIZE`; a request's matcher is a deep copy of it (microseconds). The compile
-  runs on the process's grammar thread (protocol/grammar_thread.py: a stack deep enough for
-  any spec within the size bound), the engine thread waiting at most COMPILE_TIMEOUT_S; a
-  constraint that fails to compile (or runs past that) is remembered, in an LRU of the same
-  size, so its other rows and the isolation's row-by-row retry fail at once.
-- **A request's matcher** is made on its first use (its first masked step, or on a decode
-  worker the first token P sampled) and has always consumed exactly the request's
+- **Compiled grammars.** One pristine matcher per (kind, spec), compiled on the grammar thread
+  and kept in an LRU of `GRAMMAR_CACHE_SIZE` (engine/sampling/grammar_compiles.py); the engine
+  thread never waits for a compile: `poll` starts it and says whether it is done, `sweep`
+  settles those that ended, and engine/grammar_waits.py holds the request meanwhile.
+  `compiled` waits, for callers outside the loop (tests, tools).
+- **A request's matcher** is a deep copy of the pristine one (microseconds), given to it as
+  its grammar is found compiled (`attach`), and has always consumed exactly the request's
   `output_ids`: `accept` advances it with each token the engine emits (Engine.emit_token),
   so D's matcher continues P's first token on adoption. A token it refuses is a bug (the
   mask allowed it): ValueError, which fails that request only.
@@ -33,27 +32,24 @@ Only the engine thread uses this; it holds no lock.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import llguidance
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.sampling.grammar_compiles import GrammarCompiles
 from pdserve.engine.sampling.grammar_mask import GrammarMask
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.constraint import Constraint, ConstraintKind, grammar_source
-from pdserve.protocol.grammar_thread import CompilerBusy, CompileTimeout, on_grammar_thread
+from pdserve.protocol.constraint import Constraint
 
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept, least recently used evicted
-_Key = tuple[ConstraintKind, str]
-V = TypeVar("V")
 
 
 class Grammars:
-    """The engine's grammars: `matcher`, `accept` and `mask`, over a vocabulary built from
-    `tokenizer()` on first use; `vocab_size` is the width of the model's logits."""
+    """The engine's grammars: `poll`/`sweep`/`attach` (compiles the loop never waits for),
+    `matcher`, `accept` and `mask`, over a vocabulary built from `tokenizer()` on first use;
+    `vocab_size` is the width of the model's logits."""
 
     def __init__(
         self,
@@ -65,24 +61,24 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = eos_token_ids
-        self._cache_size = cache_size
-        self._vocab: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[_Key, llguidance.LLMatcher] = OrderedDict()
-        self._refused: OrderedDict[_Key, str] = OrderedDict()  # why each did not compile
+        self._compiles = GrammarCompiles(self._build_vocab, cache_size)
         self._executor: llguidance.LLExecutor | None = None
-        self.compiles = 0  # grammars compiled (cache misses)
+
+    def _build_vocab(self) -> llguidance.LLTokenizer:
+        tok = self._tokenizer()
+        eos = sorted(self._eos | tok.eos_token_ids)
+        return llguidance.LLTokenizer(
+            tok.to_json(), n_vocab=max(self.vocab_size, tok.vocab_size), eos_token=eos or None
+        )
 
     @property
     def vocab(self) -> llguidance.LLTokenizer:
-        if self._vocab is None:
-            tok = self._tokenizer()
-            eos = sorted(self._eos | tok.eos_token_ids)
-            self._vocab = llguidance.LLTokenizer(
-                tok.to_json(),
-                n_vocab=max(self.vocab_size, tok.vocab_size),
-                eos_token=eos or None,
-            )
-        return self._vocab
+        return self._compiles.vocab
+
+    @property
+    def compiles(self) -> int:
+        """Grammars compiled (cache misses)."""
+        return self._compiles.compiles
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -94,39 +90,24 @@ class Grammars:
         """int32 words in one row's bitmask."""
         return (self.vocab.vocab_size + 31) // 32
 
-    def compiled(self, c: Constraint) -> llguidance.LLMatcher:
-        """The pristine matcher of `c` (compiled on a miss); ValueError if it cannot compile
-        against this model's vocabulary."""
-        key = (c.kind, c.spec)
-        m = self._compiled.get(key)
-        if m is not None:
-            self._compiled.move_to_end(key)
-            return m
-        why = self._refused.get(key)
-        if why is None:
-            m, why = self._build(c)
-            if m is not None:
-                self.compiles += 1
-                _remember(self._compiled, key, m, self._cache_size)
-                return m
-            _remember(self._refused, key, why, self._cache_size)
-        raise ValueError(f"the {c.kind.value} constraint does not compile: {why}")
+    def poll(self, c: Constraint) -> bool | str:
+        """Without waiting: True once `c` is compiled, why not if it cannot be, False while
+        it compiles (grammar_compiles.py)."""
+        return self._compiles.poll(c)
 
-    def _build(self, c: Constraint) -> tuple[llguidance.LLMatcher | None, str]:
-        """(the matcher, "") or (None, why it did not compile); ValueError if the grammar
-        thread never got to it (not the constraint's fault: not remembered)."""
-        vocab = self.vocab
-        try:
-            m = on_grammar_thread(_matcher, vocab, c.kind, c.spec)
-        except CompilerBusy as e:
-            raise ValueError(f"the {c.kind.value} constraint was not compiled: {e}") from e
-        except CompileTimeout as e:  # its own run passed the bound (queueing is not counted)
-            return None, str(e)
-        except (ValueError, TypeError, RecursionError) as e:  # grammar_source's
-            return None, str(e) or type(e).__name__
-        if m.is_error():
-            return None, m.get_error()
-        return m, ""
+    def sweep(self) -> None:
+        """Settle the compiles that ended (once a tick)."""
+        self._compiles.sweep()
+
+    def compiled(self, c: Constraint) -> llguidance.LLMatcher:
+        """The pristine matcher of `c`, waiting for its compile if it is not done (callers
+        outside the loop); ValueError if it cannot compile against this vocabulary."""
+        return self._compiles.compiled(c)
+
+    def attach(self, req: Request) -> None:
+        """Give `req` its matcher now, while its grammar is compiled (`poll` just said so):
+        it never depends on the LRU again, so no later step compiles on the loop."""
+        self.matcher(req)
 
     def matcher(self, req: Request) -> llguidance.LLMatcher:
         """`req`'s matcher, made on first use and caught up with its output so far."""
@@ -181,17 +162,3 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(matchers, flat.data_ptr(), words * 4, g)
         return GrammarMask.upload(flat, g, words, device)
-
-
-def _matcher(
-    vocab: llguidance.LLTokenizer, kind: ConstraintKind, spec: str
-) -> llguidance.LLMatcher:
-    """A pristine matcher of (kind, spec) over `vocab` (on the grammar thread)."""
-    return llguidance.LLMatcher(vocab, grammar_source(kind, spec), log_level=0)
-
-
-def _remember(cache: OrderedDict[_Key, V], key: _Key, value: V, size: int) -> None:
-    cache[key] = value
-    cache.move_to_end(key)
-    if len(cache) > size:
-        cache.popitem(last=False)

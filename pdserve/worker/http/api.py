@@ -22,11 +22,10 @@ protocol/generate.py's `Generate`, read by its one decoder (`decode_generate`); 
 model can serve the request is the engine's own check, which `engine.submit` runs before it
 takes anything (InvalidParams, answered 400 like a bad field).
 
-Decoding a body that holds a constraint builds, so compiles, it (protocol/constraint.py):
-such a body is decoded on the constraint threads (frontend/constraint_threads.py), not on
-the event loop, which serves every other request's stream meanwhile. A body is decoded on the
-loop only when it cannot hold one (`_holds_no_constraint`): the router writes
-`"constraint":null` for none.
+A body's constraint is decoded with it on the loop (a cheap check); whether it compiles, which
+waits on the grammar thread, is checked on the constraint threads
+(frontend/constraint_threads.py), so the loop serves every other request's stream meanwhile
+and a constraint that cannot compile is a 400 here too.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from aiohttp import web
 from pdserve.frontend.api import read_json
 from pdserve.frontend.constraint_threads import ConstraintThreads
 from pdserve.frontend.protocol import ApiError, bad
+from pdserve.protocol.constraint import Constraint
 from pdserve.protocol.generate import check_request_id, decode_generate
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
 from pdserve.protocol.sampling import InvalidParams
@@ -55,14 +55,6 @@ def _refused(e: ApiError | InvalidParams) -> web.Response:
     """The 400 (or other) answer to a request refused before the engine took it."""
     err = bad(str(e), e.param) if isinstance(e, InvalidParams) else e
     return web.json_response(err.body(), status=err.status)
-
-
-def _holds_no_constraint(raw: bytes) -> bool:
-    """True only if decoding `raw` (JSON) can build no Constraint: each `constraint` in it is
-    `"constraint":null` (as the router writes a request without one; none at all without
-    params), and no backslash could spell the key in escapes. A body this refuses may still
-    hold none (other spacing, text naming it): it is only decoded off the loop."""
-    return b"\\" not in raw and raw.count(b"constraint") == raw.count(b'"constraint":null')
 
 
 def _channel_error(e: ChannelError) -> web.Response:
@@ -134,10 +126,9 @@ class WorkerApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             raw = utf8_body(await read_body(request), request.charset)
-            if _holds_no_constraint(raw):
-                g = decode_generate(raw)
-            else:  # decoding compiles the constraint: off the loop
-                g = await self.constraints.run(decode_generate, raw)
+            g = decode_generate(raw)
+            if g.params.constraint is not None:  # its compile check waits: off the loop
+                await self.constraints.run(Constraint.check_compiles, g.params.constraint)
         except (ApiError, InvalidParams) as e:
             return _refused(e)
         rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s
