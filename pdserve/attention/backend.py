@@ -10,7 +10,8 @@ A model whose attention the backend has no kernel for (DeepSeek's latent attenti
 expanded form) uses the generic pair of a `GatherBackend` instead: `store` writes a named KV
 buffer's new tokens (any buffer of the layout, e.g. "latent") and `gather` hands back each
 sequence's whole causal context of that buffer, padded, with the index that says which keys
-each new token sees (`CausalContext`); the model then attends itself.
+each new token sees (`CausalContext`); the model then attends itself. A `LatentDecodeBackend`
+also attends a step of decodes over the latent buffer in MLA's absorbed form.
 
 Per step the runner calls `prepare(batch)` once; every layer then reuses its result (the
 metadata), so per-step work (page tables, masks, index arithmetic) is never repeated per
@@ -145,6 +146,30 @@ class GatherBackend(Protocol):
     def gather(self, layer: int, name: str, metadata: Any) -> CausalContext:
         """Each sequence's whole causal context of buffer `name` (its cached tokens and this
         step's, as stored), padded to the step's longest, with the index of who sees what."""
+        ...
+
+
+@runtime_checkable
+class LatentDecodeBackend(GatherBackend, Protocol):
+    """A GatherBackend that also attends a step of decodes over MLA's latent buffer in the
+    absorbed form (model/mla_absorbed.py): today the `triton` backend of a latent pool
+    (attention/mla_backend.py)."""
+
+    def absorbs(self, metadata: Any) -> bool:
+        """Whether this step's latent attention runs absorbed (`attend_latent`): a step of
+        decodes only. Else the model gathers and attends in the expanded form."""
+        ...
+
+    def attend_latent(
+        self,
+        layer: int,
+        q_latent: torch.Tensor,  # [T, H, R]: each head's non-rotary query through W_UK
+        q_rope: torch.Tensor,  # [T, H, P]: its rotated query
+        scale: float,
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H, R], q_latent's dtype
+        """Each decode's softmax((q_latent . c + q_rope . k_rope) * scale) . c over its
+        sequence's latent rows [c (R) | k_rope (P)], this step's included (stored first)."""
         ...
 
 

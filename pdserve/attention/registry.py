@@ -1,5 +1,6 @@
 """Attention backends by name: `torch` (plain SDPA, CPU and CUDA; the CPU's default) and
-`triton` (Triton kernels; CUDA's default, or the CPU under TRITON_INTERPRET=1 for tests).
+`triton` (Triton kernels; CUDA's default, or the CPU under TRITON_INTERPRET=1 for tests; over
+MLA's latent pool, attention/mla_backend.py).
 
 `triton` is imported only when asked for: a machine without the package, or a process that
 never uses it, never loads Triton (and its interpreter switch is read at that import)."""
@@ -14,11 +15,14 @@ import torch
 
 from pdserve.attention.backend import AttentionBackend, AttentionShape
 from pdserve.attention.torch_backend import TorchBackend
+from pdserve.kvcache.layout import LATENT
 from pdserve.kvcache.pool import KVPool
 
 
 def _triton(pool: KVPool, shape: AttentionShape) -> AttentionBackend[Any]:
+    """TritonBackend over k and v; MLABackend over a latent pool (its decodes absorbed)."""
     try:
+        from pdserve.attention.mla_backend import MLABackend
         from pdserve.attention.triton_backend import TritonBackend
     except ImportError as e:
         raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from None
@@ -30,6 +34,8 @@ def _triton(pool: KVPool, shape: AttentionShape) -> AttentionBackend[Any]:
             f"attention backend 'triton' runs on CUDA (the pool is on {pool.device}); "
             "use 'torch', or TRITON_INTERPRET=1 before the first import of triton for tests"
         )
+    if LATENT in {b.name for b in pool.layout.buffers}:
+        return MLABackend(pool, shape)
     return TritonBackend(pool, shape)
 
 

@@ -266,14 +266,26 @@ def paged_decode(
         **launch(q.device, _decode_kernel),
     )
     if split:
-        _reduce_kernel[(rows, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            num_splits,
-            *out.stride(),
-            HEAD_DIM=dim,
-            BLOCK_S=block(num_splits, 1),
-            BLOCK_D=block(dim, 1),
-            **launch(out.device, _reduce_kernel),
-        )
+        reduce_splits(part_out, part_lse, out)
+
+
+def reduce_splits(
+    partial_out: torch.Tensor,  # [rows, Hq, num_splits, D] float32, contiguous
+    partial_lse: torch.Tensor,  # [rows, Hq, num_splits] float32, contiguous
+    out: torch.Tensor,  # [rows, Hq, D]: written
+) -> None:
+    """out = the splits' partial outputs weighted by their log-sum-exps (zeros where no
+    split saw a key): the second kernel of a split decode, this one's and latent attention's
+    (attention/triton_mla_decode.py)."""
+    rows, num_heads, num_splits, dim = partial_out.shape
+    _reduce_kernel[(rows, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        num_splits,
+        *out.stride(),
+        HEAD_DIM=dim,
+        BLOCK_S=block(num_splits, 1),
+        BLOCK_D=block(dim, 1),
+        **launch(out.device, _reduce_kernel),
+    )

@@ -69,8 +69,9 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
-        if (model.arch.mla is not None or model.arch.v4 is not None) and name != "torch":
-            # The only one with store/gather (latent attention) and step_kv (DeepSeek-V4).
+        if (model.arch.dsa is not None or model.arch.v4 is not None) and name != "torch":
+            # The only one with V3.2's sparse mask over gathered latents and V4's step_kv;
+            # V3's latent attention runs on either (triton: its decodes absorbed).
             log.info("%s's attention runs on the torch backend, not %s", model.arch.family, name)
             name = "torch"
         self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)

@@ -5,10 +5,17 @@ never loads it.
 The weight products (`linear`, `silu_mul_linear`) of a single 16-bit row on CUDA, the
 batch-1 decode step, take the Triton GEMV (kernels/triton_gemv.py), which beat cuBLAS on every
 layer matrix of the built-in shapes (benchmarks/kernels/gemv.py); every other product stays on
-cuBLAS through F.linear, float32 (the parity oracle) included."""
+cuBLAS through F.linear, float32 (the parity oracle) included.
+
+A mixture of experts' routed experts on CUDA take the fused grouped GEMMs
+(kernels/triton_moe.py) when `fused_moe_applies`; $PDSERVE_FUSED_MOE overrides the choice:
+"0" keeps the torch loop on CUDA too, "1" takes the fused path on any device (CPU tensors only
+under TRITON_INTERPRET=1, which is how the CPU tests run it). Read at each call."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import ModuleType
 
 import torch
@@ -18,6 +25,8 @@ from pdserve.kernels import reference
 
 _triton: ModuleType | None = None
 _triton_gemv: ModuleType | None = None
+_triton_moe: ModuleType | None = None
+FUSED_MOE_ENV = "PDSERVE_FUSED_MOE"
 
 
 def _kernels() -> ModuleType:
@@ -90,3 +99,28 @@ def rotary(
     if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
         return _kernels().rotary(q, k, positions, inv_freq)  # type: ignore[no-any-return]
     return reference.rotary(q, k, positions, inv_freq)
+
+
+def fused_moe_applies(x: torch.Tensor) -> bool:
+    """Whether a mixture of experts' routed experts for tokens `x` take `fused_moe`: on CUDA
+    with Triton installed, unless $PDSERVE_FUSED_MOE says otherwise (module docstring)."""
+    forced = os.environ.get(FUSED_MOE_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return x.is_cuda and importlib.util.find_spec("triton") is not None
+
+
+def fused_moe(
+    x: torch.Tensor,  # [N, H]
+    ids: torch.Tensor,  # [N, top_k]
+    weights: torch.Tensor,  # [N, top_k] float32
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:  # [N, H]
+    """The routed experts' weighted sum per token in Triton, with no host synchronisation."""
+    global _triton_moe
+    if _triton_moe is None:
+        from pdserve.kernels import triton_moe
+
+        _triton_moe = triton_moe
+    return _triton_moe.fused_moe(x, ids, weights, gate_up_proj, down_proj)  # type: ignore[no-any-return]

@@ -207,6 +207,8 @@ class KVLayout:
         index_k: str = "auto",
         kv: str = "auto",
         page_ends: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> KVLayout:
         """The layout a model's attention needs: latent for MLA (`arch.mla`), plus index-K in
         `index_k`'s mode (`index_k_buffers`) where it has V3.2's indexer (`arch.dsa`);
@@ -214,7 +216,10 @@ class KVLayout:
         kvcache/v4_layout.py) and per-request state (`arch.v4`), in pages of whole
         compression windows (`v4_page_size`), with each page's end (`page_ends`: where a prefix
         cache may resume); else k and v. `kv` "fp8" is V4's only: other models' KV is refused
-        in it."""
+        in it. `tp_rank` of `tp_size`: a tensor-parallel rank's pool, k and v of the KV heads
+        `arch` gives it (ModelArch.for_rank); the Llama family's only."""
+        if tp_size != 1 and (arch.v4 is not None or arch.mla is not None):
+            raise ValueError(f"a KV pool of {tp_size} tensor-parallel ranks holds k and v only")
         if arch.v4 is not None:
             v4 = arch.v4
             size = v4_page_size(v4, page_size)
@@ -232,7 +237,15 @@ class KVLayout:
                 + ("; for fp8 indexer keys, --index-k-dtype fp8" if arch.dsa is not None else "")
             )
         if arch.mla is None:
-            return cls.llama(dtype, page_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+            return cls.llama(
+                dtype,
+                page_size,
+                arch.num_layers,
+                arch.num_kv_heads,
+                arch.head_dim,
+                tp_rank,
+                tp_size,
+            )
         m = arch.mla
         layout = cls.mla(dtype, page_size, arch.num_layers, m.kv_lora_rank, m.qk_rope_head_dim)
         if arch.dsa is None:

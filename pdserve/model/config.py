@@ -13,7 +13,7 @@ model/quant_config.py; a GGUF file's metadata becomes such a config in model/ggu
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,43 @@ class ModelArch:
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
+
+    def for_rank(self, tp_size: int, rank: int) -> ModelArch:
+        """The attention one of `tp_size` tensor-parallel ranks runs, for its attention backend
+        and KV pool: its query heads (num_heads / tp_size) and the KV heads they read
+        (num_kv_heads / tp_size, or the one they share where there are fewer KV heads than
+        ranks: replicated); every other field is the whole model's. TP 1: this arch itself.
+        Every rank's counts are the same; `rank` is checked, not used.
+
+        Raises ModelConfigError, naming the field, for a model that does not split over
+        `tp_size` ranks: DeepSeek's (its latent attention and experts run at TP 1 only), heads
+        or an MLP width not divisible by it, KV heads that neither split nor replicate."""
+        if tp_size < 1 or not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is not one of {tp_size} tensor-parallel ranks")
+        if tp_size == 1:
+            return self
+        if self.mla is not None or self.moe is not None or self.v4 is not None:
+            raise ModelConfigError(
+                f"{self.architecture} runs at tensor parallelism 1 only, not {tp_size}: "
+                "tensor parallelism covers the Llama family"
+            )
+        for name, value in (
+            ("num_attention_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+        ):
+            if value % tp_size:
+                raise ModelConfigError(
+                    f"{name} {value} does not split over {tp_size} tensor-parallel ranks"
+                )
+        kv = self.num_kv_heads
+        if kv % tp_size and tp_size % kv:
+            raise ModelConfigError(
+                f"num_key_value_heads {kv} neither splits over {tp_size} tensor-parallel ranks "
+                "nor divides them (to be replicated)"
+            )
+        return replace(
+            self, num_heads=self.num_heads // tp_size, num_kv_heads=max(1, kv // tp_size)
+        )
 
     @classmethod
     def for_v4(cls, v4: V4Arch, quant: QuantConfig | None = None) -> ModelArch:

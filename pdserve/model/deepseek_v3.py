@@ -2,8 +2,9 @@
 MLP in the first `first_k_dense_replace` layers and experts in the rest.
 
 Pure: tokens arrive flat ([T]) with their positions, attention through one AttentionContext
-whose backend must offer the generic store/gather pair (attention/backend.py GatherBackend;
-the runner gives this model the `torch` backend). Parameter names are HF's, except that gate
+whose backend must offer the generic store/gather pair (attention/backend.py GatherBackend:
+the `torch` backend, or the `triton` one of a latent pool, on which a step of decodes runs in
+MLA's absorbed form: model/mla.py). Parameter names are HF's, except that gate
 and up are fused (`gate_up_proj`, in the dense MLP, the shared experts and the stacked routed
 experts): model/weight_map.py maps checkpoints onto them. Numerics follow HF (float32 RoPE
 tables and router, RMSNorm in float32), so greedy outputs match transformers in float32.

@@ -55,6 +55,8 @@ def indexer_arch(arch: ModelArch) -> IndexerArch:
 class SparseMLAttention(MLAttention):
     """MLA plus its indexer (`self_attn.indexer.*`, HF's parameter names)."""
 
+    DECODES_ABSORBED = False  # every step expanded, under the indexer's mask
+
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__(arch, layer_idx)
         self.indexer = Indexer(indexer_arch(arch))

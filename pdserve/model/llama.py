@@ -15,6 +15,14 @@ the down projection of SiLU-and-multiply at batch 1 (`Linear`: a decode row's we
 run kernels/ops.linear's skinny matmul there, cuBLAS otherwise). The
 residual stream travels beside the hidden state, vLLM-style: each layer returns both, and
 the next norm adds them.
+
+Tensor parallelism (`group`, a RankGroup of N ranks: parallel/): each rank holds num_heads / N
+query heads and the KV heads they read (ModelArch.for_rank: `self.arch` is that rank's view, so
+its attention backend and KV pool see its heads only), the matching slices of qkv_proj and
+gate_up_proj (column-parallel, split per q/k/v and gate/up part), o_proj and down_proj
+(row-parallel: a partial sum, all-reduced), and its rows of the vocab (the embedding and the
+LM head, whose logits are gathered whole on every rank). At N = 1 every layer is the plain
+module below, and the model is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ from torch import nn
 from pdserve.attention.backend import AttentionContext, Rope
 from pdserve.kernels import ops
 from pdserve.model.config import ModelArch, RopeScaling
+from pdserve.parallel.group import RankGroup
+from pdserve.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 class Linear(nn.Linear):
@@ -35,6 +51,25 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
+
+
+def column(
+    in_features: int, parts: tuple[Part, ...], bias: bool, group: RankGroup
+) -> Linear | ColumnParallelLinear:
+    """`parts` fused along the output: a Linear at TP 1, else this rank's slice of each part
+    (a part of fewer heads than ranks, KV's, replicated)."""
+    if group.world_size == 1:
+        return Linear(in_features, sum(p.size for p in parts), bias=bias)
+    return ColumnParallelLinear(in_features, parts, bias, group, ops.linear, replicate=True)
+
+
+def row(
+    in_features: int, out_features: int, bias: bool, group: RankGroup, units: int
+) -> Linear | RowParallelLinear:
+    """A Linear at TP 1, else this rank's `units` / N input blocks, all-reduced after."""
+    if group.world_size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, group, units, ops.linear)
 
 
 class RMSNorm(nn.Module):
@@ -73,16 +108,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int, group: RankGroup) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which of the backend's per-layer KV caches is ours
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        q_out, kv_out = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        mine = arch.for_rank(group.world_size, group.rank)  # this rank's heads (TP 1: all)
+        self.num_heads = mine.num_heads
+        self.num_kv_heads = mine.num_kv_heads
+        self.head_dim = d = arch.head_dim
+        q_out, kv_out = mine.num_heads * d, mine.num_kv_heads * d
         self.qkv_split = (q_out, kv_out, kv_out)
-        self.qkv_proj = Linear(arch.hidden_size, q_out + 2 * kv_out, bias=arch.qkv_bias)
-        self.o_proj = Linear(q_out, arch.hidden_size, bias=arch.o_bias)
+        h, hq, hkv = arch.hidden_size, arch.num_heads, arch.num_kv_heads
+        qkv = (Part(hq * d, hq), Part(hkv * d, hkv), Part(hkv * d, hkv))
+        self.qkv_proj = column(h, qkv, arch.qkv_bias, group)
+        self.o_proj = row(hq * d, h, arch.o_bias, group, units=hq)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -106,22 +144,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, group: RankGroup) -> None:
         super().__init__()
         h, i, bias = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_up_proj = Linear(h, 2 * i, bias=bias)  # gate rows, then up rows
-        self.down_proj = Linear(i, h, bias=bias)
+        # gate rows, then up rows (at TP N: this rank's gate rows, then its up rows)
+        self.gate_up_proj = column(h, (Part(i, i), Part(i, i)), bias, group)
+        self.down_proj = row(i, h, bias, group, units=i)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I / N]
         down = self.down_proj
-        return ops.silu_mul_linear(self.gate_up_proj(x), down.weight, down.bias)
+        if isinstance(down, RowParallelLinear):  # this rank's partial sum, all-reduced
+            return down(gate_up, ops.silu_mul_linear)
+        return ops.silu_mul_linear(gate_up, down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int, group: RankGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_idx)
-        self.mlp = MLP(arch)
+        self.self_attn = Attention(arch, layer_idx, group)
+        self.mlp = MLP(arch, group)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -144,21 +186,30 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, group: RankGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        v, h = arch.vocab_size, arch.hidden_size
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(v, h) if group.world_size == 1 else VocabParallelEmbedding(v, h, group)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, group) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Parameter names match HF checkpoints (model.*, lm_head.weight)."""
+    """Parameter names match HF checkpoints (model.*, lm_head.weight). `group`: the tensor-
+    parallel ranks this one is among (default: TP 1); `arch` is then this rank's view."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, group: RankGroup | None = None) -> None:
         super().__init__()
-        self.arch = arch
-        self.model = Backbone(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        group = group or RankGroup.single()
+        self.group = group
+        self.arch = arch.for_rank(group.world_size, group.rank)
+        self.model = Backbone(arch, group)
+        v, h = arch.vocab_size, arch.hidden_size
+        self.lm_head: nn.Linear | ParallelLMHead = (
+            nn.Linear(h, v, bias=False) if group.world_size == 1 else ParallelLMHead(h, v, group)
+        )
         inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)

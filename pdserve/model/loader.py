@@ -21,6 +21,12 @@ its unpacked shape); the weights of multi-token prediction layers (the
 `num_nextn_predict_layers` layers after the last; DeepSeek-V4's `mtp.*` modules) are skipped
 with one log line, as vLLM does: pdserve does not run MTP, and the model without them is the
 whole model. DeepSeek-V4's hash-routing tables (tid2eid) load as integers.
+
+Tensor parallelism (`group` of N ranks, the Llama family): each rank builds its shard of the
+model (model/llama.py) and plans the checkpoint against the whole model's shapes
+(`Sharded.whole_shape`, parallel/layers.py), so the plan and its checks are the TP-1 plan; a
+sharded parameter's tensors are then read whole, one at a time, and the layer copies its rank's
+rows (`Sharded.load_shard`: q, k and v each their own slice of the fused qkv_proj).
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ from pdserve.model.safetensors_file import (
     read_whole,
     weight_files,
 )
-from pdserve.model.weight_map import Placement, plan, rules_for
+from pdserve.model.weight_map import Placement, Slice, Whole, plan, rules_for
+from pdserve.parallel.group import RankGroup
+from pdserve.parallel.layers import Sharded
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +67,27 @@ Fp8Scale = BlockScale  # a weight's scale, as copy_placements takes it (the name
 
 
 LoadedModel: TypeAlias = CausalLM | DeepseekV3ForCausalLM | DeepseekV4ForCausalLM
+# A tensor-parallel parameter's name -> its layer and the parameter's name there.
+Shards: TypeAlias = dict[str, tuple[Sharded, str]]
 
 
-def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def empty_model(
+    arch: ModelArch, dtype: torch.dtype, device: torch.device, group: RankGroup | None = None
+) -> LoadedModel:
     """The model with uninitialised parameters, each allocated once in `dtype` on `device`
     (tied parameters share one tensor; the model's FLOAT32_PARAMS in float32), and its derived
-    buffers computed."""
+    buffers computed. `group`: this rank's tensor-parallel group (default: TP 1): the model
+    holds its shard (the Llama family only: ModelArch.for_rank refuses the others)."""
     if arch.v4 is not None and dtype == torch.float16:
         # HF keeps V4's compressor and indexer projections in float32 under float16.
         raise ModelConfigError(f"{arch.architecture} runs in float32 or bfloat16, not float16")
+    group = group or RankGroup.single()
+    arch.for_rank(group.world_size, group.rank)  # refuses what does not split, by field name
     with torch.device("meta"):
         model: LoadedModel = (
             DeepseekV4ForCausalLM(arch)
             if arch.v4 is not None
-            else CausalLM(arch)
+            else CausalLM(arch, group)
             if arch.family != "deepseek_v3"
             else DeepseekV32ForCausalLM(arch)
             if arch.dsa is not None
@@ -103,18 +118,21 @@ def empty_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> Lo
     return model
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """An HF directory's model, or a GGUF file's (a .gguf, or a directory holding one)."""
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, group: RankGroup | None = None
+) -> LoadedModel:
+    """An HF directory's model, or a GGUF file's (a .gguf, or a directory holding one).
+    `group`: this rank's tensor-parallel group: the model is its shard (default: TP 1)."""
     gguf = find_gguf(path)
     if gguf is not None:
-        return _load_gguf(open_gguf(gguf), dtype, device)
+        return _load_gguf(open_gguf(gguf), dtype, device, group)
     arch = ModelArch.from_dir(path)
     stored = checkpoint_tensors(weight_files(path))
     _skip_mtp_layers(stored, arch)
     if arch.v4 is not None:
         _skip_mtp_modules(stored)
     scales = take_scales(stored, arch.quant, str(path))
-    model = empty_model(arch, dtype, device)
+    model = empty_model(arch, dtype, device, group)
     shapes = {n: t.shape for n, t in stored.items()}
     packed: dict[str, str] = {}  # fp4 is planned at its dequantised shape: two values a byte
     for n, s in scales.items():
@@ -122,12 +140,56 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
         if shapes[n] != stored[n].shape:
             packed[n] = f"{s.fmt.value} stored as {stored[n].dtype} {stored[n].shape}"
     placements, params = _plan(model, shapes, arch, str(path), packed)
-    copy_placements(stored, placements, params, scales)
+    copy_placements(stored, placements, params, scales, _shards(model))
     model.eval()
     log.info(
-        "loaded %s (%s) from %s on %s as %s", arch.architecture, arch.family, path, device, dtype
+        "loaded %s (%s) from %s on %s as %s%s",
+        arch.architecture,
+        arch.family,
+        path,
+        device,
+        dtype,
+        _rank_note(group),
     )
     return model
+
+
+def _rank_note(group: RankGroup | None) -> str:
+    """`, tensor-parallel rank r of N` in a load's log line (nothing at TP 1)."""
+    if group is None or group.world_size == 1:
+        return ""
+    return f", tensor-parallel rank {group.rank} of {group.world_size}"
+
+
+def _shards(model: nn.Module) -> Shards:
+    """Every parameter a tensor-parallel layer holds a shard of (none at TP 1)."""
+    out: Shards = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Sharded):
+            for name in module.shards:
+                out[f"{prefix}.{name}" if prefix else name] = (module, name)
+    return out
+
+
+def _fill(
+    p: Placement, value: torch.Tensor, params: dict[str, nn.Parameter], shards: Shards
+) -> None:
+    """Copy checkpoint tensor `value` to placement `p`'s destination, or, for a sharded
+    parameter, this rank's part of it (the placement's rows of the whole parameter)."""
+    if p.target not in shards:
+        p.destination(params[p.target]).copy_(value)
+        return
+    layer, name = shards[p.target]
+    match p.region:
+        case Whole():
+            layer.load_shard(name, value)
+        case Slice(0, start, _):
+            layer.load_shard(name, value, start)
+        case _:
+            raise ModelConfigError(
+                f"{p.source}: tensor parallelism shards whole tensors or rows of fused ones, "
+                f"not {p.region} of {p.target}"
+            )
 
 
 def _plan(
@@ -141,26 +203,33 @@ def _plan(
     alias, not a parameter), and the parameters by name."""
     params = dict(model.named_parameters())
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
-    targets = {name: tuple(p.shape) for name, p in params.items()}
+    shards = _shards(model)  # planned at the whole model's shapes: the checkpoint's
+    targets = {
+        name: shards[name][0].whole_shape(shards[name][1]) if name in shards else tuple(p.shape)
+        for name, p in params.items()
+    }
     rules = rules_for(arch.architecture)
     return plan(shapes, targets, rules, aliases, where=where, stored_as=stored_as), params
 
 
-def _load_gguf(file: GGUFFile, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(
+    file: GGUFFile, dtype: torch.dtype, device: torch.device, group: RankGroup | None
+) -> LoadedModel:
     """A GGUF file's tensors (model/gguf_file.py: HF names and layout, dequantised to float32
     one at a time) placed by the same plan as a directory's, and its rotary frequencies."""
     arch = ModelArch.from_hf_config(file.hf_config(), where=str(file.path))
-    model = empty_model(arch, dtype, device)
+    model = empty_model(arch, dtype, device, group)
     placements, params = _plan(model, file.shapes(), arch, str(file.path))
+    shards = _shards(model)
     with torch.no_grad():
         for p in placements:
-            p.destination(params[p.target]).copy_(torch.from_numpy(file.read(p.source)))
+            _fill(p, torch.from_numpy(file.read(p.source)), params, shards)
     divisors = file.rope_freq_divisors()  # [head_dim / 2]: Llama 3's rope scaling, llama.cpp's way
     if divisors is not None and isinstance(model, CausalLM):
         model.inv_freq = model.inv_freq / torch.from_numpy(divisors).to(model.inv_freq.device)
     model.eval()
-    log.info("loaded %s from %s (%s) on %s as %s", arch.architecture, file.path,
-             file.stored_types(), device, dtype)  # fmt: skip
+    log.info("loaded %s from %s (%s) on %s as %s%s", arch.architecture, file.path,
+             file.stored_types(), device, dtype, _rank_note(group))  # fmt: skip
     return model
 
 
@@ -169,11 +238,15 @@ def copy_placements(
     placements: list[Placement],
     params: dict[str, nn.Parameter],
     scales: dict[str, BlockScale] | None = None,
+    shards: Shards | None = None,
 ) -> None:
     """Fill each placement's destination from its file, file by file, in offset order; a
     source with a scale (`scales`: model/quantized.py) is dequantised on the way. Each file is
-    opened once (its scales may sit in another shard) and closed after its last read."""
+    opened once (its scales may sit in another shard) and closed after its last read. A
+    parameter in `shards` (tensor parallelism) takes its rank's part of each tensor, read
+    whole."""
     scales = scales or {}
+    shards = shards or {}
     by_file: dict[Path, list[Placement]] = defaultdict(list)
     for p in placements:
         by_file[stored[p.source].file].append(p)
@@ -183,15 +256,17 @@ def copy_placements(
     with torch.no_grad(), OpenFiles(reads) as files:
         for file, group in sorted(by_file.items()):
             for p in sorted(group, key=lambda p: stored[p.source].offset):
-                dst = p.destination(params[p.target])
                 t = stored[p.source]
                 if p.source in scales:
                     scale = scales[p.source]
                     w = read_whole(files.get(file), t)
                     s = read_whole(files.get(scale.tensor.file), scale.tensor)
-                    dst.copy_(dequantize(w, s, scale, p.source))
+                    _fill(p, dequantize(w, s, scale, p.source), params, shards)
                     files.done(scale.tensor.file)
+                elif p.target in shards:
+                    _fill(p, read_whole(files.get(file), t), params, shards)
                 else:
+                    dst = p.destination(params[p.target])
                     bounce = _copy_tensor(files.get(file), t, dst, bounce)
                 files.done(file)
 

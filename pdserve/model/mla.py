@@ -1,18 +1,26 @@
-"""Multi-head latent attention (DeepSeek-V2/V3), in HF's expanded form, and its rotary tables.
+"""Multi-head latent attention (DeepSeek-V2/V3): HF's expanded form, the absorbed form for a
+step of decodes, and its rotary tables.
 
 Per token the layer caches ONE vector (the KV layout's "latent" buffer, [1, kv_lora_rank +
 qk_rope_head_dim]): the RMS-normed compressed KV, then the rotated key part that every head
-shares. Attention re-expands the whole causal context from the cache each step: `kv_b_proj`
-turns each cached latent into every head's non-rotary key and its value, the shared rotated key
-is appended to each head's key, and softmax(q k^T * scale) v runs in the model's dtype with
-float32 softmax, as HF's eager attention does. (Folding `kv_b_proj` into the query, the
-"absorbed" form, is a later optimisation with its own check.)
+shares. The expanded form re-expands the whole causal context from the cache each step:
+`kv_b_proj` turns each cached latent into every head's non-rotary key and its value, the shared
+rotated key is appended to each head's key, and softmax(q k^T * scale) v runs in the model's
+dtype with float32 softmax, as HF's eager attention does. The backend only moves latents:
+`store` writes this step's, `gather` returns each sequence's whole causal context from the pool
+(attention/backend.py).
 
-The backend only moves latents: `store` writes this step's, `gather` returns each sequence's
-whole causal context from the pool (attention/backend.py). HF numerics: RoPE tables in float32
-scaled by YaRN's attention factor; with `rope_interleave` the (even, odd) pairs are rotated and
-written back as two halves, exactly as HF's apply_rotary_pos_emb_interleave does, so the cached
-rotated keys are in HF's order.
+A step of decodes only, on a backend that can (a `LatentDecodeBackend`: the `triton` backend of
+a latent pool, attention/mla_backend.py), runs the absorbed form instead (model/mla_absorbed.py):
+`kv_b_proj`'s key half folded into the query, attention over the cached latents themselves, its
+value half applied to the result; mathematically the same, and the decode no longer expands
+every cached latent every step. Prefill and mixed steps stay expanded (compute-bound there:
+model/mla_absorbed.py says why), and so does every step on the `torch` backend (the CPU's), and
+V3.2's sparse attention (model/deepseek_v32.py: `DECODES_ABSORBED`).
+
+HF numerics: RoPE tables in float32 scaled by YaRN's attention factor; with `rope_interleave`
+the (even, odd) pairs are rotated and written back as two halves, exactly as HF's
+apply_rotary_pos_emb_interleave does, so the cached rotated keys are in HF's order.
 """
 
 from __future__ import annotations
@@ -23,11 +31,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pdserve.attention.backend import AttentionContext, CausalContext, GatherBackend
+from pdserve.attention.backend import (
+    AttentionContext,
+    CausalContext,
+    GatherBackend,
+    LatentDecodeBackend,
+)
 from pdserve.kvcache.layout import LATENT
 from pdserve.model.config import ModelArch
 from pdserve.model.deepseek_config import MLAArch
 from pdserve.model.llama import RMSNorm
+from pdserve.model.mla_absorbed import absorb_query, expand_output, kv_b_halves
 from pdserve.model.rope_scaling import RopeScaling, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps
@@ -81,6 +95,8 @@ def rotate(
 class MLAttention(nn.Module):
     """HF's DeepseekV3Attention: parameter names match the checkpoint's."""
 
+    DECODES_ABSORBED = True  # a step of decodes may run absorbed (V3.2's mask cannot)
+
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         assert arch.mla is not None
@@ -126,6 +142,12 @@ class MLAttention(nn.Module):
         latent = torch.cat((kv_nope.view(t, 1, -1), k_rot), dim=-1)  # [T, 1, R + P]
         backend = cast(GatherBackend, ctx.backend)  # checked once per step: the model's forward
         backend.store(self.layer_idx, LATENT, latent, ctx.metadata)
+        # A LatentDecodeBackend's verb, looked up: isinstance of the protocol costs ~10 us a layer.
+        absorbs = getattr(backend, "absorbs", None)
+        if self.DECODES_ABSORBED and absorbs is not None and absorbs(ctx.metadata):
+            absorbing = cast(LatentDecodeBackend, backend)
+            out = self.absorbed(q_nope, q_rot, absorbing, ctx.metadata)  # [T, H, Dv]
+            return self.o_proj(out.reshape(t, h * m.v_head_dim))
         context = backend.gather(self.layer_idx, LATENT, ctx.metadata)
         seen = self.visible(x, q_resid, cos, sin, backend, ctx.metadata, context)  # [B, Q, L]
         cached = context.values[:, :, 0]  # [B, L, R + P]: each sequence's keys, padded
@@ -141,6 +163,21 @@ class MLAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)  # [B, Q, H, Dv]
         return self.o_proj(context.unpad(out).reshape(t, h * m.v_head_dim))
+
+    def absorbed(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rot: torch.Tensor,  # [T, H, P]: rotated
+        backend: LatentDecodeBackend,
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """A step of decodes over the cached latents (model/mla_absorbed.py); this step's are
+        already stored."""
+        m = self.m
+        w_uk, w_uv = kv_b_halves(self.kv_b_proj.weight, self.num_heads, m)
+        q_latent = absorb_query(q_nope, w_uk)  # [T, H, R]
+        o_latent = backend.attend_latent(self.layer_idx, q_latent, q_rot, m.softmax_scale, metadata)
+        return expand_output(o_latent, w_uv)
 
     def visible(
         self,

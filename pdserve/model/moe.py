@@ -12,6 +12,12 @@ transformers in float32:
     stacked at load time, model/weight_map.py); each routed expert's output, times its weight,
     is added into the token's sum expert by expert in index order, as HF does;
   * the shared experts are one gated MLP whose width is n_shared_experts experts.
+
+On CUDA the routed experts run fused (kernels/triton_moe.py, chosen by kernels/ops.py): the
+assignments sorted by expert on the device and two grouped GEMMs, with the loop's roundings
+and summation order, and no host read, so the layer can be captured in a CUDA graph. The
+router is torch ops on the device throughout (no host read either). `Experts.loop` is the
+torch path: the CPU's, and the oracle the fused one is tested against.
 """
 
 from __future__ import annotations
@@ -84,6 +90,17 @@ class Experts(nn.Module):
         ids: torch.Tensor,  # [N, top_k]
         weights: torch.Tensor,  # [N, top_k] float32
     ) -> torch.Tensor:  # [N, H]
+        if ops.fused_moe_applies(x):  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
+            return ops.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj)
+        return self.loop(x, ids, weights)
+
+    def loop(
+        self,
+        x: torch.Tensor,  # [N, H]
+        ids: torch.Tensor,  # [N, top_k]
+        weights: torch.Tensor,  # [N, top_k] float32
+    ) -> torch.Tensor:  # [N, H]
+        """HF's loop over the chosen experts: the CPU's path, and what the fused one equals."""
         out = torch.zeros_like(x)
         # One host read per layer: which experts any token chose, in index order.
         for e in torch.unique(ids).tolist():

@@ -49,6 +49,12 @@ ENGINE_EXIT_TIMEOUT_S = 5.0  # Stopped -> the process gone
 # The worker's bound on closing its engine process: the stop, the exit, and a second's slack.
 ENGINE_CLOSE_TIMEOUT_S = ENGINE_STOP_TIMEOUT_S + ENGINE_EXIT_TIMEOUT_S + 1.0
 
+# -- tensor-parallel ranks (parallel/group.py) ----------------------------------------------------
+# Joining a rank's process group, and every collective in it, ends within this: on gloo a
+# collective a peer never joins raises, on NCCL the watchdog ends the process (LESSONS #21).
+# Twice the engine's heartbeat bound: far past a slow CPU step of a peer rank.
+TP_COLLECTIVE_TIMEOUT_S = 2 * ENGINE_HEARTBEAT_S
+
 # -- decode worker D, about its prefill workers (worker/decode/role.py) ---------------------
 PING_EVERY_S = 1.0
 PEER_TIMEOUT_S = 5.0  # no pong for this long while rooms are open: the P is dead

@@ -6,7 +6,6 @@ role writing latent pages into a decode role's pool) equals co-located."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -58,11 +57,15 @@ def test_the_pool_holds_one_latent_buffer_per_layer(ds_dir: Path) -> None:
     assert e.runner.backend.name == "torch"
 
 
-def test_another_backend_asked_for_gives_torch_with_a_log_line(ds_dir, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.runner"):
-        e = engine(ds_dir, attention_backend="triton")
-    assert e.runner.backend.name == "torch"
-    assert "deepseek_v3's attention runs on the torch backend, not triton" in caplog.text
+def test_the_triton_backend_decodes_absorbed_and_matches_hf(ds_dir, prompts, hf_ref) -> None:
+    """Asked for, `triton` serves latent attention (attention/mla_backend.py: its decode steps
+    in MLA's absorbed form; on the CPU in Triton's interpreter); HF's ids, alone and 3 at once."""
+    e = engine(ds_dir, attention_backend="triton", prefix_cache=False)
+    assert e.runner.backend.name == "triton" and e.runner.graphs is None
+    picked = [LENGTHS.index(n) for n in (5, 13, 37)]
+    batch = [prompts[i] for i in picked]
+    assert [generate(e, [p], GREEDY)[0] for p in batch] == [hf_ref[i] for i in picked]
+    assert generate(e, batch, GREEDY) == [hf_ref[i] for i in picked]
 
 
 def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:
@@ -111,13 +114,36 @@ def test_rope_without_interleave_or_yarn_matches_hf(ds_dir, prompts, hf_ref, tmp
     assert ref != [hf_ref[LENGTHS.index(n)] for n in (5, 13, 25)]  # the rope change mattered
 
 
+def test_the_fused_experts_keep_greedy_parity(ds_dir, prompts, hf_ref, monkeypatch) -> None:
+    """The routed experts through the Triton grouped GEMMs (kernels/triton_moe.py; on the CPU
+    in Triton's interpreter, forced by $PDSERVE_FUSED_MOE) give HF's ids in float32."""
+    from pdserve.kernels import ops
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv(ops.FUSED_MOE_ENV, "1")
+    if not torch.cuda.is_available():
+        from pdserve.attention.triton_common import interpreted
+        from pdserve.kernels import triton_moe
+
+        if not interpreted(triton_moe._gate_up_kernel):
+            pytest.skip("Triton kernels imported compiled without a GPU")
+    calls = []
+    fused = ops.fused_moe
+    monkeypatch.setattr(ops, "fused_moe", lambda *a: calls.append(1) or fused(*a))
+    picked = [LENGTHS.index(n) for n in (5, 13)]
+    assert generate(engine(ds_dir), [prompts[i] for i in picked], GREEDY) == [
+        hf_ref[i] for i in picked
+    ]
+    assert calls  # the fused path ran
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_greedy_matches_hf_on_the_gpu(ds_dir, prompts, hf_ref) -> None:
-    """float32 on the GPU: the runner gives latent attention the torch backend (the device's
-    default is triton) and decodes eagerly (no CUDA graphs); HF's ids (HF on the CPU)."""
+    """float32 on the GPU: the device's default backend, triton (decode steps absorbed, by
+    the Triton kernel), eagerly (no CUDA graphs); HF's ids (HF on the CPU)."""
     e = build_engine(
         ds_dir, device="cuda", page_size=PAGE, max_batched_tokens=CHUNK, max_model_len=512
     )
-    assert e.runner.backend.name == "torch" and e.runner.graphs is None
+    assert e.runner.backend.name == "triton" and e.runner.graphs is None
     assert generate(e, prompts, GREEDY) == hf_ref
     assert e.pool.allocator.num_held == 0

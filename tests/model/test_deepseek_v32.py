@@ -7,6 +7,7 @@ reported, not asserted."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,14 @@ def test_the_pool_holds_latent_and_index_k_in_either_mode(ds_dir: Path) -> None:
         KVLayout.for_model(arch, "float32", PAGE, "int8")
     e = engine(ds_dir, index_k_dtype="fp8")
     assert e.pool.layout == fp8 and e.runner.backend.name == "torch"
+
+
+def test_another_backend_asked_for_gives_torch_with_a_log_line(ds_dir, caplog) -> None:
+    """V3.2's sparse mask is applied to gathered latents: no absorbed decode, torch only."""
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.runner"):
+        e = engine(ds_dir, attention_backend="triton")
+    assert e.runner.backend.name == "torch"
+    assert "deepseek_v3's attention runs on the torch backend, not triton" in caplog.text
 
 
 def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:

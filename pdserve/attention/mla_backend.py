@@ -1,0 +1,172 @@
+"""The `triton` backend of a latent-attention pool (DeepSeek-V3's MLA): a step of decodes only
+is attended in MLA's absorbed form by a Triton kernel over the latent pages
+(attention/triton_mla_decode.py); everything else is the torch backend's (it is one): the
+generic store/gather pair, through which the model attends prefill and mixed steps in the
+expanded form (model/mla.py).
+
+Invariants:
+- `prepare` adds to the torch backend's metadata, for a step whose sequences are all decodes,
+  the rows' lengths and page table (views of the Batch's staged upload, no device read) and
+  the split count, chosen once per step from the longest row and shared by every layer.
+- The split-KV scratch is a per-backend float32 buffer that only grows, reused by every layer
+  and step (each layer's reduce has consumed it before the next layer's decode writes it: one
+  stream).
+- `kernel=LatentKernel.TORCH` runs `latent_decode_torch` instead, the pure-torch reference the
+  tests check the kernel against; any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+import torch
+
+from pdserve.attention.backend import AttentionShape
+from pdserve.attention.batch import Batch
+from pdserve.attention.torch_backend import TorchBackend, TorchMetadata, gather_pages
+from pdserve.attention.triton_decode import choose_num_splits, partial_shapes
+from pdserve.attention.triton_mla_decode import head_blocks, paged_latent_decode
+from pdserve.kvcache.layout import LATENT
+from pdserve.kvcache.pool import KVPool
+
+CPU_SMS = 4  # the "GPU size" the split heuristic assumes off CUDA (the interpreter)
+
+
+class LatentKernel(Enum):
+    TRITON = "triton"  # attention/triton_mla_decode.py (CUDA, or the CPU interpreter)
+    TORCH = "torch"  # latent_decode_torch: the reference, any device
+
+
+@dataclass(frozen=True)
+class LatentDecode:
+    """A step of decodes only: row r is sequence r and token r."""
+
+    kv_lens: torch.Tensor  # [rows] int32
+    page_table: torch.Tensor  # [rows, width] int32
+    num_splits: int
+
+
+@dataclass(frozen=True)
+class MLAMetadata(TorchMetadata):
+    decode: LatentDecode | None = None  # set: the step's latent attention runs absorbed
+
+
+def latent_decode_torch(
+    q_latent: torch.Tensor,  # [rows, H, R]
+    q_rope: torch.Tensor,  # [rows, H, P]
+    cache: torch.Tensor,  # [pages, page_size, 1, R + P]: one layer's latent view
+    page_table: torch.Tensor,  # [rows, width] int32
+    kv_lens: torch.Tensor,  # [rows] int32; 0: a padded row (zeros out)
+    scale: float,
+) -> torch.Tensor:  # [rows, H, R], q_latent's dtype
+    """`paged_latent_decode` in plain torch, with the expanded form's numerics (scores in the
+    query's dtype, a float32 softmax, its weights back in that dtype): each row's pages
+    gathered whole, the keys past its length masked."""
+    rank = q_latent.shape[2]
+    latents = gather_pages(cache, page_table)[:, :, 0].to(q_latent.dtype)  # [rows, L, R + P]
+    c, k_rope = latents.split([rank, latents.shape[2] - rank], dim=-1)
+    scores = (q_latent @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale
+    length = latents.shape[1]  # scores: [rows, H, L]
+    seen = torch.arange(length, device=c.device)[None, :] < kv_lens[:, None]  # [rows, L]
+    scores = scores.masked_fill(~seen[:, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    return (probs @ c).masked_fill((kv_lens == 0)[:, None, None], 0)
+
+
+class MLABackend(TorchBackend):
+    name = "triton"
+
+    def __init__(
+        self,
+        pool: KVPool,
+        shape: AttentionShape,
+        kernel: LatentKernel = LatentKernel.TRITON,
+        num_splits: int | None = None,
+    ) -> None:
+        """`num_splits`: split every decode row's keys this many ways (None: by a heuristic
+        of the GPU's size, the batch and the longest row)."""
+        super().__init__(pool, shape)
+        if LATENT not in {b.name for b in pool.layout.buffers}:
+            raise ValueError(
+                f"the latent attention backend needs a pool with a {LATENT!r} buffer (MLA); "
+                f"this one holds {[b.name for b in pool.layout.buffers]}"
+            )
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+        self.name = kernel.value
+        self.kernel = kernel
+        self.num_heads = shape.num_heads
+        self.num_splits = num_splits
+        if pool.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        else:
+            self.num_sms = CPU_SMS
+        self._scratch = torch.empty(0, dtype=torch.float32, device=pool.device)
+
+    def prepare(self, batch: Batch) -> MLAMetadata:
+        meta = super().prepare(batch)
+        decode = None
+        if batch.num_decodes == batch.num_seqs:
+            splits = self._splits(batch.num_seqs, max(batch.host_kv_lens))
+            decode = LatentDecode(batch.kv_lens, batch.page_table, splits)
+        return MLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, decode=decode)
+
+    def absorbs(self, metadata: MLAMetadata) -> bool:
+        return metadata.decode is not None
+
+    def attend_latent(
+        self,
+        layer: int,
+        q_latent: torch.Tensor,  # [T, H, R]
+        q_rope: torch.Tensor,  # [T, H, P]
+        scale: float,
+        metadata: MLAMetadata,
+    ) -> torch.Tensor:  # [T, H, R]
+        d = metadata.decode
+        if d is None:
+            raise ValueError("attend_latent: the step has prefill chunks (absorbs() is False)")
+        cache = self._view(layer, LATENT)
+        if self.kernel is LatentKernel.TORCH:
+            return latent_decode_torch(q_latent, q_rope, cache, d.page_table, d.kv_lens, scale)
+        rows, heads, rank = q_latent.shape
+        out = torch.empty(rows, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
+        part_out, part_lse = self._partials(rows, heads, d.num_splits, rank)
+        paged_latent_decode(
+            q_latent,
+            q_rope,
+            cache,
+            d.page_table,
+            d.kv_lens,
+            out,
+            scale,
+            d.num_splits,
+            part_out,
+            part_lse,
+        )
+        return out
+
+    def _splits(self, rows: int, max_kv_len: int) -> int:
+        if self.kernel is LatentKernel.TORCH:
+            return 1
+        if self.num_splits is not None:
+            return self.num_splits
+        return choose_num_splits(rows, head_blocks(self.num_heads), max_kv_len, self.num_sms)
+
+    def _partials(
+        self, rows: int, heads: int, splits: int, rank: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Views of the backend's split-KV scratch (None with one split)."""
+        if splits == 1:
+            return None, None
+        out_shape, lse_shape = partial_shapes(rows, heads, splits, rank)
+        n_out, n_lse = rows * heads * splits * rank, rows * heads * splits
+        if self._scratch.numel() < n_out + n_lse:
+            with torch.inference_mode(False):  # a normal tensor, whoever first grows it
+                self._scratch = torch.empty(
+                    2 * (n_out + n_lse), dtype=torch.float32, device=self._scratch.device
+                )
+        return (
+            self._scratch[:n_out].view(out_shape),
+            self._scratch[n_out : n_out + n_lse].view(lse_shape),
+        )

@@ -1,0 +1,327 @@
+"""DeepSeek-V3's routed experts on the GPU: two grouped GEMMs over the assignments sorted by
+expert (kernels/moe_align.py), then each token's top_k results summed in a fixed order.
+
+The torch path (model/moe.py `Experts.loop`) reads on the host which experts were chosen and
+runs one pair of products per expert: a host sync per layer, one launch per expert, and no
+CUDA graph. Here the whole layer is four launches whose shapes depend only on (N, top_k, E):
+
+  1. `align`: the assignments (a = token * top_k + slot) grouped by expert, padded per
+     expert to BLOCK_M;
+  2. gate-up: one program per (block of BLOCK_M sorted assignments, BLOCK_N columns of I)
+     gathers its tokens' rows of x and multiplies them by its expert's gate and up rows
+     (`gate_up_proj` [E, 2I, H]), SiLU(gate) * up in the epilogue -> h [A, I];
+  3. down: the same blocks multiply h by the expert's `down_proj` [E, H, I] and the
+     assignment's routing weight in the epilogue -> [A, H], one row per assignment;
+  4. sum: each token's top_k rows added in expert order, in one program per (token, columns):
+     deterministic, no atomics.
+
+Blocks past the padded length in use return at once; padding rows are masked. The numerics
+are the torch path's: products accumulate in float32 and are rounded to the model's dtype,
+silu is rounded before the multiply, the weight multiplies in float32 and rounds, and each
+token's sum adds its experts' outputs in expert index order, rounding after each add (HF's
+`index_add_` loop). float32 operands multiply exactly ("ieee", never TF32), so a float32
+model keeps its greedy parity with HF. Under Triton's CPU interpreter (the tests) bfloat16
+operands are multiplied in float32, since numpy has no bfloat16.
+
+`config_for` is the block rule: BLOCK_M follows the assignments an expert can expect (few
+in decode: small blocks, one weight pass; many in prefill: larger blocks reuse each weight
+tile across more rows), sized so a stage's tiles fit in shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from pdserve.kernels.moe_align import align
+from pdserve.kernels.pdl import enter, launch
+
+MIN_DOT = 16  # tl.dot's smallest block side
+SUM_BLOCK = 1024  # columns a program of the sum kernel adds
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int  # sorted assignments per program (the alignment's padding unit)
+    block_n: int  # output columns per program
+    block_k: int  # reduction columns per load
+    num_warps: int
+    num_stages: int
+
+
+def config_for(
+    num_tokens: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    num_experts: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Config:
+    """The blocks for N tokens through experts of (H, I). Rows per expert hit, with routing
+    spread evenly: A / min(A, E). Up to 16 (decode), BLOCK_M 16 and narrow, long tiles
+    (BLOCK_N 32, BLOCK_K 128): each expert's weights stream once through many programs. More
+    rows, larger BLOCK_M so each weight tile serves more of them; 8 warps for 128-row blocks.
+    float32 tiles are twice the bytes: one stage fewer. Sides shrink to fit small H and I."""
+    assignments = max(1, num_tokens * top_k)
+    rows = assignments / min(assignments, num_experts)
+    if rows <= 16:
+        m, n, k, warps, stages = 16, 32, 128, 4, 4
+    elif rows <= 32:
+        m, n, k, warps, stages = 32, 64, 128, 4, 3
+    elif rows <= 128:
+        m, n, k, warps, stages = 64, 64, 64, 4, 3
+    else:
+        m, n, k, warps, stages = 128, 64, 64, 8, 3
+    if dtype == torch.float32:
+        stages -= 1
+    fit = max(MIN_DOT, triton.next_power_of_2(min(hidden, intermediate)))
+    return Config(m, min(n, fit), min(k, fit), warps, stages)
+
+
+@triton.jit
+def _block(sorted_ptr, block_expert_ptr, A, BLOCK_M: tl.constexpr):
+    """This program's block: its assignments [BLOCK_M], which are real, and its expert."""
+    pid_m = tl.program_id(0)
+    a = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return a, a < A, expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [N, H]
+    w_ptr,  # [E, 2I, H]: gate rows, then up rows
+    h_ptr,  # [A, I] out: silu(gate) * up, a row per assignment
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    A,
+    H,
+    INTER,
+    stride_xn,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,  # the operands' dtype in tl.dot
+    PRECISION: tl.constexpr,  # tl.dot's input_precision ("ieee" for float32)
+    PDL: tl.constexpr,
+):
+    enter(PDL, True)
+    if tl.program_id(0) * BLOCK_M >= tl.load(total_ptr):
+        return
+    a, real, expert = _block(sorted_ptr, block_expert_ptr, A, BLOCK_M)
+    token = (a // TOP_K).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xn + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn  # [BLOCK_K, BLOCK_N]: w[e, INTER + n, k]
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kmask = k0 + rk < H
+        x = tl.load(x_ptrs + k0, mask=real[:, None] & kmask[None, :], other=0.0).to(DOT)
+        wmask = kmask[:, None] & (rn < INTER)[None, :]
+        wg = tl.load(g_ptrs + k0, mask=wmask, other=0.0).to(DOT)
+        wu = tl.load(u_ptrs + k0, mask=wmask, other=0.0).to(DOT)
+        gate = tl.dot(x, wg, gate, input_precision=PRECISION)
+        up = tl.dot(x, wu, up, input_precision=PRECISION)
+    # rounded as the torch path rounds: each product to the dtype, silu, then times up
+    dt = h_ptr.dtype.element_ty
+    g32 = gate.to(dt).to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(dt)
+    h = (silu.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+    h_ptrs = h_ptr + a[:, None].to(tl.int64) * stride_hm + rn[None, :]
+    tl.store(h_ptrs, h, mask=real[:, None] & (rn < INTER)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,  # [A, I]
+    w_ptr,  # [E, H, I]
+    weights_ptr,  # [A] float32: each assignment's routing weight
+    out_ptr,  # [A, H] out: weight * (h @ down_proj[e].T), a row per assignment
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    A,
+    H,
+    INTER,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    enter(PDL, True)
+    if tl.program_id(0) * BLOCK_M >= tl.load(total_ptr):
+        return
+    a, real, expert = _block(sorted_ptr, block_expert_ptr, A, BLOCK_M)
+    rows = a.to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kmask = k0 + rk < INTER
+        h = tl.load(h_ptrs + k0, mask=real[:, None] & kmask[None, :], other=0.0).to(DOT)
+        w = tl.load(w_ptrs + k0, mask=kmask[:, None] & (rn < H)[None, :], other=0.0).to(DOT)
+        acc = tl.dot(h, w, acc, input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + rows, mask=real, other=0.0)
+    y = (acc.to(dt).to(tl.float32) * weight[:, None]).to(dt)  # the product rounded, then weighed
+    out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, y, mask=real[:, None] & (rn < H)[None, :])
+
+
+@triton.jit
+def _sum_kernel(
+    per_slot_ptr,  # [N * TOP_K, H]
+    ids_ptr,  # [N, TOP_K]: each token's experts, distinct
+    out_ptr,  # [N, H]
+    H,
+    stride_pm,
+    stride_on,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,  # TOP_K rounded up to a power of two
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    enter(PDL, True)
+    t = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, SLOTS)
+    ids = tl.load(ids_ptr + t * TOP_K + slots, mask=slots < TOP_K, other=2**30).to(tl.int32)
+    # each slot's place in expert order (the unused slots come last: their id is the largest)
+    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.sum(tl.where(rank == j, slots, 0))
+        row = tl.load(per_slot_ptr + (t * TOP_K + slot) * stride_pm + cols, mask=cmask, other=0.0)
+        acc = (acc + row.to(tl.float32)).to(dt).to(tl.float32)  # each add rounded, as index_add_
+    tl.store(out_ptr + t * stride_on + cols, acc.to(dt), mask=cmask)
+
+
+def _dot(dtype: torch.dtype, kernel: object) -> tuple[tl.dtype, str]:
+    """tl.dot's operand dtype and input_precision for a model of `dtype`."""
+    if dtype == torch.float32 or isinstance(kernel, InterpretedFunction):
+        return tl.float32, "ieee"  # numpy has no bfloat16: the interpreter multiplies float32
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"  # (unused for 16-bit)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [N, H]
+    ids: torch.Tensor,  # [N, top_k] int: each token's experts, distinct
+    weights: torch.Tensor,  # [N, top_k] float32: their routing weights
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+    config: Config | None = None,
+) -> torch.Tensor:  # [N, H], x's dtype
+    """sum over each token's top_k experts e of weight * down_e(silu(gate_e(x)) * up_e(x)),
+    as model/moe.py's loop computes it, in four launches and no host synchronisation."""
+    n, hidden = x.shape
+    e, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    if (
+        x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        or gate_up_proj.shape != (e, 2 * inter, hidden)
+        or down_proj.shape != (e, hidden, inter)
+        or ids.shape != weights.shape
+        or ids.shape[0] != n
+        or gate_up_proj.dtype != x.dtype
+        or down_proj.dtype != x.dtype
+        or not all(t.stride(-1) == 1 for t in (x, gate_up_proj, down_proj))
+    ):
+        raise ValueError(
+            f"fused_moe: x {tuple(x.shape)} {x.dtype}, ids {tuple(ids.shape)}, weights "
+            f"{tuple(weights.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} "
+            f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}: wants "
+            "[N, H], [N, K], [N, K], [E, 2I, H], [E, H, I] of one float dtype, unit stride in H/I"
+        )
+    top_k = ids.shape[1]
+    if n == 0:
+        return torch.zeros_like(x)
+    cfg = config or config_for(n, hidden, inter, top_k, e, x.dtype)
+    ids = ids.contiguous()
+    layout = align(ids, e, cfg.block_m)
+    blocks = layout.block_expert.numel()
+    num = n * top_k
+    dot, precision = _dot(x.dtype, _gate_up_kernel)
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT=dot,
+        PRECISION=precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    h = torch.empty((num, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+        x,
+        gate_up_proj,
+        h,
+        layout.sorted_ids,
+        layout.block_expert,
+        layout.total,
+        num,
+        hidden,
+        inter,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        **common,
+        **launch(x.device, _gate_up_kernel),
+    )
+    per_slot = torch.empty((num, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+        h,
+        down_proj,
+        weights.float().reshape(-1).contiguous(),
+        per_slot,
+        layout.sorted_ids,
+        layout.block_expert,
+        layout.total,
+        num,
+        hidden,
+        inter,
+        h.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        per_slot.stride(0),
+        **common,
+        **launch(x.device, _down_kernel),
+    )
+    out = torch.empty_like(x)
+    block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
+    _sum_kernel[(n, triton.cdiv(hidden, block))](
+        per_slot,
+        ids,
+        out,
+        hidden,
+        per_slot.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k),
+        BLOCK=block,
+        **launch(x.device, _sum_kernel),
+    )
+    return out
