@@ -109,6 +109,8 @@ class RunnerConfig:
             )
 
 
+MAX_TP = 64  # --tp's bound: ranks on one host
+
 # The limits `serve` leaves to engine/sizing.py unless given (EngineConfig.auto).
 AUTO_LIMITS = frozenset({"kv_budget", "max_model_len", "max_running", "max_batched_tokens"})
 
@@ -124,10 +126,23 @@ class EngineConfig:
     # Limits (of AUTO_LIMITS) the user left unset: Engine.build chooses them from the model
     # and the device (engine/sizing.py) and replaces the placeholders above.
     auto: frozenset[str] = frozenset()
+    # Tensor-parallel ranks (--tp): the engine is rank 0 and starts ranks 1..tp-1 as processes
+    # of their own (engine/tp_leader.py); the Llama family only.
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not self.auto <= AUTO_LIMITS:
             raise ValueError(f"unknown auto limits {sorted(self.auto - AUTO_LIMITS)}")
+        if not 1 <= self.tp <= MAX_TP:
+            raise ValueError(
+                f"tensor-parallel ranks (--tp) must be in [1, {MAX_TP}], got {self.tp}"
+            )
+        if self.tp > 1 and self.cache.host_cache_bytes:
+            # Its loads copy pages back into rank 0's pool only.
+            raise ValueError("a host cache (--host-cache-mb) needs --tp 1")
+        if self.tp > 1 and self.runner.overlap_schedule:
+            # A step's record carries every input id, so none may be still on the device.
+            raise ValueError("overlapped scheduling (--overlap-schedule) needs --tp 1")
 
 
 @dataclass(frozen=True)
@@ -193,6 +208,11 @@ class ServerConfig:
             raise ValueError(f"backend must be shm, tcp or nixl, got {self.backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.engine.tp > 1 and self.role != "colocated":
+            # P writes only rank 0's KV heads into D's pages: PD between ranks is not built.
+            raise ValueError(
+                f"a {self.role} worker runs at --tp 1; --tp {self.engine.tp} serves co-located"
+            )
 
 
 def resolve_device(name: str) -> str:

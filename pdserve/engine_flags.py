@@ -134,6 +134,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "off on a CPU)",
     )
     g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the worker's engine is rank 0 and starts the others as "
+        "processes of its own (rank r on cuda:r, or all on the CPU over gloo); the Llama "
+        "family, co-located, without overlapped scheduling or CUDA graphs",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=256,
@@ -222,6 +230,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         ),
         request_timeout_s=args.request_timeout,
+        tp=args.tp,
         auto=frozenset(
             name
             for name, value in (

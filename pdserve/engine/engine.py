@@ -8,6 +8,8 @@ through the inbox (submit, abort, snapshot) and hear back through each request's
 are no locks on request state. A request ends in one place, `finish`, with a reason from one
 enum (`Event`). A failure inside a step fails only the requests it belongs to
 (engine/isolation.py, LESSONS #16); a command whose handling raises fails its own request.
+With tensor parallelism (`cfg.tp` > 1) this engine is rank 0 and leads the others
+(engine/tp_leader.py); their group failing fails every request and ends the engine thread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import queue
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,16 +42,21 @@ from pdserve.engine.sampling.grammars import Grammars
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.engine.stepper import Stepper
+from pdserve.engine.tp_leader import TpLeader, rank_device
 from pdserve.kvcache.host_pool import host_tier
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Lease, Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.model.config import ModelArch
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.parallel.lockstep import LockstepError
+from pdserve.parallel.step_record import PoolPlan
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
+from pdserve.runtime.supervisor import ThreadFatal
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S, SYSTEM_CLOCK
 
 log = logging.getLogger(__name__)
@@ -61,9 +68,16 @@ def _unsent(msg: Send) -> None:
 
 class Engine(RequestEnds):
     def __init__(
-        self, cfg: EngineConfig, model: LoadedModel, pool: KVPool, eos_token_ids: frozenset[int]
+        self,
+        cfg: EngineConfig,
+        model: LoadedModel,
+        pool: KVPool,
+        eos_token_ids: frozenset[int],
+        tp: TpLeader | None = None,
     ) -> None:
+        """`tp`: the followers this engine leads, as rank 0 of `cfg.tp` (None at TP 1)."""
         self.cfg = cfg
+        self.tp = tp
         self.model = model
         self.pool = pool
         self.eos_token_ids = eos_token_ids
@@ -83,17 +97,19 @@ class Engine(RequestEnds):
             cfg.scheduler, self.leases, pool.page_size, self.prefix_cache, pins
         )
         runner = cfg.runner
+        eager = runner.enforce_eager or tp is not None  # no graph holds a rank's collectives yet
         self.runner = ModelRunner(
             model,
             pool,
             runner.attention_backend,
             cuda_graph_max_bs=0
-            if runner.enforce_eager
+            if eager
             else min(runner.cuda_graph_max_bs, cfg.scheduler.max_running),
             cuda_graph_max_tokens=0
-            if runner.enforce_eager
+            if eager
             else min(runner.cuda_graph_max_tokens, cfg.scheduler.max_batched_tokens),
             max_model_len=self.max_model_len,
+            leader=tp,
         )
         # Structured output: the vocabulary is read from the model's tokenizer on first use.
         self.grammars = Grammars(
@@ -106,8 +122,10 @@ class Engine(RequestEnds):
         self.metrics = EngineMetrics()
         self.metrics.pages_total.set(pool.num_pages)
         # Overlapped scheduling (engine/inflight.py): the stepper keeps the step in flight.
+        # At TP > 1 off: a step's record carries every input id (parallel/step_record.py).
         overlap = runner.overlap_schedule
         self.overlap = pool.device.type == "cuda" if overlap is None else overlap
+        self.overlap = self.overlap and tp is None
         self.stepper = Stepper(self)
         self._generated = 0  # tokens emitted since generated_tokens was last advanced
         self.role: Role = Colocated()
@@ -127,9 +145,36 @@ class Engine(RequestEnds):
     def build(
         cls, cfg: EngineConfig, eos_token_ids: frozenset[int], shared_pool: bool = False
     ) -> Engine:
+        """Load the model, size and build the pool; at TP > 1 first start the followers and
+        join their group (engine/tp_leader.py), then tell them the pool."""
         device = torch.device(cfg.model.device)
+        if cfg.tp == 1:
+            return cls._build(cfg, eos_token_ids, shared_pool, device, None)
+        ModelArch.from_dir(Path(cfg.model.path)).for_rank(cfg.tp, 0)  # refused before any rank
+        device = rank_device(device, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+        tp = TpLeader.start(cfg, device)
+        try:
+            return cls._build(cfg, eos_token_ids, shared_pool, device, tp)
+        except BaseException:
+            tp.close()
+            raise
+
+    @classmethod
+    def _build(
+        cls,
+        cfg: EngineConfig,
+        eos_token_ids: frozenset[int],
+        shared_pool: bool,
+        device: torch.device,
+        tp: TpLeader | None,
+    ) -> Engine:
         dtype = getattr(torch, cfg.model.dtype)
-        model = load_model(Path(cfg.model.path), dtype, device)
+        if tp is None:
+            model = load_model(Path(cfg.model.path), dtype, device)
+        else:
+            model = load_model(Path(cfg.model.path), dtype, device, tp.group)
         arch = model.arch
         if cfg.auto:  # the limits the user left to us, now that the weights are on the device
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
@@ -137,8 +182,9 @@ class Engine(RequestEnds):
         c = cfg.cache
         # DeepSeek-V4's page ends serve only a resume from the prefix cache.
         layout = KVLayout.for_model(
-            arch, cfg.model.dtype, c.page_size, c.index_k_dtype, c.kv_dtype, c.prefix_cache
-        )
+            arch, cfg.model.dtype, c.page_size, c.index_k_dtype, c.kv_dtype, c.prefix_cache,
+            tp_rank=0, tp_size=cfg.tp,
+        )  # fmt: skip
         if layout.page_size != cfg.cache.page_size:
             log.info("KV pages of %d tokens (the model's windows)", layout.page_size)
         slots = cfg.scheduler.max_running if layout.state else 0  # one per running request
@@ -151,7 +197,9 @@ class Engine(RequestEnds):
             pool.capacity_tokens,
             pool.data.numel() / 2**20,
         )
-        return cls(cfg, model, pool, eos_token_ids)
+        if tp is not None:
+            tp.setup(PoolPlan(num_pages, layout.page_size))  # every rank's pool: these pages
+        return cls(cfg, model, pool, eos_token_ids, tp)
 
     def attach(self, role: Role, transport: Callable[[Send], None]) -> None:
         """Before the loop starts: the role, and where the messages it returns are sent."""
@@ -230,6 +278,11 @@ class Engine(RequestEnds):
         if self.has_work():
             self.step()
             self._send_outbox()
+        if self.tp is not None:
+            try:
+                self.tp.tick()  # a follower gone; an idle group hears from us (LESSONS #21)
+            except LockstepError as e:
+                self._ranks_lost(e)
         self._refresh_overdue()
 
     def sync(self) -> None:
@@ -338,11 +391,26 @@ class Engine(RequestEnds):
     def step(self) -> None:
         """Schedule, launch, and emit the tokens of the step before (overlapped) or of this
         one (plain): engine/stepper.py. Then the step's metrics."""
-        plan = self.stepper.step()
+        try:
+            plan = self.stepper.step()
+        except LockstepError as e:
+            self._ranks_lost(e)
         self.steps += 1
         generated, self._generated = self._generated, 0  # emit_token's, D's first tokens too
         cache = self.prefix_cache.stats if self.prefix_cache is not None else None
         self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
+
+    def _ranks_lost(self, e: LockstepError) -> NoReturn:
+        """The tensor-parallel group failed (engine/tp_leader.py): its followers are stopped,
+        every request fails saying why, and this thread dies for good (ThreadFatal: /health
+        names the step and the rank, and the worker stops)."""
+        why = f"tensor-parallel ranks out of lockstep: {e}"
+        log.critical("%s; failing every request", why)
+        if self.tp is not None:
+            self.tp.close()
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.finish(req, Event.FAIL, why)
+        raise ThreadFatal(why) from e
 
     # -- the role's host (engine/role.py RoleHost) --------------------------------------------
     @property

@@ -26,6 +26,7 @@ from pdserve.engine.inflight import Feed, Picks
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Chunk
+from pdserve.parallel.lockstep import LockstepError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ def forward_each(
     for c in chunks:
         try:
             logits = runner.forward([c], feed)
+        except LockstepError:
+            raise  # the tensor-parallel group's end, no chunk's fault (engine/stepper.py)
         except Exception as e:  # noqa: BLE001 - this chunk is at fault: its request fails
             log.warning("request %s: its chunk fails alone: %s", c.request.request_id, e)
             fail(c.request, f"the model failed on this request: {type(e).__name__}: {e}")

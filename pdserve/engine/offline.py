@@ -39,7 +39,10 @@ def build_engine(
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
     kv_dtype: str = CacheConfig.kv_dtype,
+    tp: int = 1,
 ) -> Engine:
+    """An engine for this thread to tick; `tp` > 1 starts its follower ranks, which the
+    caller stops with `engine.tp.close()` (engine/tp_leader.py)."""
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
         CacheConfig(
@@ -61,6 +64,7 @@ def build_engine(
             overlap_schedule,
             cuda_graph_max_tokens,
         ),
+        tp=tp,
     )
     return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 

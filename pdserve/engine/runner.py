@@ -16,13 +16,23 @@ those rows, the forward also scores each prompt position against the next prompt
 float32 log_softmax, a bounded number of rows at a time, and appends the scores to the request
 (Request.prompt_logprobs) after the whole step's scoring succeeded: a step that raises leaves
 none behind, and a recomputed chunk (preemption) adds none twice.
+
+Tensor parallelism (`leader`, engine/tp_leader.py): every forward is a chain of collectives
+(the LM head's all-gather included, prompt scoring's too), so rank 0's runner hands the
+leader each step's plan, its sequences as plain spans and its rows to score
+(parallel/step_record.py), after the Batch is built and before the model runs, and a
+follower's runner runs exactly that (`follow`): the same Batch from its own builder, the same
+forward, the same LM head calls. A build that raises has sent nothing, so the step's chunks may
+still run one by one (engine/isolation.py), each its own record; once a record is sent, a raise
+is the group's end (`Leader.lost`), never a retry. At TP 1 there is no leader and nothing here
+touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -37,11 +47,33 @@ from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import LoadedModel
+from pdserve.parallel.lockstep import LockstepError
+from pdserve.parallel.step_record import SeqPlan, StepRecord
 
 log = logging.getLogger(__name__)
 
 # Prompt rows scored at once: bounds the [rows, vocab] float32 buffer of a long prompt chunk.
 PROMPT_LOGPROB_ROWS = 512
+
+
+class Leader(Protocol):
+    """Rank 0's side of a tensor-parallel group (engine/tp_leader.py TpLeader)."""
+
+    def lead(self, seqs: Sequence[SeqPlan], score_rows: Sequence[int]) -> None:
+        """Send the step's plan to every rank, once they all agreed on it."""
+
+    def lost(self, error: Exception) -> LockstepError:
+        """The group's end, naming the step and the rank at fault: `error` was raised after
+        the step's record was sent."""
+
+
+class PromptRows(NamedTuple):
+    """A step's prompt rows to score: rows of the hidden states, the next prompt token of
+    each, and whose they are (request, its rows, its top count), in order."""
+
+    rows: list[int]
+    targets: list[int]
+    owners: list[tuple[Request, int, int]]
 
 
 def _finished(owner: object) -> bool:
@@ -59,13 +91,16 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         cuda_graph_max_tokens: int = 0,
         max_model_len: int | None = None,
+        leader: Leader | None = None,
     ) -> None:
         """`backend`: an attention backend's name (None: the device's default).
         `cuda_graph_max_bs`: capture decode graphs up to this batch (0: run eagerly; CUDA and a
         graph-capable backend only); `cuda_graph_max_tokens`: capture prefill graphs for steps
         of up to this many tokens that carry prefill chunks (0: none; only with decode
-        graphs); `max_model_len` bounds their page tables."""
+        graphs); `max_model_len` bounds their page tables. `leader`: this is rank 0 of a
+        tensor-parallel group, whose steps it leads (no CUDA graphs then)."""
         self.model = model
+        self.leader = leader
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
@@ -210,16 +245,64 @@ class ModelRunner:
 
     def _forward(self, chunks: Sequence[Chunk], feed: Feed | None) -> torch.Tensor:
         batch = self.build(chunks, feed)
+        if self.leader is None:
+            return self._run(chunks, batch)
+        self.leader.lead(self._plan(chunks), self._prompt_rows(chunks, batch).rows)
+        try:
+            return self._run(chunks, batch)
+        except Exception as e:  # noqa: BLE001 - every rank runs this step: none may rerun it
+            raise self.leader.lost(e) from e
+
+    def _run(self, chunks: Sequence[Chunk], batch: Batch) -> torch.Tensor:
+        hidden = self._hidden(batch)
+        self._score_prompts(chunks, batch, hidden)
+        return self._logits(batch, hidden)
+
+    def _hidden(self, batch: Batch) -> torch.Tensor:
+        """The step's hidden states [T, hidden]: a graph's, else an eager forward."""
         hidden = self._replay(batch)
         if hidden is None:
             ctx = AttentionContext(self.backend, self.backend.prepare(batch))
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, hidden]
-        self._score_prompts(chunks, batch, hidden)
+        return hidden
+
+    def _logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] of the rows that sample."""
         if batch.num_samples == 0:
             return hidden.new_empty(0, self.model.arch.vocab_size)  # the logits dtype
         if batch.num_samples == batch.num_tokens:  # every row samples: most decode steps
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.sample_indices])
+
+    def _plan(self, chunks: Sequence[Chunk]) -> list[SeqPlan]:
+        """The step's sequences as plain spans (parallel/step_record.py), for the followers:
+        each chunk's tokens, start, the pages its tokens need, and whether it samples."""
+        ps = self.pool.page_size
+        plan = []
+        for c in chunks:
+            end = c.start + c.length
+            ids = c.request.tokens(c.start, end)
+            if len(ids) != c.length:  # with overlapped scheduling, which TP > 1 runs without
+                raise RuntimeError(
+                    f"request {c.request.request_id}: {c.length - len(ids)} input tokens are "
+                    "not on the host; a tensor-parallel step sends every input id"
+                )
+            plan.append(SeqPlan(ids, c.start, list(c.request.page_view[: -(-end // ps)]),
+                                c.samples))  # fmt: skip
+        return plan
+
+    @torch.inference_mode()
+    def follow(self, record: StepRecord) -> None:
+        """A follower rank runs the leader's step (`record`): the Batch its spans make, the
+        forward, the prompt rows' LM head and the sampling rows', the same collectives in the
+        same order as the leader's `forward`; the results are the leader's to use."""
+        spans = [SeqSpan(s.token_ids, s.start, s.pages, s.samples) for s in record.seqs]
+        batch = self.builder.build(spans)
+        hidden = self._hidden(batch)
+        rows = list(record.score_rows)
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            self._row_logprobs(hidden, rows[s : s + PROMPT_LOGPROB_ROWS])
+        self._logits(batch, hidden)
 
     def _replay(self, batch: Batch) -> torch.Tensor | None:
         """Hidden states [T, hidden] of the step from a graph: a decode graph for a step of
@@ -232,9 +315,10 @@ class ModelRunner:
             return None
         return graphs.run(batch)
 
-    def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
-        """Append to each asking request the scores of the prompt tokens its chunk predicts:
-        hidden row of position p -> logprob of prompt token p + 1 and the top alternatives."""
+    def _prompt_rows(self, chunks: Sequence[Chunk], batch: Batch) -> PromptRows:
+        """The rows of the step's hidden states whose prompt tokens are scored: hidden row of
+        position p -> prompt token p + 1, for each asking request, the positions it has no
+        score of yet."""
         rows: list[int] = []  # rows of `hidden`
         targets: list[int] = []  # the next prompt token of each row
         owners: list[tuple[Request, int, int]] = []  # (request, its rows, its top count)
@@ -250,6 +334,12 @@ class ModelRunner:
             rows.extend(range(base + first, base + end))
             targets.extend(req.prompt_ids[first + 1 : end + 1])
             owners.append((req, end - first, top_n))
+        return PromptRows(rows, targets, owners)
+
+    def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
+        """Append to each asking request the scores of the prompt tokens its chunk predicts:
+        the logprob of the next prompt token and the top alternatives."""
+        rows, targets, owners = self._prompt_rows(chunks, batch)
         if not rows:
             return
         k = max(n for _, _, n in owners)
@@ -268,9 +358,8 @@ class ModelRunner:
         self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int
     ) -> list[TokenLogprob]:
         """One slice of rows, in one device->host copy (float64: ids below 2**53 are exact)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
-        lp = self.model.compute_logits(hidden.index_select(0, idx)).float().log_softmax(dim=-1)
+        lp = self._row_logprobs(hidden, rows)
         parts = [lp.gather(1, tgt[:, None]).double().flatten()]
         if k:
             top = lp.topk(k, dim=-1)  # [R, k] descending
@@ -286,3 +375,9 @@ class ModelRunner:
             )
             for j in range(r)
         ]
+
+    def _row_logprobs(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """float32 log_softmax [R, vocab] of `rows` of `hidden` (the LM head: a collective at
+        TP > 1, so a follower runs it on the leader's rows too)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, idx)).float().log_softmax(dim=-1)

@@ -9,7 +9,9 @@ With overlapped scheduling (engine/inflight.py: why it is exact) the step launch
 completed by the next call, while the device runs the one after it. The stepper keeps the step
 in flight and the one being launched; everything else (the scheduler, the runner, the role,
 `finish`) is its host's, the Engine, reached through `StepHost` so that this module imports
-nothing of engine.py. A failure inside a step fails only its requests (engine/isolation.py).
+nothing of engine.py. A failure inside a step fails only its requests (engine/isolation.py),
+but a tensor-parallel group out of step (`LockstepError`, engine/tp_leader.py) is no request's
+fault: it leaves the step at once, for the engine to end.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, StepPlan
 from pdserve.kvcache.pool import KVPool
+from pdserve.parallel.lockstep import LockstepError
 from pdserve.runtime.timing import Clock
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ class Stepper:
             launched = self._launching = InFlight(list(plan.chunks))
             try:
                 self._launch(plan, launched)
+            except LockstepError:
+                raise  # the group's end, not the step's: the engine ends (Engine._ranks_lost)
             except Exception as e:  # noqa: BLE001 - a bug past the isolation: fail the step
                 h.metrics.step_errors.inc()
                 log.exception("engine step failed; failing %d requests", len(plan.chunks))
@@ -93,6 +98,8 @@ class Stepper:
         feed = self._inflight.feed() if self._inflight is not None else None
         try:
             logits = h.runner.forward(chunks, feed)
+        except LockstepError:
+            raise  # every rank ran this step's record: none may run its chunks again
         except Exception as e:  # noqa: BLE001 - find the chunk at fault, run the others
             h.metrics.step_errors.inc()
             log.warning(

@@ -49,9 +49,11 @@ class RankGroup:
         world_size: int,
         group: dist.ProcessGroup | None,
         timeout_s: float | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         """`group`: the process group of these ranks (None only at world 1); `timeout_s`: the
-        bound it was made with (named in errors)."""
+        bound it was made with (named in errors); `store`: the group's key-value store (for
+        waits longer than a collective may take: `mark`, `wait_mark`)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not one of a group of {world_size}")
         if (group is None) != (world_size == 1):
@@ -64,6 +66,7 @@ class RankGroup:
         self.world_size = world_size
         self.group = group
         self.timeout_s = timeout_s
+        self.store = store
 
     @classmethod
     def single(cls) -> RankGroup:
@@ -80,11 +83,13 @@ class RankGroup:
         port: int,
         backend: str,
         timeout_s: float,
+        join_timeout_s: float | None = None,
     ) -> RankGroup:
         """Join (rank 0: create) the process group whose store rank 0 serves on host:port (an
         IPv4 address), as torch.distributed's default group; blocks until all `world_size`
-        ranks joined, at most `timeout_s`, which then bounds every collective. World 1 is
-        `single()`.
+        ranks joined, at most `join_timeout_s` (default `timeout_s`: ranks that start as
+        processes first import torch, slower than a collective is allowed to be), then
+        `timeout_s` bounds every collective. World 1 is `single()`.
 
         Rank 0 binds the store's socket to `host` itself (TCPStore would listen on every
         interface). Gloo's own connections use the interface GLOO_SOCKET_IFNAME names (`lo`
@@ -94,6 +99,7 @@ class RankGroup:
         if world_size == 1:
             return cls.single()
         timeout = timedelta(seconds=timeout_s)
+        join = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
         fd: int | None = None
         if rank == 0:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -102,7 +108,7 @@ class RankGroup:
                 fd = s.detach()  # the store owns it from here: its server closes it
         try:
             store = dist.TCPStore(
-                host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=fd
+                host, port, world_size, is_master=rank == 0, timeout=join, master_listen_fd=fd
             )
         except BaseException:
             if fd is not None:
@@ -111,7 +117,25 @@ class RankGroup:
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
-        return cls(rank, world_size, dist.group.WORLD, timeout_s)
+        return cls(rank, world_size, dist.group.WORLD, timeout_s, store)
+
+    def mark(self, key: str) -> None:
+        """Set `key` in the group's store: what `wait_mark` waits for on the other ranks."""
+        if self.store is None:
+            raise RuntimeError("a group without a store (world 1) marks nothing")
+        self.store.set(key, "1")
+
+    def wait_mark(self, key: str, timeout_s: float) -> None:
+        """Wait until some rank `mark`ed `key`, at most `timeout_s` (a wait longer than any
+        collective may take: a follower waiting for the leader's load); CollectiveError past it."""
+        if self.store is None:
+            raise RuntimeError("a group without a store (world 1) waits for nothing")
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise CollectiveError(
+                f"rank {self.rank}: {key!r} was not marked within {timeout_s:g}s: {e}"
+            ) from e
 
     def close(self) -> None:
         """Leave the process group (every rank closes its own); world 1: nothing to do."""
@@ -135,6 +159,14 @@ class RankGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self._bounded("all_gather_last_dim", x, lambda: dist.all_gather(parts, x, group=self.group))
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x of rank `src` on every rank, in place (the others' x: a buffer of the same shape
+        and dtype); returns x. The leader's step records travel this way (parallel/lockstep.py)."""
+        if self.world_size == 1:
+            return x
+        self._bounded("broadcast", x, lambda: dist.broadcast(x, src, group=self.group))
+        return x
 
     def _bounded(self, what: str, x: torch.Tensor, call: Callable[[], object]) -> None:
         """Run one collective; the backend's error (gloo raises a RuntimeError at the timeout)

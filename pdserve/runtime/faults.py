@@ -12,8 +12,10 @@ A spec is `point=action[:arg][@probability][#times]` (`#times`: fire at most tha
     kill[:1|0]     raise ThreadKilled; at `thread.<name>` the supervisor restarts the thread
                    (kill, kill:1: a crash like any other) or declares it dead for good (kill:0)
     exit           os._exit(70): the process dies at once, no cleanup
-Actions on a control message, only at `control.recv.<Type>` / `control.send.<Type>`, returned
-by `hit()` as a Verdict for the control plane to carry out (transfer/control.py):
+Actions on a message, only at `control.recv.<Type>` / `control.send.<Type>` and
+`tp.recv.<rank>`, returned by `hit()` as a Verdict for the caller to carry out
+(transfer/control.py; a tensor-parallel follower, engine/tp_follower.py, acts on `malformed`
+only: the step record it read is changed before it is digested, and passes the others):
     drop           the message is lost
     duplicate      it is delivered / sent twice
     reorder        it is held back until the next message in the same direction has passed
@@ -22,7 +24,8 @@ by `hit()` as a Verdict for the control plane to carry out (transfer/control.py)
     malformed      garbage bytes go in its place
 Points in the code: `thread.<name>` (before each tick of a supervised thread), `p.write`
 (before a prefill worker writes KV pages), `d.start_decode` (after PrefillDone, before the
-request joins the decode batch), `control.recv.<Type>` and `control.send.<Type>`.
+request joins the decode batch), `control.recv.<Type>` and `control.send.<Type>`, `tp.recv.<rank>`
+(a tensor-parallel follower, on each forward record it receives).
 
 Each point draws from its own generator seeded by (seed, point), so whether the n-th hit of
 a point fires depends only on the seed, whatever other threads hit meanwhile. `hit()` with no
@@ -43,7 +46,7 @@ from enum import Enum
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 70  # the `exit` action's status (EX_SOFTWARE)
-MESSAGE_POINTS = ("control.recv.", "control.send.")
+MESSAGE_POINTS = ("control.recv.", "control.send.", "tp.recv.")
 
 
 class FaultInjected(RuntimeError):
@@ -138,7 +141,9 @@ def _parse_one(item: str) -> tuple[str, Fault]:
     if action not in (Action.DELAY, Action.KILL) and arg is not None:
         raise ValueError(f"{action.value} takes no argument")
     if action in _VERDICTS and not point.startswith(MESSAGE_POINTS):
-        raise ValueError(f"{action.value} acts on a message: only at control.recv/send points")
+        raise ValueError(
+            f"{action.value} acts on a message: only at control.recv/send points or tp.recv"
+        )
     return point, Fault(action, arg, probability, times)
 
 

@@ -5,7 +5,8 @@ heartbeat; an exception escaping a tick is logged, counted, and the loop goes on
 thread has crashed more than `restart_budget` times within `budget_window_s`. Then the thread
 is declared dead, `healthy()` turns false, and `on_fatal` is called so the process exits
 loudly instead of living on half-alive. A `kill:0` fault (runtime/faults.py) takes the same
-road at once. `threading.excepthook` catches anything else.
+road at once, and so does a tick that raises `ThreadFatal` (its thread cannot go on: a
+tensor-parallel group out of step). `threading.excepthook` catches anything else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from dataclasses import dataclass, field
 from pdserve.runtime.faults import FAULTS, ThreadKilled
 
 log = logging.getLogger(__name__)
+
+
+class ThreadFatal(RuntimeError):
+    """Raised by a tick that must not run again: its thread is declared dead at once, with
+    this message as the reason (/health shows it), and the process stops."""
 
 
 @dataclass
@@ -80,6 +86,9 @@ class Supervisor:
             try:
                 FAULTS.hit(f"thread.{rec.name}")
                 tick()
+            except ThreadFatal as e:  # no restart can help
+                self._record_crash(rec, e)
+                self.declare_dead(rec.name, str(e))
             except ThreadKilled as e:  # a fault point's `kill`: a crash, maybe a final one
                 self._record_crash(rec, e)
                 if not e.restart:

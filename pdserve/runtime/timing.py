@@ -54,6 +54,14 @@ ENGINE_CLOSE_TIMEOUT_S = ENGINE_STOP_TIMEOUT_S + ENGINE_EXIT_TIMEOUT_S + 1.0
 # collective a peer never joins raises, on NCCL the watchdog ends the process (LESSONS #21).
 # Twice the engine's heartbeat bound: far past a slow CPU step of a peer rank.
 TP_COLLECTIVE_TIMEOUT_S = 2 * ENGINE_HEARTBEAT_S
+# Follower ranks are processes that import torch and load their shard: they join the group
+# within the engine's start bound, not a collective's.
+TP_JOIN_TIMEOUT_S = ENGINE_START_TIMEOUT_S
+# An idle leader sends an IDLE record this often at least (a quarter of the collective bound if
+# that is shorter): a follower's wait for the next record never reaches the collective bound,
+# and a follower that died is noticed within it (engine/tp_leader.py, LESSONS #21).
+TP_KEEPALIVE_S = 1.0
+TP_EXIT_TIMEOUT_S = 5.0  # SHUTDOWN -> a follower gone; then it is killed by its pid
 
 # -- decode worker D, about its prefill workers (worker/decode/role.py) ---------------------
 PING_EVERY_S = 1.0

@@ -46,6 +46,10 @@ def hf_ref(ds_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return hf_greedy(ds_dir, prompts, NEW_TOKENS)
 
 
+# Where the Triton paths run: compiled on a GPU, in Triton's interpreter on a CPU-only machine.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def engine(path: Path, **kw: object):  # type: ignore[no-untyped-def]
     args: dict = dict(page_size=PAGE, max_batched_tokens=CHUNK, kv_budget_mb=4.0)
     return build_engine(path, max_model_len=512, **{**args, **kw})
@@ -60,7 +64,7 @@ def test_the_pool_holds_one_latent_buffer_per_layer(ds_dir: Path) -> None:
 def test_the_triton_backend_decodes_absorbed_and_matches_hf(ds_dir, prompts, hf_ref) -> None:
     """Asked for, `triton` serves latent attention (attention/mla_backend.py: its decode steps
     in MLA's absorbed form; on the CPU in Triton's interpreter); HF's ids, alone and 3 at once."""
-    e = engine(ds_dir, attention_backend="triton", prefix_cache=False)
+    e = engine(ds_dir, attention_backend="triton", prefix_cache=False, device=TRITON_DEVICE)
     assert e.runner.backend.name == "triton" and e.runner.graphs is None
     picked = [LENGTHS.index(n) for n in (5, 13, 37)]
     batch = [prompts[i] for i in picked]
@@ -131,7 +135,7 @@ def test_the_fused_experts_keep_greedy_parity(ds_dir, prompts, hf_ref, monkeypat
     fused = ops.fused_moe
     monkeypatch.setattr(ops, "fused_moe", lambda *a: calls.append(1) or fused(*a))
     picked = [LENGTHS.index(n) for n in (5, 13)]
-    assert generate(engine(ds_dir), [prompts[i] for i in picked], GREEDY) == [
+    assert generate(engine(ds_dir, device=TRITON_DEVICE), [prompts[i] for i in picked], GREEDY) == [
         hf_ref[i] for i in picked
     ]
     assert calls  # the fused path ran

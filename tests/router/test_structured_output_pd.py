@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.test_grammar import EMAIL, SCHEMA, conforms
 from tests.procs import LaunchedCluster, http
@@ -24,7 +25,9 @@ def pd_cluster(
     tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LaunchedCluster]:
     flags = ["--model", str(tiny_dir), "--served-model-name", "tiny", "--kv-budget-mb", "16"]
-    flags += ["--max-model-len", "1024", "--threads", "1", "--backend", "shm"]
+    # shm on a CPU; a pool on a GPU is not in shared host memory, so tcp there.
+    backend = "tcp" if torch.cuda.is_available() else "shm"
+    flags += ["--max-model-len", "1024", "--threads", "1", "--backend", backend]
     with LaunchedCluster(
         ["launch", "--prefill", "1", "--decode", "1", *flags],
         tmp_path_factory.mktemp("structured-pd"),

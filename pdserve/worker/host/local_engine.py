@@ -123,6 +123,8 @@ class LocalEngine:
                 self.engine.attach(d_role, self._send)
             self.info.update(identity=identity, backend=cfg.backend)
         self.info["layout"] = self.engine.pool.layout.to_dict()
+        if self.engine.tp is not None:  # its follower ranks' processes, stopped with it
+            self.info["tp"] = {"size": self.engine.cfg.tp, "pids": self.engine.tp.pids}
         sched = self.engine.cfg.scheduler  # as resolved (engine/sizing.py)
         self.info["limits"] = {
             "max_model_len": self.engine.max_model_len,
@@ -214,4 +216,6 @@ class LocalEngine:
             self.engine.role.settle()
         if self.control is not None:
             self.control.close()
+        if self.engine.tp is not None:  # SHUTDOWN only once the engine thread left the group
+            self.engine.tp.close(shutdown=stuck == [])
         self.engine.pool.close()

@@ -1,0 +1,287 @@
+"""Rank 0 of a tensor-parallel engine (`--tp N`): it starts ranks 1..N-1 as processes, leads
+every step they run, and notices when one is gone.
+
+**Startup** (`TpLeader.start`, from Engine.build): a free port on 127.0.0.1 for
+torch.distributed's store; each follower started as `python -m pdserve.engine.tp_follower`
+(engine/tp_follower.py) on it; the group joined (gloo on the CPU, NCCL on CUDA with rank r on
+`cuda:r`) while watching that no follower exits first, within TP_JOIN_TIMEOUT_S. Then the
+engine loads rank 0's shard and sizes its pool, and `setup` sends the SETUP record: every
+rank's pool has the leader's page count (each holds its own KV heads of every page).
+
+**Serving.** The runner calls `lead` with each forward's plan (engine/runner.py); the engine
+loop calls `tick` every turn: a follower that exited is noticed there, and after
+TP_KEEPALIVE_S without a record an IDLE one keeps the followers' wait for the next record
+within the collective timeout (LESSONS #21). Any failure, a digest mismatch, a collective that
+failed or timed out, a follower gone, this rank's forward raising once its record was sent, is
+a `LockstepError` naming the step and the rank: the engine fails every request and its thread
+dies for good (Engine._ranks_lost), which turns /health red with that message and stops the
+worker.
+
+**Stopping** (`close`): SHUTDOWN when the group is sound, a bounded wait for each follower,
+then SIGKILL by its pid; after a failure, a short wait (its log's flight recorder) and the
+kill. A follower also dies with this process (PR_SET_PDEATHSIG) and ignores SIGINT and SIGTERM:
+the leader decides when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.parallel.group import RankGroup
+from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError
+from pdserve.parallel.step_record import Kind, PoolPlan, SeqPlan
+from pdserve.runtime.timing import (
+    TP_COLLECTIVE_TIMEOUT_S,
+    TP_EXIT_TIMEOUT_S,
+    TP_JOIN_TIMEOUT_S,
+    TP_KEEPALIVE_S,
+)
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # every rank on this host; the store listens on the loopback only
+FAILED_EXIT_S = 1.0  # after a failure a follower gets this long to log its flight recorder
+JOIN_POLL_S = 0.1
+BLAME_WAIT_S = 0.2  # after a failed collective, how long a follower that died may take to exit
+
+
+class TpStartFailed(RuntimeError):
+    """The group could not be formed: the message names the rank and why."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: `cuda:r` on CUDA (the worker sees all its ranks' cards), else the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class Follower:
+    """One follower rank's process, known by its pid."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.rank = rank
+        self.proc = proc
+
+    @classmethod
+    def start(cls, rank: int, argv: list[str]) -> Follower:
+        env = {**os.environ, "PDSERVE_LOG_TAG": f"tp-rank-{rank}"}
+        # Its output goes where ours goes: the worker's log, each line tagged with its rank.
+        return cls(rank, subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> str | None:
+        """Why it is gone ("rank 1 (pid 4321) exited with status 1"), None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        return f"rank {self.rank} (pid {self.pid}) {how}"
+
+    def stop(self, wait_s: float) -> None:
+        """Wait `wait_s` for it to end, then SIGKILL it by its pid and reap it."""
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "tensor-parallel rank %d (pid %d) did not stop: killing it", self.rank, self.pid
+            )
+            self.proc.kill()
+            self.proc.wait(10.0)
+
+
+class TpLeader:
+    """The followers' processes and rank 0's end of the step records."""
+
+    def __init__(self, group: RankGroup, lockstep: Lockstep, followers: list[Follower]) -> None:
+        self.group = group
+        self.lockstep = lockstep
+        self.followers = followers
+        self.keepalive_s = min(TP_KEEPALIVE_S, (group.timeout_s or TP_COLLECTIVE_TIMEOUT_S) / 4)
+        self.closed = False
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, device: torch.device) -> TpLeader:
+        """Start ranks 1..tp-1 and join their group as rank 0 (`device`: rank 0's)."""
+        world, port = cfg.tp, _free_port()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise TpStartFailed(
+                f"--tp {world} puts rank r on cuda:r, and this process sees "
+                f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES; --device cuda, "
+                "not cuda:N, which gives the worker one)"
+            )
+        # The ranks' own connections on the loopback only, whatever the environment said
+        # (every rank is on this host; NCCL's default skips `lo` for an outside interface).
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        argv = [sys.executable, "-m", "pdserve.engine.tp_follower", "--world", str(world),
+                "--port", str(port), "--parent", str(os.getpid()), "--model", cfg.model.path,
+                "--dtype", cfg.model.dtype, "--backend", backend,
+                "--timeout", str(TP_COLLECTIVE_TIMEOUT_S), "--join-timeout", str(TP_JOIN_TIMEOUT_S),
+                "--threads", str(torch.get_num_threads()), "--log-level", level]  # fmt: skip
+        if cfg.runner.attention_backend is not None:
+            argv += ["--attention-backend", cfg.runner.attention_backend]
+        followers: list[Follower] = []
+        try:
+            for r in range(1, world):
+                dev = rank_device(device, r)
+                followers.append(Follower.start(r, [*argv, "--rank", str(r), "--device", str(dev)]))
+            log.info(
+                "tensor parallelism %d: started ranks %s on port %d (%s)",
+                world,
+                ", ".join(f"{f.rank} (pid {f.pid})" for f in followers),
+                port,
+                backend,
+            )
+            group = _join(world, port, backend, followers)
+        except BaseException:
+            for f in followers:
+                f.stop(0.0)
+            raise
+        return cls(group, Lockstep(group, device), followers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [f.pid for f in self.followers]
+
+    # -- the engine's verbs -----------------------------------------------------------------
+    def setup(self, pool: PoolPlan) -> None:
+        """Every follower builds its pool as the leader's sizing chose (SETUP, the first record).
+        The followers wait for it on the store (SETUP_MARK) as long as a start may take: the
+        leader's own load and sizing come first, longer than any collective may."""
+        self.group.mark(SETUP_MARK)
+        self._send(Kind.SETUP, pool=pool)
+
+    def lead(self, seqs: Sequence[SeqPlan], score_rows: Sequence[int]) -> None:
+        """Send a forward's plan, once every rank agreed on it (engine/runner.py Leader)."""
+        self._send(Kind.FORWARD, seqs, score_rows)
+
+    def tick(self) -> None:
+        """Every turn of the engine loop: a follower gone is noticed; an idle group hears an
+        IDLE record every `keepalive_s`."""
+        if time.monotonic() - self.lockstep.last_at >= self.keepalive_s:
+            self._send(Kind.IDLE)
+        else:
+            self._check_followers()
+
+    def lost(self, error: Exception) -> LockstepError:
+        """`error` came from this rank's forward after its record was sent: the group's end,
+        naming a follower that died, else rank 0 itself."""
+        if isinstance(error, LockstepError):
+            return error
+        return self._blame(error) or self.lockstep.fail(
+            f"step {self.lockstep.step}: rank 0's forward raised after its record was sent, so "
+            f"the ranks are no longer in step: {type(error).__name__}: {error}",
+            [0],
+        )
+
+    def _send(
+        self,
+        kind: Kind,
+        seqs: Sequence[SeqPlan] = (),
+        score_rows: Sequence[int] = (),
+        pool: PoolPlan | None = None,
+    ) -> None:
+        self._check_followers()
+        try:
+            self.lockstep.send(kind, seqs, score_rows, pool)
+        except LockstepError as e:
+            blamed = None if e.ranks else self._blame(e)  # a digest mismatch names them
+            if blamed is None:
+                raise
+            raise blamed from e
+
+    def _blame(self, error: Exception) -> LockstepError | None:
+        """The error naming a follower that died, if one did: a peer's sockets close as it
+        dies, so a collective that failed is often how the leader hears of it first."""
+        for f in self.followers:
+            try:
+                f.proc.wait(BLAME_WAIT_S)
+            except subprocess.TimeoutExpired:
+                continue
+            why = f.exited()
+            if why is not None:
+                return self.lockstep.fail(f"step {self.lockstep.step}: {why} ({error})", [f.rank])
+        return None
+
+    def close(self, shutdown: bool = True) -> None:
+        """Stop every follower, once: SHUTDOWN if the group is sound and `shutdown` (False:
+        another thread may still be in a collective), then by its pid."""
+        if self.closed:
+            return
+        self.closed = True
+        sound = self.lockstep.failed is None and all(f.exited() is None for f in self.followers)
+        sound = sound and shutdown
+        if sound:
+            try:
+                self.lockstep.send(Kind.SHUTDOWN)
+            except LockstepError:
+                sound = False  # logged with the flight recorder; the followers are killed
+        for f in self.followers:
+            f.stop(TP_EXIT_TIMEOUT_S if sound else FAILED_EXIT_S)
+        if sound or self.lockstep.device.type != "cuda":
+            # Leave the group, so that this process may form another (tests, tools); not a
+            # failed NCCL communicator, whose teardown may wait on peers that are gone.
+            self.group.close()
+
+    def _check_followers(self) -> None:
+        for f in self.followers:
+            why = f.exited()
+            if why is not None:
+                raise self.lockstep.fail(f"step {self.lockstep.step}: {why}", [f.rank])
+
+
+def _join(world: int, port: int, backend: str, followers: list[Follower]) -> RankGroup:
+    """Rank 0 joins the group, on a thread of its own so that this one notices a follower
+    that exits before joining (rather than waiting out TP_JOIN_TIMEOUT_S)."""
+    joined: list[RankGroup] = []
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            joined.append(RankGroup.init(0, world, host=HOST, port=port, backend=backend,
+                                         timeout_s=TP_COLLECTIVE_TIMEOUT_S,
+                                         join_timeout_s=TP_JOIN_TIMEOUT_S))  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=join, name="tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(JOIN_POLL_S)
+        for f in followers:
+            why = f.exited()
+            if why is not None and thread.is_alive():
+                raise TpStartFailed(f"tensor parallelism {world}: {why} before joining the group")
+    if failed:
+        raise TpStartFailed(
+            f"tensor parallelism {world}: rank 0 could not join: {failed[0]}"
+        ) from failed[0]
+    return joined[0]
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL, or the number of a signal Python has no name for (a real-time one)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
