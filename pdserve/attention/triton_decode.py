@@ -185,6 +185,28 @@ def partial_shapes(
     return (rows, num_heads, num_splits, head_dim), (rows, num_heads, num_splits)
 
 
+def split_scratch(
+    kernel: str,
+    out: torch.Tensor,
+    num_splits: int,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+    partial_out: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(whether the decode splits, the partial outputs and log-sum-exps it writes): the given
+    scratch, checked against `shapes` (`partial_shapes`), or `out` twice when it does not
+    split (the kernel reads neither then). ValueError naming `kernel` otherwise."""
+    if num_splits <= 1:
+        return False, out, out
+    if partial_out is None or partial_lse is None:
+        raise ValueError(f"{kernel}: {num_splits} splits need partial buffers")
+    if (partial_out.shape, partial_lse.shape) != shapes or not (
+        partial_out.is_contiguous() and partial_lse.is_contiguous()
+    ):
+        raise ValueError(f"{kernel}: partial buffers must be contiguous {shapes}")
+    return True, partial_out, partial_lse
+
+
 def paged_decode(
     q: torch.Tensor,  # [rows, Hq, D]: one query token per row
     k_cache: torch.Tensor,  # [pages, page_size, Hkv, D]: one layer's pool view
@@ -222,18 +244,10 @@ def paged_decode(
         raise ValueError(f"paged_decode: block_n must be a power of two >= 16, got {block_n}")
     if rows == 0:
         return
-    split = num_splits > 1
-    if split:
-        shapes = partial_shapes(rows, num_heads, num_splits, dim)
-        if partial_out is None or partial_lse is None:
-            raise ValueError(f"paged_decode: {num_splits} splits need partial buffers")
-        if (partial_out.shape, partial_lse.shape) != shapes or not (
-            partial_out.is_contiguous() and partial_lse.is_contiguous()
-        ):
-            raise ValueError(f"paged_decode: partial buffers must be contiguous {shapes}")
-        part_out, part_lse = partial_out, partial_lse
-    else:
-        part_out = part_lse = out  # not read: SPLIT is False
+    shapes = partial_shapes(rows, num_heads, num_splits, dim)
+    split, part_out, part_lse = split_scratch(
+        "paged_decode", out, num_splits, shapes, partial_out, partial_lse
+    )
     group = num_heads // kv_heads
     dtype = dot_dtype(q.dtype, _decode_kernel)
     _decode_kernel[(rows, kv_heads, num_splits)](

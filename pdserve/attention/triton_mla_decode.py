@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve.attention.triton_common import LOG2E, block, dot_dtype, dot_precision
-from pdserve.attention.triton_decode import partial_shapes, reduce_splits
+from pdserve.attention.triton_decode import partial_shapes, reduce_splits, split_scratch
 from pdserve.kernels.pdl import enter, launch
 
 BLOCK_H = 16  # query heads per program (tl.dot's smallest side)
@@ -192,18 +192,10 @@ def paged_latent_decode(
         raise ValueError(f"q_latent is {q_latent.dtype} but q_rope is {q_rope.dtype}")
     if rows == 0:
         return
-    split = num_splits > 1
-    if split:
-        shapes = partial_shapes(rows, heads, num_splits, rank)
-        if partial_out is None or partial_lse is None:
-            raise ValueError(f"paged_latent_decode: {num_splits} splits need partial buffers")
-        if (partial_out.shape, partial_lse.shape) != shapes or not (
-            partial_out.is_contiguous() and partial_lse.is_contiguous()
-        ):
-            raise ValueError(f"paged_latent_decode: partial buffers must be contiguous {shapes}")
-        part_out, part_lse = partial_out, partial_lse
-    else:
-        part_out = part_lse = out  # not read: SPLIT is False
+    shapes = partial_shapes(rows, heads, num_splits, rank)
+    split, part_out, part_lse = split_scratch(
+        "paged_latent_decode", out, num_splits, shapes, partial_out, partial_lse
+    )
     dtype = dot_dtype(q_latent.dtype, _latent_decode_kernel)
     _latent_decode_kernel[(rows, head_blocks(heads, block_h), num_splits)](
         q_latent,

@@ -24,7 +24,6 @@ leader's (a desynchronised rank); `exit` ends the rank mid-generation.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
@@ -42,22 +41,12 @@ from pdserve.parallel.group import BACKENDS, RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, Tamper
 from pdserve.parallel.step_record import Kind, StepRecord
 from pdserve.runtime import logs
+from pdserve.runtime.child import die_with_parent
 from pdserve.runtime.faults import FAULTS, Verdict
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the leader's process dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
-        raise SystemExit(1)
 
 
 def tamper(rank: int) -> Tamper:
@@ -165,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logs.setup(args.log_level)

@@ -40,6 +40,18 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def die_with_parent(parent: int) -> None:
+    """Called first in a child that runs our code (an engine process, a tensor-parallel rank):
+    SIGKILL when `parent`, the process that started it, dies; exit at once if it already has
+    (PR_SET_PDEATHSIG on Linux; elsewhere only the check)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        raise SystemExit(1)
+
+
 class ChildFailed(RuntimeError):
     """A child did not come up or died; the message names it and says how."""
 

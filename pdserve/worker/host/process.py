@@ -24,7 +24,6 @@ a process group sends to both: the worker decides when the engine stops.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import select
@@ -39,6 +38,7 @@ from typing import Any
 from pdserve.engine.commands import SnapshotQuery
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.runtime import logs
+from pdserve.runtime.child import die_with_parent
 from pdserve.runtime.gc_freeze import freeze_startup_heap
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.runtime.timing import (
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 RECV_BYTES = 1 << 20
 OUTPUTS_FRAME_BYTES = 16 * 2**20  # a tick's outputs are split into frames of about this
-PR_SET_PDEATHSIG = 1
 
 
 class Uplink:
@@ -112,16 +111,6 @@ class Uplink:
             self._send_outputs(outputs[half:])
             return
         self._send_bytes(data)
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the worker (`parent`) dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
-        raise SystemExit(1)
 
 
 def _read_setup(sock: socket.socket, frames: f.Frames) -> f.Setup:
@@ -233,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
