@@ -10,7 +10,8 @@ DeepSeek-shaped config generated here with HF's random init and save_pretrained 
 kv_lora 256; V3.2 adds 16 indexer heads of 64 with index_topk 64, so prompts past 64 tokens
 attend sparsely). Every model runs `--batch` prompts of `--prompt-tokens` random ids each,
 `--new-tokens` greedy tokens each (EOS ignored), all submitted at once: pdserve's engine
-(`engine/offline.py`; page 16, 512 tokens a step, prefix cache off) and HF's `generate` on the
+(`engine/offline.py`; page 16, 512 tokens a step, prefix cache off; on CUDA with its decode steps
+as CUDA graphs, and again eagerly, `--enforce-eager`) and HF's `generate` on the
 unpadded batch (every prompt the same length, so no padding and no attention mask tricks).
 Each side runs once untimed first (allocations, lazy init), then `--repeats` timed runs; the
 best is reported. tokens/s = batch * new tokens / wall time (prefill included). `ids equal`:
@@ -84,14 +85,22 @@ def bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 4000, (args.batch, args.prompt_tokens), generator=g)
     n_new = args.new_tokens
-    engine = build_engine(
-        path, dtype=args.dtype, device=args.device, page_size=16, max_batched_tokens=512,
-        max_running=max(args.batch, 1), kv_budget_mb=args.kv_budget_mb,
-        max_model_len=args.prompt_tokens + n_new + 16, prefix_cache=False,
-    )  # fmt: skip
     params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
-    ours_s, ours = timed(lambda: generate(engine, prompts.tolist(), params), args.repeats)
-    engine = None  # free its pool before HF loads
+    seconds: dict[bool, float] = {}
+    for eager in (True, False) if args.device == "cuda" else (True,):
+        engine = build_engine(
+            path, dtype=args.dtype, device=args.device, page_size=16, max_batched_tokens=512,
+            max_running=max(args.batch, 1), kv_budget_mb=args.kv_budget_mb,
+            max_model_len=args.prompt_tokens + n_new + 16, prefix_cache=False,
+            enforce_eager=eager,
+        )  # fmt: skip
+
+        def ours_run(e: Any = engine) -> list[list[int]]:
+            return generate(e, prompts.tolist(), params)  # type: ignore[no-any-return]
+
+        seconds[eager], ours = timed(ours_run, args.repeats)
+        engine = None  # free its pool before the next loads
+    ours_s = seconds[args.device != "cuda"]  # graphs on CUDA, eager elsewhere
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
     hf = hf.to(args.device).eval()
     hf.generation_config.eos_token_id = None
@@ -108,6 +117,7 @@ def bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.batch * n_new
     return {
         "pdserve tok/s": tokens / ours_s,
+        "pdserve eager tok/s": tokens / seconds[True],
         "HF tok/s": tokens / hf_s,
         "speedup": hf_s / ours_s,
         "ids equal": f"{sum(a == b for a, b in zip(ours, ref, strict=True))}/{args.batch}",
@@ -146,7 +156,7 @@ def main() -> None:
                 path = resolve_model(f"builtin:{name}")
             rows.append((name, bench(path, args)))
             print(f"{name}: {rows[-1][1]}", flush=True)
-    cols = ["pdserve tok/s", "HF tok/s", "speedup", "ids equal"]
+    cols = ["pdserve tok/s", "pdserve eager tok/s", "HF tok/s", "speedup", "ids equal"]
     print("\n| model | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     for name, r in rows:
         cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else r[c] for c in cols]

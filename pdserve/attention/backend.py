@@ -167,9 +167,25 @@ class LatentDecodeBackend(GatherBackend, Protocol):
         q_rope: torch.Tensor,  # [T, H, P]: its rotated query
         scale: float,
         metadata: Any,
+        picked: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, H, R], q_latent's dtype
         """Each decode's softmax((q_latent . c + q_rope . k_rope) * scale) . c over its
-        sequence's latent rows [c (R) | k_rope (P)], this step's included (stored first)."""
+        sequence's latent rows [c (R) | k_rope (P)], this step's included (stored first);
+        `picked` (positions [T, K], counts [T]: `index_topk`'s): over those rows only."""
+        ...
+
+    def index_topk(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D] float32: the indexer's queries (fp8 form: quantised)
+        weights: torch.Tensor,  # [T, H] float32: their head weights, scales folded in
+        qk_scale: float,
+        topk: int,
+        metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int32 positions, [T] int32 counts)
+        """DeepSeek-V3.2's picks on a decode step: each decode's `topk` best keys by its
+        index scores over the layer's index-K (attention/triton_index_scores.py), this
+        step's key included (stored first)."""
         ...
 
 

@@ -13,6 +13,11 @@ Invariants:
   stream).
 - `kernel=LatentKernel.TORCH` runs `latent_decode_torch` instead, the pure-torch reference the
   tests check the kernel against; any device.
+- CUDA graphs (engine/cuda_graphs.py `GraphableBackend`): a decode bucket's static metadata is
+  the paged backend's `DecodeBuffers` (lengths, a page table as wide as the longest sequence,
+  slots, split scratch of its own), its split count fixed for the longest sequence (an empty
+  split exits at once). Its new latents are stored by a Triton kernel that skips slot -1 (the
+  padded rows), where an eager step indexes the pool in torch.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 
 from pdserve.attention.backend import AttentionShape
 from pdserve.attention.batch import Batch
-from pdserve.attention.torch_backend import TorchBackend, TorchMetadata, gather_pages
+from pdserve.attention.torch_backend import FP8, TorchBackend, TorchMetadata, gather_pages
+from pdserve.attention.triton_backend import DecodeBuffers, fill_decode_bucket
 from pdserve.attention.triton_decode import choose_num_splits, partial_shapes
+from pdserve.attention.triton_index_scores import paged_index_scores, pick
 from pdserve.attention.triton_mla_decode import head_blocks, paged_latent_decode
-from pdserve.kvcache.layout import LATENT
+from pdserve.attention.triton_store import store_rows
+from pdserve.kvcache.layout import INDEX_K, INDEX_K_SCALE, LATENT
 from pdserve.kvcache.pool import KVPool
 
 CPU_SMS = 4  # the "GPU size" the split heuristic assumes off CUDA (the interpreter)
@@ -45,11 +53,14 @@ class LatentDecode:
     kv_lens: torch.Tensor  # [rows] int32
     page_table: torch.Tensor  # [rows, width] int32
     num_splits: int
+    partial_out: torch.Tensor | None = None  # a graph bucket's own split scratch, else the
+    partial_lse: torch.Tensor | None = None  # backend's shared one
 
 
 @dataclass(frozen=True)
 class MLAMetadata(TorchMetadata):
     decode: LatentDecode | None = None  # set: the step's latent attention runs absorbed
+    slots: torch.Tensor | None = None  # [T] int32, -1 to skip: a graph bucket's store
 
 
 def latent_decode_torch(
@@ -59,16 +70,22 @@ def latent_decode_torch(
     page_table: torch.Tensor,  # [rows, width] int32
     kv_lens: torch.Tensor,  # [rows] int32; 0: a padded row (zeros out)
     scale: float,
+    picked: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([rows, K] positions, counts)
 ) -> torch.Tensor:  # [rows, H, R], q_latent's dtype
     """`paged_latent_decode` in plain torch, with the expanded form's numerics (scores in the
     query's dtype, a float32 softmax, its weights back in that dtype): each row's pages
-    gathered whole, the keys past its length masked."""
+    gathered whole, the keys past its length masked (with `picked`: all but those listed)."""
     rank = q_latent.shape[2]
     latents = gather_pages(cache, page_table)[:, :, 0].to(q_latent.dtype)  # [rows, L, R + P]
     c, k_rope = latents.split([rank, latents.shape[2] - rank], dim=-1)
     scores = (q_latent @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale
     length = latents.shape[1]  # scores: [rows, H, L]
     seen = torch.arange(length, device=c.device)[None, :] < kv_lens[:, None]  # [rows, L]
+    if picked is not None:
+        keys, counts = picked
+        listed = torch.arange(keys.shape[1], device=c.device)[None, :] < counts[:, None]
+        chosen = torch.zeros_like(seen).scatter_(1, keys.long().clamp(0, length - 1), listed)
+        seen &= chosen
     scores = scores.masked_fill(~seen[:, None, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
     return (probs @ c).masked_fill((kv_lens == 0)[:, None, None], 0)
@@ -97,6 +114,8 @@ class MLABackend(TorchBackend):
         self.name = kernel.value
         self.kernel = kernel
         self.num_heads = shape.num_heads
+        mla = getattr(shape, "mla", None)  # ModelArch's MLA dims (AttentionShape has no rank)
+        self.rank = mla.kv_lora_rank if mla is not None else None
         self.num_splits = num_splits
         if pool.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
@@ -122,29 +141,115 @@ class MLABackend(TorchBackend):
         q_rope: torch.Tensor,  # [T, H, P]
         scale: float,
         metadata: MLAMetadata,
+        picked: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, H, R]
-        d = metadata.decode
-        if d is None:
-            raise ValueError("attend_latent: the step has prefill chunks (absorbs() is False)")
+        d = self._decode(metadata)
         cache = self._view(layer, LATENT)
         if self.kernel is LatentKernel.TORCH:
-            return latent_decode_torch(q_latent, q_rope, cache, d.page_table, d.kv_lens, scale)
+            return latent_decode_torch(
+                q_latent, q_rope, cache, d.page_table, d.kv_lens, scale, picked
+            )
         rows, heads, rank = q_latent.shape
         out = torch.empty(rows, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
-        part_out, part_lse = self._partials(rows, heads, d.num_splits, rank)
+        part_out, part_lse = d.partial_out, d.partial_lse
+        if part_out is None and d.num_splits > 1:
+            part_out, part_lse = self._partials(rows, heads, d.num_splits, rank)
+        keys, lengths = picked if picked is not None else (None, d.kv_lens)
         paged_latent_decode(
             q_latent,
             q_rope,
             cache,
             d.page_table,
-            d.kv_lens,
+            lengths,
             out,
             scale,
             d.num_splits,
             part_out,
             part_lse,
+            keys=keys,
         )
         return out
+
+    def index_topk(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D] float32
+        weights: torch.Tensor,  # [T, H] float32
+        qk_scale: float,
+        topk: int,
+        metadata: MLAMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int32 positions, [T] int32 counts)
+        d = self._decode(metadata)
+        keys = self._view(layer, INDEX_K)
+        fp8 = keys.dtype in FP8
+        scales = self._view(layer, INDEX_K_SCALE) if fp8 else None
+        scores = paged_index_scores(
+            q, weights, keys, scales, d.page_table, d.kv_lens, qk_scale
+        )  # [T, width * page_size]
+        return pick(scores, d.kv_lens, topk)
+
+    @staticmethod
+    def _decode(metadata: MLAMetadata) -> LatentDecode:
+        if metadata.decode is None:
+            raise ValueError("a latent decode verb on a step with prefill chunks (absorbs())")
+        return metadata.decode
+
+    def store(
+        self,
+        layer: int,
+        name: str,
+        values: torch.Tensor,  # [T, *shape]
+        metadata: TorchMetadata,
+    ) -> None:
+        slots = getattr(metadata, "slots", None)
+        view = self._view(layer, name)
+        if slots is None or (view.dtype in FP8 and values.dtype != view.dtype):
+            super().store(layer, name, values, metadata)  # (which refuses the latter)
+        else:  # a graph bucket's: padded rows (slot -1) store nothing
+            rows = view if view.dim() == 4 else view.unsqueeze(2)  # [pages, page_size, 1, D]
+            store_rows(values.reshape(values.shape[0], *rows.shape[2:]), rows, slots)
+
+    # -- CUDA graphs (engine/cuda_graphs.py GraphableBackend) -----------------------------------
+    def decode_buffers(self, rows: int, max_pages: int) -> DecodeBuffers:
+        """A decode bucket's static metadata: `rows` rows of at most `max_pages` pages, its
+        split count the heuristic's for rows that long, its own split scratch."""
+        if rows < 1 or max_pages < 1:
+            raise ValueError(f"a decode bucket needs rows and pages, got {rows} x {max_pages}")
+        if self.kernel is not LatentKernel.TRITON or self.rank is None:
+            raise ValueError("CUDA-graph decode needs the Triton latent kernel and MLA dims")
+        splits = self._splits(rows, max_pages * self.page_size)
+        out_shape, lse_shape = partial_shapes(rows, self.num_heads, splits, self.rank)
+        if splits == 1:
+            out_shape, lse_shape = (0,), (0,)
+        dev, i32 = self.pool.device, torch.int32
+        return DecodeBuffers(
+            kv_lens=torch.zeros(rows, dtype=i32, device=dev),
+            page_table=torch.zeros(rows, max_pages, dtype=i32, device=dev),
+            slot_mapping=torch.full((rows,), -1, dtype=i32, device=dev),
+            num_splits=splits,
+            partial_out=torch.empty(out_shape, dtype=torch.float32, device=dev),
+            partial_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
+        )
+
+    def decode_metadata(self, buffers: DecodeBuffers) -> MLAMetadata:
+        """Metadata naming only `buffers`' tensors: what a CUDA graph is captured with."""
+        split = buffers.num_splits > 1
+        decode = LatentDecode(
+            buffers.kv_lens,
+            buffers.page_table,
+            buffers.num_splits,
+            buffers.partial_out if split else None,
+            buffers.partial_lse if split else None,
+        )
+        none = torch.empty(0, dtype=torch.long, device=self.pool.device)
+        rows = buffers.rows  # new_slots: unused, the store takes `slots`
+        return MLAMetadata((none, none), rows, [], [], decode=decode, slots=buffers.slot_mapping)
+
+    def prepare_decode_into(self, batch: Batch, buffers: DecodeBuffers) -> MLAMetadata:
+        """Copy `batch`'s decodes into a bucket's static buffers (device-to-device, no host
+        sync); rows past them become padding: kv_len 0 (output zeros), slot -1 (no store)."""
+        fill_decode_bucket(batch, buffers)
+        return self.decode_metadata(buffers)
 
     def _splits(self, rows: int, max_kv_len: int) -> int:
         if self.kernel is LatentKernel.TORCH:

@@ -60,6 +60,29 @@ class DecodeBuffers:
         return self.page_table.shape[1]
 
 
+def copy_decodes(batch: Batch, buffers: DecodeBuffers) -> None:
+    """The decodes' KV lengths and page-table rows into `buffers` (rows past: kv_len 0)."""
+    n, width = batch.num_decodes, batch.page_table.shape[1]
+    if n > buffers.rows or width > buffers.max_pages:
+        raise ValueError(
+            f"a batch of {n} decodes x {width} pages does not fit a bucket of "
+            f"{buffers.rows} rows x {buffers.max_pages} pages"
+        )
+    buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
+    if n < buffers.rows:
+        buffers.kv_lens[n:].zero_()
+    buffers.page_table[:n, :width].copy_(batch.page_table[:n])
+
+
+def fill_decode_bucket(batch: Batch, buffers: DecodeBuffers) -> None:
+    """`copy_decodes`, and the decodes' slots (rows past them: slot -1, no store)."""
+    n = batch.num_decodes
+    copy_decodes(batch, buffers)
+    buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
+    if n < buffers.rows:
+        buffers.slot_mapping[n:].fill_(-1)
+
+
 @dataclass(frozen=True)
 class PrefillBuffers:
     """The static metadata of a bucket of steps that carry prefill chunks: up to `tokens`
@@ -222,26 +245,8 @@ class TritonBackend:
         after them are not this bucket's) into a bucket's static buffers (device-to-device
         copies, no host sync); rows past them become padding: kv_len 0 (output zeros) and
         slot -1 (no store). The model's input rows past them are the caller's to pad."""
-        n = batch.num_decodes
-        self._copy_decodes(batch, buffers)
-        buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
-        if n < buffers.rows:
-            buffers.slot_mapping[n:].fill_(-1)
+        fill_decode_bucket(batch, buffers)
         return self.decode_metadata(buffers)
-
-    @staticmethod
-    def _copy_decodes(batch: Batch, buffers: DecodeBuffers) -> None:
-        """The decodes' KV lengths and page-table rows into `buffers` (rows past: kv_len 0)."""
-        n, width = batch.num_decodes, batch.page_table.shape[1]
-        if n > buffers.rows or width > buffers.max_pages:
-            raise ValueError(
-                f"a batch of {n} decodes x {width} pages does not fit a bucket of "
-                f"{buffers.rows} rows x {buffers.max_pages} pages"
-            )
-        buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
-        if n < buffers.rows:
-            buffers.kv_lens[n:].zero_()
-        buffers.page_table[:n, :width].copy_(batch.page_table[:n])
 
     def prefill_buffers(
         self, tokens: int, seqs: int, max_pages: int, decodes: int = 0
@@ -293,7 +298,7 @@ class TritonBackend:
                 f"tokens x {buffers.max_pages} pages"
             )
         if buffers.decode is not None:
-            self._copy_decodes(batch, buffers.decode)
+            copy_decodes(batch, buffers.decode)
         buffers.slot_mapping[:t].copy_(batch.slot_mapping)
         buffers.slot_mapping[t:].fill_(-1)
         buffers.query_start[: s + 1].copy_(batch.query_start[nd:])

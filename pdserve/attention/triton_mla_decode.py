@@ -15,7 +15,9 @@ keys; the KV row it loads serves all of them. Pages are read as in the decode ke
 (attention/triton_decode.py): the row's length from `kv_lens` and its pages from its
 `page_table` row, on the device; a token's row is at page_table[row, token // page_size] *
 page_stride + (token % page_size) * token_stride with the latent view's own strides (the pool
-is strided across pages: kvcache/pool.py `view`).
+is strided across pages: kvcache/pool.py `view`). With a key list (`keys`, DeepSeek-V3.2's
+indexer picks) the row's n-th key is the token at position keys[row, n] instead of n, and
+`kv_lens` counts the list's entries: sparse attention over the chosen tokens, same pages.
 
 Split-KV exactly as the decode kernel's: a row's keys in `num_splits` ranges of
 cdiv(kv_len, num_splits) keys rounded up to BLOCK_N; each split writes its normalised partial
@@ -49,7 +51,8 @@ def _latent_decode_kernel(
     part_out_ptr,  # [rows, H, num_splits, R] float32: written when SPLIT is True
     part_lse_ptr,  # [rows, H, num_splits] float32
     page_table_ptr,  # [rows, width] int32
-    kv_lens_ptr,  # [rows] int32
+    kv_lens_ptr,  # [rows] int32: keys to read (INDEXED: entries of the row's key list)
+    keys_ptr,  # [rows, K] int32: the key positions to read (read when INDEXED)
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
@@ -65,6 +68,7 @@ def _latent_decode_kernel(
     stride_oh,
     stride_od,
     stride_table,
+    stride_keys,
     PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     RANK: tl.constexpr,  # R: the latent's width, also each head's output width
@@ -74,6 +78,7 @@ def _latent_decode_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    INDEXED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -108,6 +113,8 @@ def _latent_decode_kernel(
     for first in range(start, end, BLOCK_N):
         tok = first + n  # [BLOCK_N]
         ok = tok < end
+        if INDEXED:  # the row's tok-th listed key
+            tok = tl.load(keys_ptr + row * stride_keys + tok, mask=ok, other=0)
         page = tl.load(table + tok // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         at = cache_ptr + page * stride_cp + (tok % PAGE_SIZE) * stride_ct  # [BLOCK_N]
         c = tl.load(  # [BLOCK_N, BLOCK_R]: the keys' latent part, and the values
@@ -157,6 +164,7 @@ def paged_latent_decode(
     num_splits: int = 1,
     partial_out: torch.Tensor | None = None,  # partial_shapes(rows, H, splits, R) float32
     partial_lse: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,  # [rows, K] int32: attend to these positions only
     block_h: int = BLOCK_H,
     block_n: int = BLOCK_N,
     num_warps: int = 4,
@@ -164,8 +172,10 @@ def paged_latent_decode(
 ) -> None:
     """out[r, h] = softmax((q_latent[r, h] . C[r]^T + q_rope[r, h] . K_rope[r]^T) * scale) . C[r]
     over the first kv_lens[r] latent rows of row r's pages (C: their first R values, K_rope
-    the rest). Launches depend only on the tensors' shapes (graph-safe). `block_h`, `block_n`,
-    `num_warps` and `num_stages` tune the kernel (benchmarks/kernels/mla_decode.py)."""
+    the rest); with `keys`, over the rows at positions keys[r, :kv_lens[r]] instead (V3.2's
+    picks: attention/triton_index_scores.py). Launches depend only on the tensors' shapes
+    (graph-safe). `block_h`, `block_n`, `num_warps` and `num_stages` tune the kernel
+    (benchmarks/kernels/mla_decode.py)."""
     rows, heads, rank = q_latent.shape
     rope = q_rope.shape[2]
     if (
@@ -180,10 +190,15 @@ def paged_latent_decode(
             f"{tuple(q_rope.shape)} and out {tuple(out.shape)} do not fit a latent cache of "
             f"{tuple(cache.shape)} ([pages, page_size, 1, R + P])"
         )
-    if page_table.shape[0] != rows or kv_lens.shape != (rows,):
+    if (
+        page_table.shape[0] != rows
+        or kv_lens.shape != (rows,)
+        or (keys is not None and (keys.dim() != 2 or keys.shape[0] != rows or keys.stride(1) != 1))
+    ):
         raise ValueError(
             f"paged_latent_decode: {rows} rows, page table {tuple(page_table.shape)}, "
-            f"kv_lens {tuple(kv_lens.shape)}"
+            f"kv_lens {tuple(kv_lens.shape)}, keys "
+            f"{None if keys is None else tuple(keys.shape)}"
         )
     for what, n in (("block_h", block_h), ("block_n", block_n)):
         if n < 16 or n & (n - 1):
@@ -206,6 +221,7 @@ def paged_latent_decode(
         part_lse,
         page_table,
         kv_lens,
+        keys if keys is not None else kv_lens,  # (not read unless INDEXED)
         scale * LOG2E,
         num_splits,
         *q_latent.stride(),
@@ -215,6 +231,7 @@ def paged_latent_decode(
         cache.stride(3),
         *out.stride(),
         page_table.stride(0),
+        keys.stride(0) if keys is not None else 0,
         PAGE_SIZE=cache.shape[1],
         NUM_HEADS=heads,
         RANK=rank,
@@ -224,6 +241,7 @@ def paged_latent_decode(
         BLOCK_P=block(rope),
         BLOCK_N=block_n,
         SPLIT=split,
+        INDEXED=keys is not None,
         DOT_DTYPE=dtype,
         PRECISION=dot_precision(dtype),
         num_warps=num_warps,

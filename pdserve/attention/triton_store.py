@@ -247,3 +247,66 @@ def rope_store_kv(
         BLOCK_HALF=block(dim // 2, 1),
         **launch(q.device, _rope_store_kv_kernel),
     )
+
+
+@triton.jit
+def _store_rows_kernel(
+    x_ptr,  # [T, H, D]: new rows
+    cache_ptr,  # [pages, page_size, H, D]
+    slot_ptr,  # [T] int32; < 0: skip
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_cp,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    PAGE_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    enter(PDL, False)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < HEADS) & (d[None, :] < DIM) & (slot >= 0)
+    x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :] * stride_xd, mask=mask)
+    dst = cache_ptr + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct
+    dst += h[:, None] * stride_ch + d[None, :] * stride_cd
+    tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_rows(
+    x: torch.Tensor,  # [T, H, D]
+    cache: torch.Tensor,  # [pages, page_size, H, D]: one layer's view of one pool buffer
+    slot_mapping: torch.Tensor,  # [T] int32: a slot, or < 0 to skip the row
+) -> None:
+    """`store_kv` for one buffer (a latent pool's rows): row t of x into slot
+    `slot_mapping[t]` of `cache`, converted to its dtype; rows with a negative slot write
+    nothing (a CUDA-graph bucket's padding)."""
+    check_cache(cache, "cache")
+    t, heads, dim = x.shape
+    if slot_mapping.shape != (t,) or cache.shape[2:] != (heads, dim):
+        raise ValueError(
+            f"store_rows: rows {tuple(x.shape)}, slots {tuple(slot_mapping.shape)} do not fit "
+            f"a cache of {tuple(cache.shape)}"
+        )
+    if t == 0:
+        return
+    _store_rows_kernel[(t,)](
+        x,
+        cache,
+        slot_mapping,
+        *x.stride(),
+        *cache.stride(),
+        PAGE_SIZE=cache.shape[1],
+        HEADS=heads,
+        DIM=dim,
+        BLOCK_H=block(heads, 1),
+        BLOCK_D=block(dim, 1),
+        **launch(x.device, _store_rows_kernel),
+    )

@@ -22,7 +22,9 @@ for the CPU; replayed as one graph, the same ops take a fraction of the time
   `--enforce-eager` turns graphs off.
 
 The attention backend must offer static decode metadata (`GraphableBackend`); the `triton`
-backend does. Its kernels' grids depend only on the bucket's rows and splits, never on lengths.
+backend does, over k/v (Llama) and over a latent pool (DeepSeek-V3, attention/mla_backend.py).
+Its kernels' grids depend only on the bucket's rows and splits, never on lengths. The model
+must never wait on the host in its forward (`graph_safe()`: DeepSeek-V3's experts fused).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 
 from pdserve.attention.backend import AttentionContext
 from pdserve.attention.batch import Batch
-from pdserve.model.llama import CausalLM
+from pdserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class BucketGraphs:
 
     what = "step"  # names the kind in the log line
 
-    def __init__(self, model: CausalLM, backend: Any, max_pages: int, sizes: list[int]) -> None:
+    def __init__(self, model: LoadedModel, backend: Any, max_pages: int, sizes: list[int]) -> None:
         """`max_pages`: the widest page table a sequence may have (max_model_len's pages)."""
         self.model = model
         self.backend = backend
@@ -180,7 +182,7 @@ class DecodeGraphs(BucketGraphs):
     what = "decode"
 
     def __init__(
-        self, model: CausalLM, backend: GraphableBackend, max_pages: int, max_bs: int
+        self, model: LoadedModel, backend: GraphableBackend, max_pages: int, max_bs: int
     ) -> None:
         super().__init__(model, backend, max_pages, bucket_sizes(max_bs))
 

@@ -81,6 +81,13 @@ def _finished(owner: object) -> bool:
     return isinstance(owner, Request) and owner.status.finished
 
 
+def graph_safe(model: LoadedModel) -> bool:
+    """Whether a decode step of `model` may be captured in a CUDA graph: its forward never
+    waits on the host (a model says so with `graph_safe()`; one that does not, cannot)."""
+    says = getattr(model, "graph_safe", None)
+    return bool(says is not None and says())
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -104,9 +111,9 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
-        if (model.arch.dsa is not None or model.arch.v4 is not None) and name != "torch":
-            # The only one with V3.2's sparse mask over gathered latents and V4's step_kv;
-            # V3's latent attention runs on either (triton: its decodes absorbed).
+        if model.arch.v4 is not None and name != "torch":
+            # The only one with V4's step_kv; V3's and V3.2's latent attention run on either
+            # (triton: their decodes absorbed, V3.2's over its indexer's picks).
             log.info("%s's attention runs on the torch backend, not %s", model.arch.family, name)
             name = "torch"
         self.backend: AttentionBackend[Any] = make_backend(name, pool, model.arch)
@@ -114,9 +121,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
-            if not isinstance(self.backend, GraphableBackend) or not isinstance(model, CausalLM):
+            if not isinstance(self.backend, GraphableBackend) or not graph_safe(model):
                 log.info(
-                    "attention backend %s has no static metadata: steps run eagerly",
+                    "%s on attention backend %s cannot be captured: steps run eagerly",
+                    model.arch.family,
                     self.backend.name,
                 )
                 return
@@ -124,7 +132,11 @@ class ModelRunner:
             max_pages = -(-min(max_len, pool.capacity_tokens) // pool.page_size)
             self.graphs = DecodeGraphs(model, self.backend, max_pages, cuda_graph_max_bs)
             self.graphs.capture()
-            if cuda_graph_max_tokens > 0 and isinstance(self.backend, PrefillGraphableBackend):
+            if (
+                cuda_graph_max_tokens > 0
+                and isinstance(self.backend, PrefillGraphableBackend)
+                and isinstance(model, CausalLM)  # (a DeepSeek step with prompts runs eagerly)
+            ):
                 self.prefill_graphs = PrefillGraphs(
                     model, self.backend, max_pages, cuda_graph_max_tokens, self.graphs.sizes[-1]
                 )

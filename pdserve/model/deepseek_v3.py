@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pdserve.attention.backend import AttentionContext, GatherBackend
+from pdserve.kernels import ops
 from pdserve.model.config import ModelArch
 from pdserve.model.llama import RMSNorm
 from pdserve.model.mla import MLAttention, rope_tables
@@ -127,3 +128,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         """The sampler widens to float32 only the rows that need more than an argmax."""
         return self.lm_head(hidden)
+
+    def graph_safe(self) -> bool:
+        """Whether a decode step may be captured in a CUDA graph (engine/cuda_graphs.py): when
+        the routed experts run fused (model/moe.py's torch loop asks the host which experts
+        were chosen). V3.2 inherits it (its decode-step indexer is graph-safe); V4, a model of
+        its own, has none, so it stays eager."""
+        return ops.fused_moe_applies(self.lm_head.weight)

@@ -10,6 +10,10 @@ YaRN). Per layer and step (HF's order of results, HF's numerics):
      q_a_layernorm(q_a_proj(x))) and picks its `index_topk` best (all while it has fewer);
   4. MLA's expanded attention masks every key not picked (finfo.min before the float32
      softmax, exactly as HF's eager/sdpa path folds its top-k into the mask).
+On a backend that decodes absorbed (the `triton` backend of a latent pool) a step of decodes
+instead stores its index keys, scores each row's paged index-K and picks its top-k on the
+device (attention/triton_index_scores.py), and attends absorbed over the picked latents only
+(`absorbed`): the same keys, no gather, CUDA-graph safe.
 Index-K's storage mode is read from the pool (`buffer_dtype`), never assumed: the model dtype
 (HF parity), or fp8 e4m3 with a float32 scale per token (`--index-k-dtype fp8`,
 model/dsa_indexer.py), so a layout and the model cannot disagree about it (LESSONS #11).
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdserve.attention.backend import CausalContext, GatherBackend
+from pdserve.attention.backend import CausalContext, GatherBackend, LatentDecodeBackend
 from pdserve.model.config import ModelArch
 from pdserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.model.dsa_indexer import FLOAT32_PARAMS as INDEXER_FLOAT32
@@ -55,8 +59,6 @@ def indexer_arch(arch: ModelArch) -> IndexerArch:
 class SparseMLAttention(MLAttention):
     """MLA plus its indexer (`self_attn.indexer.*`, HF's parameter names)."""
 
-    DECODES_ABSORBED = False  # every step expanded, under the indexer's mask
-
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__(arch, layer_idx)
         self.indexer = Indexer(indexer_arch(arch))
@@ -64,6 +66,27 @@ class SparseMLAttention(MLAttention):
     def index_k_mode(self, backend: GatherBackend) -> IndexKMode:
         fp8 = backend.buffer_dtype(self.layer_idx, KEY_BUFFER) == FP8_DTYPE
         return IndexKMode.FP8 if fp8 else IndexKMode.AUTO
+
+    def absorbed(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the layer's normed input
+        q_resid: torch.Tensor | None,  # [T, q_lora_rank]
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rot: torch.Tensor,  # [T, H, P]: rotated
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LatentDecodeBackend,
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """A step of decodes, absorbed, over each row's top-k picks (module docstring)."""
+        if q_resid is None:
+            raise ValueError("DeepSeek-V3.2's indexer needs q_lora_rank")
+        layer, mode = self.layer_idx, self.index_k_mode(backend)
+        for name, values in index_k_for_cache(self.indexer.keys(x, cos, sin), mode).items():
+            backend.store(layer, name, values, metadata)
+        q, weights, qk_scale = self.indexer.scoring_query(x, q_resid, cos, sin, mode)
+        picked = backend.index_topk(layer, q, weights, qk_scale, self.indexer.arch.topk, metadata)
+        return self.attend_absorbed(q_nope, q_rot, backend, metadata, picked)
 
     def visible(
         self,

@@ -10,11 +10,12 @@ context in float32,
 
 and attends only to its `index_topk` best keys (all of them while the context is shorter).
 The math mirrors HF transformers' `DeepseekV32Indexer` op for op, so keys, scores and choices
-are exact against it. The work is split as a paged server needs it: `keys` gives the new
-tokens' index-K, which the model `store`s through the attention seam like its latent; after
-`gather`, `forward` scores each new token over its sequence's gathered keys and returns the
-[B, Q, L] selection that MLA's attention mask is ANDed with (HF: non-selected keys get the
-masked value before the float32 softmax).
+are exact against it (a decode step on the triton backend scores in a kernel of its own,
+attention/triton_index_scores.py: equal to the last bits). The work is split as a paged server
+needs it: `keys` gives the new tokens' index-K, which the model `store`s through the attention
+seam like its latent; after `gather`, `forward` scores each new token over its sequence's
+gathered keys and returns the [B, Q, L] selection that MLA's attention mask is ANDed with (HF:
+non-selected keys get the masked value before the float32 softmax).
 
 Two storage modes for index-K (`IndexKMode`, `--index-k-dtype auto|fp8`):
 - AUTO: the model dtype; exact against HF.
@@ -219,6 +220,24 @@ class Indexer(nn.Module):
         feeds it float32 activations; the upcasts keep that true in a bf16 model."""
         w = F.linear(hidden.float(), self.weights_proj.weight.float())
         return w * self.arch.n_heads**-0.5
+
+    def scoring_query(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        q_resid: torch.Tensor,  # [T, q_lora_rank]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mode: IndexKMode,
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:  # q [T, H, D] f32, weights [T, H] f32, scale
+        """`scores`' query side for a kernel that computes, per key s,
+        k_scale[s] * sum_h weights[h] * relu(scale * q[h] . k[s])
+        (attention/triton_index_scores.py): the model-dtype form as is; the fp8 form's query
+        rotated and quantised, its scale and the softmax scale folded into the weights."""
+        q, w = self.queries(q_resid, cos, sin), self.head_weights(hidden)
+        if mode is IndexKMode.AUTO:
+            return q.float(), w, self.softmax_scale
+        q_fp8, q_scale = quantize_fp8(hadamard_rotate(q))  # [T, H, D], [T, H]
+        return q_fp8.float(), w * q_scale * self.softmax_scale, 1.0
 
     def scores(
         self,

@@ -236,3 +236,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         """The sampler widens to float32 only the rows that need more than an argmax."""
         return self.lm_head(hidden)
+
+    def graph_safe(self) -> bool:
+        """A decode step may be captured in a CUDA graph (engine/cuda_graphs.py)."""
+        return True

@@ -16,7 +16,7 @@ a latent pool, attention/mla_backend.py), runs the absorbed form instead (model/
 value half applied to the result; mathematically the same, and the decode no longer expands
 every cached latent every step. Prefill and mixed steps stay expanded (compute-bound there:
 model/mla_absorbed.py says why), and so does every step on the `torch` backend (the CPU's), and
-V3.2's sparse attention (model/deepseek_v32.py: `DECODES_ABSORBED`).
+V3.2's decodes attend absorbed only to the indexer's picks (model/deepseek_v32.py `absorbed`).
 
 HF numerics: RoPE tables in float32 scaled by YaRN's attention factor; with `rope_interleave`
 the (even, odd) pairs are rotated and written back as two halves, exactly as HF's
@@ -95,8 +95,6 @@ def rotate(
 class MLAttention(nn.Module):
     """HF's DeepseekV3Attention: parameter names match the checkpoint's."""
 
-    DECODES_ABSORBED = True  # a step of decodes may run absorbed (V3.2's mask cannot)
-
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         assert arch.mla is not None
@@ -144,9 +142,9 @@ class MLAttention(nn.Module):
         backend.store(self.layer_idx, LATENT, latent, ctx.metadata)
         # A LatentDecodeBackend's verb, looked up: isinstance of the protocol costs ~10 us a layer.
         absorbs = getattr(backend, "absorbs", None)
-        if self.DECODES_ABSORBED and absorbs is not None and absorbs(ctx.metadata):
+        if absorbs is not None and absorbs(ctx.metadata):
             absorbing = cast(LatentDecodeBackend, backend)
-            out = self.absorbed(q_nope, q_rot, absorbing, ctx.metadata)  # [T, H, Dv]
+            out = self.absorbed(x, q_resid, q_nope, q_rot, cos, sin, absorbing, ctx.metadata)
             return self.o_proj(out.reshape(t, h * m.v_head_dim))
         context = backend.gather(self.layer_idx, LATENT, ctx.metadata)
         seen = self.visible(x, q_resid, cos, sin, backend, ctx.metadata, context)  # [B, Q, L]
@@ -166,17 +164,33 @@ class MLAttention(nn.Module):
 
     def absorbed(
         self,
+        x: torch.Tensor,  # [T, hidden]: the layer's normed input
+        q_resid: torch.Tensor | None,  # [T, q_lora_rank]
         q_nope: torch.Tensor,  # [T, H, N]
         q_rot: torch.Tensor,  # [T, H, P]: rotated
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         backend: LatentDecodeBackend,
         metadata: Any,
     ) -> torch.Tensor:  # [T, H, Dv]
         """A step of decodes over the cached latents (model/mla_absorbed.py); this step's are
-        already stored."""
+        already stored. V3.2 attends only to its indexer's picks (model/deepseek_v32.py)."""
+        return self.attend_absorbed(q_nope, q_rot, backend, metadata)
+
+    def attend_absorbed(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rot: torch.Tensor,  # [T, H, P]: rotated
+        backend: LatentDecodeBackend,
+        metadata: Any,
+        picked: tuple[torch.Tensor, torch.Tensor] | None = None,  # backend.index_topk's
+    ) -> torch.Tensor:  # [T, H, Dv]
         m = self.m
         w_uk, w_uv = kv_b_halves(self.kv_b_proj.weight, self.num_heads, m)
         q_latent = absorb_query(q_nope, w_uk)  # [T, H, R]
-        o_latent = backend.attend_latent(self.layer_idx, q_latent, q_rot, m.softmax_scale, metadata)
+        o_latent = backend.attend_latent(
+            self.layer_idx, q_latent, q_rot, m.softmax_scale, metadata, picked
+        )
         return expand_output(o_latent, w_uv)
 
     def visible(

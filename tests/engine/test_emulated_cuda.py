@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve.attention.staging import Staging
-from pdserve.attention.triton_backend import TritonBackend
+from pdserve.attention.triton_backend import TritonBackend, copy_decodes
 from pdserve.engine import cuda_graphs
 from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, bucket_for
 from pdserve.engine.offline import build_engine
@@ -169,7 +169,7 @@ def test_the_emulation_catches_a_decode_bucket_left_unpadded(
 
     def unpadded(self: TritonBackend, batch: Any, buffers: Any) -> Any:
         n = batch.num_decodes
-        self._copy_decodes(batch, buffers)
+        copy_decodes(batch, buffers)
         buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
         return self.decode_metadata(buffers)
 
@@ -177,3 +177,41 @@ def test_the_emulation_catches_a_decode_bucket_left_unpadded(
     want = run(engine(tiny_dir, False, **kw), jobs)
     monkeypatch.setattr(TritonBackend, "prepare_decode_into", unpadded)
     assert run(engine(tiny_dir, True, **kw), jobs) != want
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3-tiny", "deepseek-v32-tiny"])
+def test_deepseek_decodes_through_the_emulated_graph_buckets(
+    builtin_dir: Any, emulated: None, model: str
+) -> None:
+    """DeepSeek-V3's latent decode (V3.2's: over its indexer's picks) through the decode
+    buckets (attention/mla_backend.py's static metadata; its stores skip the padded rows),
+    overlapped, the buffers poisoned before each replay: the plain loop's tokens, greedy and
+    seeded, requests joining one by one (V3.2's prompts past its index_topk of 12)."""
+    ds = builtin_dir(model)
+    kw: dict[str, Any] = {
+        "page_size": 4,
+        "max_batched_tokens": 12,
+        "max_running": 5,
+        "kv_budget_mb": 4.0,
+        "max_model_len": 128,
+        "attention_backend": "triton",
+    }
+    rng = random.Random(3)
+    jobs = [
+        (
+            [rng.randint(3, 4000) for _ in range(n)],
+            SamplingParams(max_tokens=m, temperature=t, seed=i, ignore_eos=True),
+        )
+        for i, (n, m, t) in enumerate(
+            [(5, 14, 0), (13, 9, 1.2), (3, 16, 0), (9, 11, 0), (17, 12, 0.8)]
+        )
+    ]
+    want = run(build_engine(ds, overlap_schedule=False, **kw), jobs, stagger=2)
+    eng = build_engine(ds, overlap_schedule=True, **kw)
+    r = eng.runner
+    r.builder.staging = ReusedStaging(r.device, r.builder.staging.dtype)
+    max_pages = -(-min(eng.max_model_len, r.pool.capacity_tokens) // r.pool.page_size)
+    with torch.inference_mode():
+        r.graphs = without_capture(DecodeGraphs(r.model, r.backend, max_pages, 5))
+    assert run(eng, jobs, stagger=2) == want
+    assert r.graphs.replays > 0

@@ -64,7 +64,13 @@ def test_the_pool_holds_one_latent_buffer_per_layer(ds_dir: Path) -> None:
 def test_the_triton_backend_decodes_absorbed_and_matches_hf(ds_dir, prompts, hf_ref) -> None:
     """Asked for, `triton` serves latent attention (attention/mla_backend.py: its decode steps
     in MLA's absorbed form; on the CPU in Triton's interpreter); HF's ids, alone and 3 at once."""
-    e = engine(ds_dir, attention_backend="triton", prefix_cache=False, device=TRITON_DEVICE)
+    e = engine(
+        ds_dir,
+        attention_backend="triton",
+        prefix_cache=False,
+        device=TRITON_DEVICE,
+        enforce_eager=True,
+    )
     assert e.runner.backend.name == "triton" and e.runner.graphs is None
     picked = [LENGTHS.index(n) for n in (5, 13, 37)]
     batch = [prompts[i] for i in picked]
@@ -144,10 +150,21 @@ def test_the_fused_experts_keep_greedy_parity(ds_dir, prompts, hf_ref, monkeypat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_greedy_matches_hf_on_the_gpu(ds_dir, prompts, hf_ref) -> None:
     """float32 on the GPU: the device's default backend, triton (decode steps absorbed, by
-    the Triton kernel), eagerly (no CUDA graphs); HF's ids (HF on the CPU)."""
-    e = build_engine(
-        ds_dir, device="cuda", page_size=PAGE, max_batched_tokens=CHUNK, max_model_len=512
-    )
-    assert e.runner.backend.name == "triton" and e.runner.graphs is None
-    assert generate(e, prompts, GREEDY) == hf_ref
-    assert e.pool.allocator.num_held == 0
+    the Triton kernel, replayed as CUDA graphs: the experts fused), and eagerly; HF's ids (HF
+    on the CPU)."""
+    for eager in (False, True):
+        e = build_engine(
+            ds_dir,
+            device="cuda",
+            page_size=PAGE,
+            max_batched_tokens=CHUNK,
+            max_model_len=512,
+            enforce_eager=eager,
+        )
+        assert e.runner.backend.name == "triton"
+        assert generate(e, prompts, GREEDY) == hf_ref, f"enforce_eager={eager}"
+        assert e.pool.allocator.num_held == 0
+        if eager:
+            assert e.runner.graphs is None
+        else:
+            assert e.runner.graphs is not None and e.runner.graphs.replays > 0

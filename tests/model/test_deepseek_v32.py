@@ -7,7 +7,6 @@ reported, not asserted."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +99,47 @@ def test_the_pool_holds_latent_and_index_k_in_either_mode(ds_dir: Path) -> None:
     assert e.pool.layout == fp8 and e.runner.backend.name == "torch"
 
 
-def test_another_backend_asked_for_gives_torch_with_a_log_line(ds_dir, caplog) -> None:
-    """V3.2's sparse mask is applied to gathered latents: no absorbed decode, torch only."""
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.runner"):
-        e = engine(ds_dir, attention_backend="triton")
-    assert e.runner.backend.name == "torch"
-    assert "deepseek_v3's attention runs on the torch backend, not triton" in caplog.text
+# Where the Triton paths run: compiled on a GPU, in Triton's interpreter on a CPU-only machine.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_the_triton_backend_decodes_over_the_picks_and_matches_hf(ds_dir, prompts, hf_ref):
+    """Asked for, `triton` serves V3.2 (attention/mla_backend.py): its decode steps score the
+    paged index-K and pick on the device (attention/triton_index_scores.py) and attend
+    absorbed over the picked latents only; HF's ids, alone and together (prompts past
+    index_topk included; on the CPU in Triton's interpreter, eagerly)."""
+    e = engine(ds_dir, attention_backend="triton", device=TRITON_DEVICE, enforce_eager=True)
+    assert e.runner.backend.name == "triton"
+    picked = [LENGTHS.index(n) for n in (5, 13, 40)]
+    batch = [prompts[i] for i in picked]
+    assert [generate(e, [p], GREEDY)[0] for p in batch] == [hf_ref[i] for i in picked]
+    assert generate(e, batch, GREEDY) == [hf_ref[i] for i in picked]
+    assert e.pool.allocator.num_held == 0
+
+
+def test_fp8_index_k_on_the_triton_backend_equals_the_torch_backend(ds_dir, prompts) -> None:
+    """fp8 index-K: the decode-step kernels (the fp8 score form, scales per key) pick what the
+    torch backend's indexer picks, so the tokens are the same (prompts past index_topk)."""
+    batch = [prompts[LENGTHS.index(n)] for n in (13, 25, 40)]
+    want = generate(engine(ds_dir, index_k_dtype="fp8"), batch, GREEDY)
+    e = engine(
+        ds_dir, index_k_dtype="fp8", attention_backend="triton", device=TRITON_DEVICE,
+        enforce_eager=True,
+    )  # fmt: skip
+    assert generate(e, batch, GREEDY) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_greedy_matches_hf_on_the_gpu_through_cuda_graphs(ds_dir, prompts, hf_ref) -> None:
+    """float32 on the GPU: the default backend (triton), decode steps replayed as CUDA
+    graphs (the experts fused), and eagerly; HF's ids for every prompt, 16 at once."""
+    for eager in (False, True):
+        e = engine(ds_dir, device="cuda", enforce_eager=eager)
+        assert e.runner.backend.name == "triton"
+        assert generate(e, prompts + prompts[::-1], GREEDY) == hf_ref + hf_ref[::-1]
+        assert (e.runner.graphs is None) == eager
+        assert eager or e.runner.graphs.replays > 0
+        assert e.pool.allocator.num_held == 0
 
 
 def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:
@@ -222,13 +256,17 @@ def test_report_fp8_against_bf16_selections_through_the_model(ds_dir, monkeypatc
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_greedy_matches_hf_on_the_gpu_and_fp8_agrees_with_the_cpu(ds_dir, prompts, hf_ref) -> None:
-    """float32 on the GPU (the torch backend, eager): HF's ids (HF on the CPU); the fp8 mode's
-    ids equal the fp8 mode's on the CPU."""
-    e = engine(ds_dir, device="cuda")
+    """float32 on the GPU on the torch backend (eager): HF's ids (HF on the CPU); the fp8 mode's
+    ids equal the fp8 mode's on the CPU, on the torch backend and on the triton one (the
+    decode-step score kernel's fp8 form, through CUDA graphs)."""
+    e = engine(ds_dir, device="cuda", attention_backend="torch")
     assert e.runner.backend.name == "torch" and e.runner.graphs is None
     assert generate(e, prompts, GREEDY) == hf_ref
+    runs = (("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton"))
     fp8 = [
-        generate(engine(ds_dir, device=d, index_k_dtype="fp8"), prompts, GREEDY)
-        for d in ("cpu", "cuda")
+        generate(
+            engine(ds_dir, device=d, index_k_dtype="fp8", attention_backend=b), prompts, GREEDY
+        )
+        for d, b in runs
     ]
-    assert fp8[0] == fp8[1]
+    assert fp8[0] == fp8[1] == fp8[2]
