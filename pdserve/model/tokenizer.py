@@ -30,6 +30,7 @@ from pdserve.model.chat_template import (
 from pdserve.model.chat_template import ChatTemplateSupport as ChatTemplateSupport  # re-exported
 from pdserve.model.gguf_file import find_gguf, open_gguf
 from pdserve.model.gguf_tokenizer import gguf_tokenizer
+from pdserve.model.packaged import packaged_chat_template
 
 # Bytes of an unfinished UTF-8 character decode to this; it means "wait for more tokens".
 REPLACEMENT_CHAR = "\ufffd"
@@ -78,7 +79,9 @@ class Tokenizer:
         path = Path(path)
         gguf = find_gguf(path)
         if gguf is not None:
-            return cls(*gguf_tokenizer(open_gguf(gguf)))
+            parts = gguf_tokenizer(open_gguf(gguf))
+            template = packaged_chat_template(gguf)  # a built-in's own (model/packaged.py)
+            return cls(*parts._replace(chat_template=template or parts.chat_template))
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(

@@ -225,3 +225,27 @@ def test_the_openai_client_reads_the_calls(colocated: ServerProcess, tmp_path: P
         streamed.choices[0].message.tool_calls[0].function.arguments
         == whole.choices[0].message.tool_calls[0].function.arguments
     )
+
+
+def test_the_builtin_models_own_template_takes_tools(url: str):
+    """No request template: the built-in SmolLM2 comes with pdserve's template (model/packaged.py,
+    model/templates/smollm2_tools.jinja), which takes the tool list and the earlier calls; the
+    PD router finds the Hermes parser from it. "required" gives valid calls, "auto" calls by
+    itself after a few calls in the conversation."""
+
+    def own(messages: list[dict[str, Any]], **body: Any) -> dict[str, Any]:
+        body = {"model": "smol", "tools": TOOLS, "temperature": 0, "max_tokens": 120,
+                "messages": messages, **body}  # fmt: skip
+        status, answer = http("POST", url + "/v1/chat/completions", body, timeout=240)
+        assert status == 200, answer
+        return answer["choices"][0]  # type: ignore[no-any-return]
+
+    for text in PROMPTS[:4]:
+        choice = own(ask(text), tool_choice="required", parallel_tool_calls=False)
+        calls = whole_calls(choice["message"])
+        assert len(calls) == 1 and valid(calls), choice
+        assert choice["finish_reason"] == "tool_calls"
+    shots = earlier_calls("Rome", "Madrid", "Vienna")
+    choice = own([*shots, *ask("What is the weather in Paris?")])
+    calls = whole_calls(choice["message"])
+    assert calls and valid(calls) and json.loads(calls[0]["arguments"])["city"] == "Paris", choice
