@@ -129,6 +129,9 @@ class EngineConfig:
     # Tensor-parallel ranks (--tp): the engine is rank 0 and starts ranks 1..tp-1 as processes
     # of their own (engine/tp_leader.py); the Llama family only.
     tp: int = 1
+    # Where the ranks write their flight recorders if the group fails (--flight-dir;
+    # parallel/flight_recorder.py); None: to the log only.
+    flight_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.auto <= AUTO_LIMITS:
@@ -140,6 +143,9 @@ class EngineConfig:
         if self.tp > 1 and self.cache.host_cache_bytes:
             # Its loads copy pages back into rank 0's pool only.
             raise ValueError("a host cache (--host-cache-mb) needs --tp 1")
+        if self.tp == 1 and self.flight_dir is not None:
+            # Only the ranks of a tensor-parallel group keep a flight recorder to dump.
+            raise ValueError("a flight directory (--flight-dir) needs --tp 2 or more")
         if self.tp > 1 and self.runner.overlap_schedule:
             # A step's record carries every input id, so none may be still on the device.
             raise ValueError("overlapped scheduling (--overlap-schedule) needs --tp 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import TypeVar
 
 from pdserve.config import (
@@ -142,6 +143,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "family, co-located, without overlapped scheduling or CUDA graphs",
     )
     g.add_argument(
+        "--flight-dir",
+        default=None,
+        metavar="DIR",
+        help="with --tp 2 or more (refused without): if the ranks fall out of lockstep each "
+        "writes its last step records to DIR/tp-<pid>-<start>/rank-<r>.json, for `pdserve "
+        "doctor --flight DIR` (default: to the log only; launch: LOG_DIR/flight)",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=256,
@@ -231,6 +240,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         request_timeout_s=args.request_timeout,
         tp=args.tp,
+        flight_dir=str(Path(args.flight_dir).resolve()) if args.flight_dir else None,
         auto=frozenset(
             name
             for name, value in (

@@ -197,11 +197,20 @@ def router_processes(device: str, cpus: int) -> int:
     return max(1, min(CUDA_ROUTER_PROCESSES, cpus // 4))
 
 
+def default_flight_dir(args: argparse.Namespace, log_dir: Path) -> None:
+    """With --tp > 1 and no --flight-dir, every worker's ranks dump their flight recorders
+    beside the logs, in LOG_DIR/flight (for `pdserve doctor --flight`)."""
+    if args.tp > 1 and args.flight_dir is None:
+        args.flight_dir = str(log_dir.resolve() / "flight")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.model.builtin import resolve_model
     from pdserve.runtime.launcher import LaunchConfig, Launcher
     from pdserve.server.auth import load_api_key
 
+    if args.tp == 1 and args.flight_dir is not None:  # as serve would, before anything starts
+        raise ValueError("a flight directory (--flight-dir) needs --tp 2 or more")
     backend = launch_backend(args)
     gpus = launch_gpus(args)
     if backend is None or gpus is None:
@@ -213,6 +222,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)
+    default_flight_dir(args, log_dir)
     key_file = args.cluster_key_file
     if key_file is None:
         from pdserve.runtime.cluster_key import generate

@@ -48,6 +48,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument(
+        "--max-model-len", type=int, default=4096,
+        help="both sides' (the CUDA graphs' page tables, so their split-KV counts, follow it)",
+    )  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--backend", default="tcp", choices=["tcp", "nixl"])
     ap.add_argument(
@@ -63,8 +67,9 @@ def main() -> int:
     prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine = build_engine(
-        path, dtype=args.dtype, device=args.device, max_batched_tokens=args.chunk, kv_budget_mb=1024
-    )
+        path, dtype=args.dtype, device=args.device, max_batched_tokens=args.chunk,
+        kv_budget_mb=1024, max_model_len=args.max_model_len,
+    )  # fmt: skip
     tok = Tokenizer.from_dir(path)
     want = [tok.decode(ids) for ids in generate(engine, prompts, params)]
     del engine
@@ -93,6 +98,8 @@ def main() -> int:
             args.dtype,
             "--max-batched-tokens",
             str(args.chunk),
+            "--max-model-len",
+            str(args.max_model_len),
             "--kv-budget-mb",
             "1024",
             "--log-dir",

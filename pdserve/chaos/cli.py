@@ -48,6 +48,7 @@ from pdserve.chaos.scenarios import ChaosOptions, Context, Outcome, Scenario, sc
 from pdserve.chaos.stops import PrefillStop
 from pdserve.chaos.storm import AbortStorm
 from pdserve.chaos.threadkill import ThreadKill
+from pdserve.chaos.tp import TpFault
 from pdserve.config import BACKENDS
 from pdserve.runtime import httpcall
 
@@ -64,6 +65,8 @@ SCENARIOS: dict[str, Scenario] = {
         ThreadKill(),
         MessageFaults(),
         Fuzz(),
+        TpFault("desync"),
+        TpFault("rank-kill"),
     )
 }
 
@@ -329,7 +332,7 @@ class Runner:
         say(f"launching {spec.describe()}")
         log_dir = self.work / f"cluster-{self.launches}"
         cluster: Cluster
-        if spec.worker_env:
+        if spec.worker_env or spec.worker_args:
             cluster = ComposedCluster(spec, log_dir).start()
         else:
             cluster = LaunchedCluster(spec, log_dir).start()

@@ -5,7 +5,9 @@
 Each session holds a conversation: every turn is a streaming /v1/chat/completions with the
 conversation so far and a small max_tokens; after `--turns` turns it starts a new one. It
 runs until `--duration` has passed, or until it is killed: the abort storm SIGKILLs it
-mid-stream, so that every open stream dies at once in whatever state it was.
+mid-stream, so that every open stream dies at once in whatever state it was. SIGUSR1 ends a
+run early the way `--duration` does (no new request; those in flight end within their bound;
+`finished`), for a harness that decides when the load has done its part.
 
 Because the harness kills us, we keep no result in memory only: the counters go to the
 progress file every PROGRESS_S, written to a temporary name and renamed over it (a rename is
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -50,7 +54,7 @@ class Progress:
     sessions: int = 0
     load_started_unix: float | None = None  # the first request went out
     elapsed_s: float = 0.0  # since load_started, at the last write
-    finished: bool = False  # --duration passed and every stream ended
+    finished: bool = False  # --duration passed (or SIGUSR1 came) and every stream ended
     started: int = 0
     ok: int = 0
     abandoned: int = 0  # closed by us on purpose mid-stream (--abandon)
@@ -189,6 +193,7 @@ async def run_session(
 async def main_async(cfg: LoadConfig, progress_path: Path) -> int:
     p = Progress(sessions=cfg.sessions)
     stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, stop.set)
     t0 = time.monotonic()
 
     async def reporter() -> None:
@@ -207,9 +212,12 @@ async def main_async(cfg: LoadConfig, progress_path: Path) -> int:
             asyncio.create_task(run_session(i, http, cfg, p, stop)) for i in range(cfg.sessions)
         ]
         if cfg.duration_s is None:
-            await asyncio.gather(*tasks)  # forever: we end by a signal
+            await asyncio.gather(*tasks)  # until SIGKILL, or SIGUSR1 (each session then ends)
         else:
-            await asyncio.sleep(max(0.0, cfg.duration_s - (time.monotonic() - t0)))
+            left = max(0.0, cfg.duration_s - (time.monotonic() - t0))
+            with contextlib.suppress(TimeoutError):  # the duration passed (or SIGUSR1 came)
+                async with asyncio.timeout(left):
+                    await stop.wait()
             stop.set()
             _, late = await asyncio.wait(tasks, timeout=cfg.timeout_s + GRACE_S + STOP_S)
             for t in late:

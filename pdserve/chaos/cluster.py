@@ -49,6 +49,8 @@ class ClusterSpec:
     # (worker name as launch names it, e.g. "prefill-0", variable, value): one worker only.
     # `pdserve launch` cannot do that, so such a cluster is composed (tools/composed.py).
     worker_env: tuple[tuple[str, str, str], ...] = ()
+    # (worker name, arguments added to its `serve`): e.g. one worker at --tp 2; composed too.
+    worker_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
     startup_timeout_s: float = 180.0
     debug_faults: bool = False  # workers take fault points at run time (POST /debug/faults)
     # Every worker's engine in a process of its own, or not (None: serve's default, on for CUDA).
@@ -58,11 +60,13 @@ class ClusterSpec:
         faults = dict(self.env).get("PDSERVE_FAULTS")
         extra = f", faults {faults}" if faults else ""
         extra += "".join(f", {n}: {k}={v}" for n, k, v in self.worker_env)
+        extra += "".join(f", {n}: {' '.join(a)}" for n, a in self.worker_args)
         extra += ", run-time faults" if self.debug_faults else ""
         extra += {None: "", True: ", engine processes", False: ", engines in-process"}[
             self.engine_process
         ]
-        return f"{self.prefill}P+{self.decode}D {self.backend} {self.model}{extra}"
+        workers = f"{self.prefill}P+{self.decode}D" if self.prefill else f"{self.decode} co-located"
+        return f"{workers} {self.backend} {self.model}{extra}"
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
 """A cluster chaos starts process by process, for faults that only one worker may carry.
 
-`pdserve launch` gives every child the same environment; a scenario that stalls one
-worker's thread (PDSERVE_FAULTS in that process only) needs its own. ComposedCluster starts
-the workers (`pdserve serve --role ...`, named like launch names them: prefill-0, decode-0)
-with their own environment, waits for every READY line (bounded), then starts the router
-over them. Every child logs to its own file (no pipe to block on) and dies with us
-(PDEATHSIG); `close()` stops them by pid: router first, SIGTERM, a bound, then SIGKILL.
+`pdserve launch` gives every child the same environment and flags; a scenario that stalls one
+worker's thread (PDSERVE_FAULTS in that process only), or runs one worker at `--tp 2`, needs
+its own. ComposedCluster starts the workers (`pdserve serve --role ...`, named like launch
+names them: prefill-0, decode-0, or colocated-0 without prefill workers) with their own
+environment and arguments, waits for every READY line (bounded), then starts the router over
+them. Every child logs to its own file (no pipe to block on) and dies with us (PDEATHSIG);
+each pid goes to LOG_DIR/composed.json as it starts (a test kills what is left of them);
+`close()` stops them by pid: router first, SIGTERM, a bound, then SIGKILL.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -85,7 +88,7 @@ class ComposedCluster(Cluster):
         base = {**os.environ, **dict(s.env), "PYTHONUNBUFFERED": "1"}
         key = ["--cluster-key-file", str(new_cluster_key(self.log_dir))]
         names = [f"prefill-{i}" for i in range(s.prefill)]
-        names += [f"decode-{i}" for i in range(s.decode)]
+        names += [f"{'decode' if s.prefill else 'colocated'}-{i}" for i in range(s.decode)]
         for name in names:
             role = name.split("-")[0]
             own = {k: v for n, k, v in s.worker_env if n == name}
@@ -97,19 +100,34 @@ class ComposedCluster(Cluster):
             argv += ["--backend", s.backend, "--threads", str(s.threads), *key]
             argv += ["--control-port", "0"] if role == "prefill" else []
             argv += engine_process_argv(s.engine_process)
-            self.procs.append(_Proc(name, argv, {**base, **own}, self.log_dir / f"{name}.log"))
+            argv += [a for n, args in s.worker_args if n == name for a in args]
+            self._add(_Proc(name, argv, {**base, **own}, self.log_dir / f"{name}.log"))
         self._barrier(self.procs, deadline)
         workers = list(self.procs)
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router"]
-        argv += ["--decode", *(str(p.url) for p in workers if p.name.startswith("decode"))]
+        argv += ["--decode", *(str(p.url) for p in workers if not p.name.startswith("prefill"))]
         if s.prefill:
             argv += ["--prefill", *(str(p.url) for p in workers if p.name.startswith("prefill"))]
         argv += ["--model", s.model, "--host", "127.0.0.1", "--port", "0", *key]
         router = _Proc("router", argv, base, self.log_dir / "router.log")
-        self.procs.append(router)
+        self._add(router)
         self._barrier([router], deadline)
         self.url = str(router.url)
         self.names = {p.name: str(p.url) for p in workers}
+
+    def _add(self, proc: _Proc) -> None:
+        """Keep it, and name every pid so far in LOG_DIR/composed.json (renamed over)."""
+        self.procs.append(proc)
+        rows = [{"name": p.name, "pid": p.popen.pid, "log": str(p.log)} for p in self.procs]
+        table = self.log_dir / "composed.json"
+        tmp = table.with_name(table.name + ".tmp")
+        tmp.write_text(json.dumps({"harness_pid": os.getpid(), "processes": rows}, indent=1))
+        os.replace(tmp, table)
+
+    def exit_code(self, pid: int) -> int | None:
+        """A worker's exit status, once it exited (this process is its parent)."""
+        proc = next((p.popen for p in self.procs if p.popen.pid == pid), None)
+        return None if proc is None else proc.poll()
 
     def _barrier(self, procs: list[_Proc], deadline: float) -> None:
         while not all([p.ready() for p in procs]):  # a list: look at every one each time

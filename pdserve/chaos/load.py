@@ -85,6 +85,13 @@ class LoadProcess:
             self.proc.wait(10)
         return self.killed_at
 
+    def stop(self) -> None:
+        """End the run now as its --duration would (SIGUSR1: no new request, those in flight
+        end within their bound, `finished`); then `wait_exit`. Only once the load started
+        (`wait_loaded`): before, the client has no handler and SIGUSR1 would kill it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+
     def wait_exit(self, timeout_s: float) -> int | None:
         """Wait for a --duration run to end by itself; SIGKILL it past the bound."""
         if self.proc is None:

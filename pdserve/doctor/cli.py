@@ -4,7 +4,11 @@ A thin shell: it fetches the document (source.py: a router's /debug/cluster, one
 call in which the router asks every worker for its /debug/state, each bounded too; or,
 for a single server, its own /debug/state and /info), hands it to the pure
 `diagnosis.diagnose`, and prints the result. `--file` reads a saved document instead,
-so a document captured during an incident can be read again later.
+so a document captured during an incident can be read again later. `--flight DIR` reads the
+flight recorders the ranks of a failed tensor-parallel group left (`serve --flight-dir`;
+doctor/flight.py), alone or beside --url or --file: a worker whose ranks failed has stopped,
+so a `serve --tp 2` read alone answers nothing; its URL that cannot be read is then a finding
+(degraded) beside what the dumps say.
 
 The key (/debug/* needs one): --api-key or --cluster-key-file, else $PDSERVE_API_KEY or
 $PDSERVE_CLUSTER_KEY_FILE, else the one `pdserve launch` left for this user at --url's address
@@ -12,7 +16,8 @@ $PDSERVE_CLUSTER_KEY_FILE, else the one `pdserve launch` left for this user at -
 read, or that is not this user's, is refused and named.
 
 Exit code: 0 healthy, 1 degraded, 2 wedged (see pdserve/doctor/diagnosis.py for exactly
-which finding is which), 3 nothing could be read (no answer, a refused key, not a document).
+which finding is which), 3 nothing could be read (no answer, a refused key, not a document,
+and no flight dump either).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.doctor.diagnosis import Diagnosis, diagnose
+from pdserve.doctor.diagnosis import Diagnosis, Severity, diagnose
+from pdserve.doctor.flight import add_flights
 from pdserve.doctor.source import Unreadable, fetch, load
+from pdserve.parallel.flight_recorder import read_dir
 from pdserve.runtime import httpcall
 from pdserve.runtime.cluster_key import ClusterKey
 
@@ -45,11 +52,23 @@ def add_doctor_command(sub: Any) -> None:
         "exit status: 0 healthy; 1 degraded (it serves, but something is wrong); 2 wedged "
         "(something cannot make progress); 3 nothing could be read.",
     )
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--url", help="a router or a single server (serve), e.g. http://127.0.0.1:8000"
+        "--url",
+        help="a router or a single server (serve), e.g. http://127.0.0.1:8000 (default: none; "
+        "doctor reads --url, --file or --flight, or --flight with one of the others)",
     )
-    src.add_argument("--file", help="a document saved by --save (or a router's /debug/cluster)")
+    src.add_argument(
+        "--file",
+        help="a document saved by --save (or a router's /debug/cluster) (default: none)",
+    )
+    p.add_argument(
+        "--flight",
+        default=None,
+        metavar="DIR",
+        help="tensor-parallel flight recorders (serve's --flight-dir, launch's LOG_DIR/flight): "
+        "name the step and rank where a failed group's ranks parted (default: none)",
+    )
     p.add_argument("--timeout", type=float, default=15.0, help="seconds for each HTTP call")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument(
@@ -67,7 +86,7 @@ def add_doctor_command(sub: Any) -> None:
         help="the cluster's key (default: $PDSERVE_CLUSTER_KEY_FILE, else the key `pdserve "
         "launch` left for you for the router at --url)",
     )
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=cmd_doctor, usage_error=p.error)
 
 
 def choose_key(args: argparse.Namespace) -> str | None:
@@ -87,27 +106,60 @@ def choose_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    source = args.url or args.file
+    if not (args.url or args.file or args.flight):
+        args.usage_error("give --url, --file or --flight (or --flight with one of the others)")
+    flight = Path(args.flight) if args.flight else None
+    if flight is not None and not flight.is_dir():
+        return unreadable(args, f"cannot read flight recorders: {flight} is not a directory")
+    failed: str | None = None  # why --url or --file could not be read, beside --flight
+    if args.url or args.file:
+        source = args.url or args.file
+        try:
+            result = diagnose(read_document(args), time.time())
+        except Unreadable as e:
+            if flight is None:
+                return unreadable(args, f"cannot read the cluster from {source}: {e}")
+            failed = f"cannot read the cluster from {source}: {e}"
+            result = Diagnosis(header=f"flight recorders under {flight}")
+            result.add(Severity.DEGRADED, source, f"cannot be read: {e}")
+    else:  # the flight recorders alone: no cluster document
+        source = str(flight)
+        result = Diagnosis(header=f"flight recorders under {flight}")
+    if flight is not None:
+        groups = read_dir(flight)
+        if failed is not None and not any(g.dumps for g in groups):
+            return unreadable(args, f"{failed}; and no flight recorder under {flight}")
+        add_flights(result, flight, groups)
+    if args.json:
+        doc = result.to_json()
+        print(json.dumps(doc if failed is None else {**doc, "error": failed}, indent=1))
+    else:
+        print(f"pdserve doctor: {source}" + (f" and {flight}" if failed is not None else ""))
+        print("\n".join(result.lines()))
+    return result.code
+
+
+def read_document(args: argparse.Namespace) -> dict[str, Any]:
+    """The document at --url (with the key `choose_key` picks) or in --file (--save'd if
+    asked); Unreadable, its message naming the key sent if it was refused."""
     refused = choose_key(args)
     if refused:
         print(f"pdserve doctor: {refused}", file=sys.stderr)
     try:
         doc = fetch(args.url, args.timeout) if args.url else load(args.file)
     except Unreadable as e:
-        why = f"cannot read the cluster from {source}: {e}"
-        if e.refused_key:
-            why += f" (key sent: {httpcall.key_origin()}" + (f"; {refused})" if refused else ")")
-        if args.json:
-            print(json.dumps({"code": UNREADABLE, "verdict": UNKNOWN, "error": why}, indent=1))
-        else:
-            print(f"pdserve doctor: {why}\n{UNKNOWN}")
-        return UNREADABLE
+        if not e.refused_key:
+            raise
+        origin = f"key sent: {httpcall.key_origin()}" + (f"; {refused}" if refused else "")
+        raise Unreadable(f"{e} ({origin})", refused_key=True) from e
     if args.save:
         Path(args.save).write_text(json.dumps(doc, indent=1))
-    result: Diagnosis = diagnose(doc, time.time())
+    return doc
+
+
+def unreadable(args: argparse.Namespace, why: str) -> int:
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
+        print(json.dumps({"code": UNREADABLE, "verdict": UNKNOWN, "error": why}, indent=1))
     else:
-        print(f"pdserve doctor: {source}")
-        print("\n".join(result.lines()))
-    return result.code
+        print(f"pdserve doctor: {why}\n{UNKNOWN}")
+    return UNREADABLE

@@ -57,6 +57,7 @@ class Diagnosis:
     header: str = ""
     workers: list[str] = field(default_factory=list)  # one status line per worker
     findings: list[Finding] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)  # e.g. the ranks' last records (flight.py)
 
     @property
     def code(self) -> int:
@@ -77,13 +78,14 @@ class Diagnosis:
         mark = {Severity.NOTE: "-", Severity.DEGRADED: "!", Severity.WEDGED: "!!"}
         out = [self.header, *self.workers]
         out += [f"{mark[f.severity]:>2} {f.where}: {f.what}" for f in self.findings]
-        return [*out, self.verdict()]
+        return [*out, *self.details, self.verdict()]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "code": self.code,
             "verdict": self.verdict(),
             "workers": self.workers,
+            "details": self.details,
             "findings": [
                 {"severity": f.severity.name.lower(), "where": f.where, "what": f.what}
                 for f in self.findings

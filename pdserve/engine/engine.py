@@ -406,10 +406,10 @@ class Engine(RequestEnds):
         names the step and the rank, and the worker stops)."""
         why = f"tensor-parallel ranks out of lockstep: {e}"
         log.critical("%s; failing every request", why)
-        if self.tp is not None:
-            self.tp.close()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             self.finish(req, Event.FAIL, why)
+        if self.tp is not None:  # after: its wait for the followers' dumps delays no answer
+            self.tp.close()
         raise ThreadFatal(why) from e
 
     # -- the role's host (engine/role.py RoleHost) --------------------------------------------

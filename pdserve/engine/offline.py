@@ -40,9 +40,11 @@ def build_engine(
     index_k_dtype: str = CacheConfig.index_k_dtype,
     kv_dtype: str = CacheConfig.kv_dtype,
     tp: int = 1,
+    flight_dir: str | None = None,
 ) -> Engine:
     """An engine for this thread to tick; `tp` > 1 starts its follower ranks, which the
-    caller stops with `engine.tp.close()` (engine/tp_leader.py)."""
+    caller stops with `engine.tp.close()` (engine/tp_leader.py); `flight_dir`: where they
+    write their flight recorders if they fail."""
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device),
         CacheConfig(
@@ -65,6 +67,7 @@ def build_engine(
             cuda_graph_max_tokens,
         ),
         tp=tp,
+        flight_dir=flight_dir,
     )
     return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 

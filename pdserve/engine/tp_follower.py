@@ -10,7 +10,8 @@ clock of its own to act on: everything it does is in a record all ranks agreed o
 (parallel/lockstep.py, LESSONS #12).
 
 Any failure, a digest mismatch, a collective that failed or timed out (the leader is gone or
-stalled), its own forward raising, is written to its log with its flight recorder and ends the
+stalled), its own forward raising, is written to its log with its flight recorder (and, given
+`--flight-dir`, the group's directory, to a dump there: parallel/flight_recorder.py) and ends the
 process with status 1 at once (os._exit: no teardown of a group a peer left half way); the
 leader hears of it through its next collective or `TpLeader.tick`. It dies with the leader's
 process (PR_SET_PDEATHSIG: SIGKILL) and ignores SIGINT and SIGTERM, which a terminal sends to
@@ -124,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - the leader sees this rank exit before joining
         log.error("tensor-parallel rank %d could not join the group: %s", args.rank, e)
         return 1
-    lockstep = Lockstep(group, device, tamper(args.rank))
+    dumps = Path(args.flight_dir) if args.flight_dir else None
+    lockstep = Lockstep(group, device, tamper(args.rank), dump_dir=dumps)
     try:
         follow(build_runner(args, group, lockstep), lockstep)
     except LockstepError:
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout", type=float, required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--flight-dir", default=None, help="the group's flight directory")
     args = p.parse_args(argv)
     die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -18,9 +18,12 @@ dies for good (Engine._ranks_lost), which turns /health red with that message an
 worker.
 
 **Stopping** (`close`): SHUTDOWN when the group is sound, a bounded wait for each follower,
-then SIGKILL by its pid; after a failure, a short wait (its log's flight recorder) and the
-kill. A follower also dies with this process (PR_SET_PDEATHSIG) and ignores SIGINT and SIGTERM:
-the leader decides when it stops.
+then SIGKILL by its pid; after a failure, a short wait for its log's flight recorder and the
+kill. With `--flight-dir` (the group's directory, `--flight-dir`/tp-<this pid>-<start>, made
+at the start: `flight_dumps`), that wait begins only once each follower's dump is there (or
+it exited, or DUMP_WAIT_S passed): a follower writes its dump and then exits, and a kill must
+not cut the dump short. A follower also dies with this process (PR_SET_PDEATHSIG) and ignores
+SIGINT and SIGTERM: the leader decides when it stops.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.parallel import flight_recorder
 from pdserve.parallel.group import RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError
 from pdserve.parallel.step_record import Kind, PoolPlan, SeqPlan
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"  # every rank on this host; the store listens on the loopback only
 FAILED_EXIT_S = 1.0  # after a failure a follower gets this long to log its flight recorder
+DUMP_WAIT_S = 2.0  # ... and, first, this long to write its dump (with a flight directory)
+DUMP_POLL_S = 0.05
 JOIN_POLL_S = 0.1
 BLAME_WAIT_S = 0.2  # after a failed collective, how long a follower that died may take to exit
 
@@ -140,6 +147,14 @@ class TpLeader:
                 "--threads", str(torch.get_num_threads()), "--log-level", level]  # fmt: skip
         if cfg.runner.attention_backend is not None:
             argv += ["--attention-backend", cfg.runner.attention_backend]
+        try:
+            dumps = flight_dumps(cfg)
+        except OSError as e:
+            raise TpStartFailed(
+                f"tensor parallelism {world}: cannot make this group's flight directory under "
+                f"--flight-dir {cfg.flight_dir}: {e}"
+            ) from e
+        argv += ["--flight-dir", str(dumps)] if dumps is not None else []
         followers: list[Follower] = []
         try:
             for r in range(1, world):
@@ -157,7 +172,7 @@ class TpLeader:
             for f in followers:
                 f.stop(0.0)
             raise
-        return cls(group, Lockstep(group, device), followers)
+        return cls(group, Lockstep(group, device, dump_dir=dumps), followers)
 
     @property
     def pids(self) -> list[int]:
@@ -236,6 +251,8 @@ class TpLeader:
                 self.lockstep.send(Kind.SHUTDOWN)
             except LockstepError:
                 sound = False  # logged with the flight recorder; the followers are killed
+        if self.lockstep.failed is not None:
+            self._await_dumps()
         for f in self.followers:
             f.stop(TP_EXIT_TIMEOUT_S if sound else FAILED_EXIT_S)
         if sound or self.lockstep.device.type != "cuda":
@@ -243,11 +260,46 @@ class TpLeader:
             # failed NCCL communicator, whose teardown may wait on peers that are gone.
             self.group.close()
 
+    def _await_dumps(self) -> None:
+        """After a failure, wait at most DUMP_WAIT_S until every follower has written its dump
+        or exited (a follower that never noticed the failure writes none: the wait runs out)."""
+        directory = self.lockstep.dump_dir
+        if directory is None:
+            return
+        deadline = time.monotonic() + DUMP_WAIT_S
+        waiting = list(self.followers)
+        while waiting := [
+            f
+            for f in waiting
+            if f.exited() is None and not flight_recorder.dump_path(directory, f.rank).exists()
+        ]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "tensor-parallel ranks %s wrote no flight recorder in %.1fs: stopping them",
+                    ", ".join(str(f.rank) for f in waiting),
+                    DUMP_WAIT_S,
+                )
+                return
+            try:  # wakes as soon as it exits; else looks for its dump again
+                waiting[0].proc.wait(min(left, DUMP_POLL_S))
+            except subprocess.TimeoutExpired:
+                pass
+
     def _check_followers(self) -> None:
         for f in self.followers:
             why = f.exited()
             if why is not None:
                 raise self.lockstep.fail(f"step {self.lockstep.step}: {why}", [f.rank])
+
+
+def flight_dumps(cfg: EngineConfig) -> Path | None:
+    """This group's flight directory (`--flight-dir`/tp-<this pid>-<now>), made now and its
+    own (OSError if it cannot be), None without --flight-dir: every rank writes its flight
+    recorder there if the group fails (parallel/flight_recorder.py)."""
+    if cfg.flight_dir is None:
+        return None
+    return flight_recorder.new_group_dir(Path(cfg.flight_dir), os.getpid(), time.time())
 
 
 def _join(world: int, port: int, backend: str, followers: list[Follower]) -> RankGroup:

@@ -17,9 +17,12 @@ never into a hang. Whatever the failure, `LockstepError` names the step and, whe
 rank; the group is not used again after it (a collective that failed half way leaves the
 ranks at different points of the sequence).
 
-Each rank keeps a flight recorder: the last FLIGHT_DEPTH records it sent or received (step,
-kind, digest, sequences, tokens, words, when), written to its log when it fails, so the logs
-of all ranks show where they parted.
+Each rank keeps a flight recorder (parallel/flight_recorder.py): the last FLIGHT_DEPTH records
+it sent or received (step, kind, digest, sequences, tokens, words, when), written to its log
+when it fails, and with a flight directory to `rank-<r>.json` in it, so the logs and the dumps
+of all ranks show where they parted. A failure that names no rank (a collective failed) may be
+followed by one that does (the leader found the follower that died): that one replaces it, in
+`failed` and in the dump.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from pdserve.parallel import flight_recorder
+from pdserve.parallel.flight_recorder import FLIGHT_DEPTH, Flight
 from pdserve.parallel.group import CollectiveError, RankGroup
 from pdserve.parallel.step_record import (
     Kind,
@@ -47,7 +52,6 @@ from pdserve.parallel.step_record import (
 
 log = logging.getLogger(__name__)
 
-FLIGHT_DEPTH = 64
 MAX_WORDS = 1 << 28  # a record's bound: 2 GiB of words, far past any step's
 
 # A follower may change the record it read before digesting it (a fault point of the engine's:
@@ -70,25 +74,6 @@ class LockstepError(RuntimeError):
         self.ranks = tuple(ranks)
 
 
-@dataclass(frozen=True)
-class Flight:
-    """One record as this rank saw it."""
-
-    step: int
-    kind: str
-    digest: int
-    seqs: int
-    tokens: int
-    words: int
-    at: float  # time.monotonic() when it was sent or received
-
-    def __str__(self) -> str:
-        return (
-            f"step {self.step} {self.kind} digest {self.digest:#010x} seqs {self.seqs} "
-            f"tokens {self.tokens} words {self.words} at {self.at:.3f}"
-        )
-
-
 class Lockstep:
     """This rank's end of the step records: `send` (the leader, rank 0) or `receive` (a
     follower), each checked by the digest agreement before it returns."""
@@ -99,15 +84,17 @@ class Lockstep:
         device: torch.device,
         tamper: Tamper | None = None,
         depth: int = FLIGHT_DEPTH,
+        dump_dir: Path | None = None,
     ) -> None:
         """`device`: where the collectives' tensors live (the rank's CUDA device on NCCL, the
-        CPU on gloo)."""
+        CPU on gloo); `dump_dir`: the group's flight directory (None: the log only)."""
         if group.world_size < 2:
             raise ValueError("lockstep is for a group of 2 ranks or more")
         self.group = group
         self.rank = group.rank
         self.device = device
         self.tamper = tamper
+        self.dump_dir = dump_dir
         self.step = 0  # the last step sent or received
         self.last_at = time.monotonic()  # when it was
         self.flights: deque[Flight] = deque(maxlen=depth)
@@ -213,11 +200,16 @@ class Lockstep:
             ) from e
 
     def fail(self, why: str, ranks: Sequence[int] = ()) -> LockstepError:
-        """The error to raise, once this rank's flight recorder is in its log; the first
-        failure is kept (`failed`) and the group is not used again."""
+        """The error to raise, once this rank's flight recorder is in its log (and its dump);
+        the first failure is kept (`failed`), unless it named no rank and this one does, and
+        the group is not used again."""
         error = LockstepError(why, self.step, ranks)
-        if self.failed is None:
-            self.failed = error
+        first = self.failed is None
+        names_the_rank = self.failed is not None and not self.failed.ranks and bool(ranks)
+        if not (first or names_the_rank):
+            return error
+        self.failed = error
+        if first:
             log.error(
                 "rank %d of %d out of lockstep: %s\nflight recorder (its last %d records):\n%s",
                 self.rank,
@@ -226,7 +218,23 @@ class Lockstep:
                 len(self.flights),
                 "\n".join(f"  {f}" for f in self.flights) or "  (none)",
             )
+        else:
+            log.error("rank %d: the failure was: %s", self.rank, why)
+        self._dump(error)
         return error
+
+    def _dump(self, error: LockstepError) -> None:
+        if self.dump_dir is None:
+            return
+        dump = flight_recorder.dump_of(
+            self.rank, self.group.world_size, error.step, error.ranks, str(error), self.flights
+        )
+        try:
+            path = flight_recorder.write(self.dump_dir, dump)
+        except OSError as e:  # the log holds the same records: say so, and fail as we were
+            log.error("rank %d could not write its flight recorder: %s", self.rank, e)
+        else:
+            log.error("rank %d: flight recorder written to %s", self.rank, path)
 
     def _check_usable(self) -> None:
         if self.failed is not None:

@@ -166,7 +166,20 @@ class _Plan:
     @classmethod
     def build(cls, spec: str, seed: int) -> _Plan:
         points = parse(spec)
-        return cls(points, seed, {p: random.Random(f"{seed}:{p}") for p in points})
+        return cls(points, seed, {p: _draws(seed, p) for p in points})
+
+
+def _draws(seed: int, point: str) -> random.Random:
+    """The generator of `point`'s draws under `seed`: one per point (module docstring)."""
+    return random.Random(f"{seed}:{point}")
+
+
+def first_firing(point: str, probability: float, seed: int, limit: int) -> int | None:
+    """The hit (1, 2, ...) on which `point=ACTION@probability` first fires under `seed`, if it
+    does within `limit` hits: how a harness places a fault it cannot set at run time (a
+    tensor-parallel follower's, chaos/tp.py)."""
+    draws = _draws(seed, point)
+    return next((n for n in range(1, limit + 1) if draws.random() < probability), None)
 
 
 class Faults:

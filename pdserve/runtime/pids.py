@@ -8,7 +8,10 @@ hands out again once its process is reaped, so:
 * `pid_alive` reads /proc/PID/stat, and a zombie (exited, not yet reaped) counts as gone:
   it holds no resources and no signal can reach it.
 * `is_pdserve` reads /proc/PID/cmdline: a pid that is someone else's by now is never ours.
-* `signal_pdserve` opens a pidfd *before* that check and signals through it, so a pid that
+  A pid that is another pdserve process's by now (another test's server) is told apart by a
+  caller's `expect`: a test of the arguments that only the process meant carries (the rank of
+  one worker: `--parent PID`; a path under one run's own directory).
+* `signal_pdserve` opens a pidfd *before* those checks and signals through it, so a pid that
   changes hands between the check and the signal is never hit: the pidfd still names the
   process that had it, which is then gone.
 * `wait_gone` is always bounded, and sleeps on the processes' pidfds (readable once each has
@@ -24,7 +27,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # A pid whose pidfd cannot be opened (not a process leader, say) is polled this often instead.
 POLL_S = 0.05
@@ -40,6 +43,19 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def cmdline(pid: int) -> list[str]:
+    """`pid`'s arguments; [] once it is gone (a zombie's command line is empty too)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    args = raw.split(b"\0")
+    if args[-1] == b"":  # each argument ends with a NUL (unless a process rewrote them)
+        args.pop()
+    return [os.fsdecode(a) for a in args]
+
+
 def is_pdserve(pid: int) -> bool:
     """True if `pid` runs pdserve: one of its arguments is the package, a module of it, or the
     `pdserve` script (`python -m pdserve ...`, `-m pdserve.chaos.client`, `.../bin/pdserve`).
@@ -47,18 +63,16 @@ def is_pdserve(pid: int) -> bool:
     Judged per argument by its last path component, so a stranger that merely names a file
     under a `pdserve/` directory (an editor, a grep) is not taken for ours. A zombie has an
     empty command line: not ours to signal."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
-        return False
-    return any(os.path.basename(a).startswith(b"pdserve") for a in args)
+    return any(os.path.basename(a).startswith("pdserve") for a in cmdline(pid))
 
 
-def signal_pdserve(pid: int, sig: signal.Signals) -> bool:
-    """Send `sig` to `pid` if it is a pdserve process, through a pidfd taken before the check.
-    True if the signal was sent; False if the process is gone or is not pdserve; ValueError
-    for 0 or a negative number (to kill(2) they mean a whole process group, or everyone)."""
+def signal_pdserve(
+    pid: int, sig: signal.Signals, expect: Callable[[list[str]], bool] | None = None
+) -> bool:
+    """Send `sig` to `pid` if it is a pdserve process (and, given `expect`, its arguments pass
+    that test), through a pidfd taken before the checks. True if the signal was sent; False if
+    the process is gone or is not the one meant; ValueError for 0 or a negative number (to
+    kill(2) they mean a whole process group, or everyone)."""
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise ValueError(f"not a process id: {pid!r}")
     try:
@@ -66,7 +80,7 @@ def signal_pdserve(pid: int, sig: signal.Signals) -> bool:
     except ProcessLookupError:
         return False
     try:
-        if not is_pdserve(pid):
+        if not is_pdserve(pid) or (expect is not None and not expect(cmdline(pid))):
             return False
         signal.pidfd_send_signal(fd, sig)
         return True

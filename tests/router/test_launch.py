@@ -77,6 +77,31 @@ def test_threads_per_role():
         config(prefill_threads=-1)
 
 
+def test_a_tp_launch_gives_its_workers_a_flight_directory(tmp_path):
+    from pdserve.launch import default_flight_dir
+
+    def flight(*argv: str) -> str | None:
+        args = build_parser().parse_args(["launch", "--model", "m", *argv])
+        default_flight_dir(args, tmp_path)
+        flags = list(engine_flags(args))
+        return flags[flags.index("--flight-dir") + 1] if "--flight-dir" in flags else None
+
+    assert flight("--tp", "2") == str(tmp_path.resolve() / "flight")
+    assert flight("--tp", "2", "--flight-dir", "/x/f") == "/x/f"
+    assert flight() is None  # TP 1 has no ranks to dump
+
+
+def test_a_flight_directory_without_tp_is_refused(tiny_dir, tmp_path, capsys):
+    from pdserve.cli import main
+
+    flight = tmp_path / "flight"
+    for command in ("serve", "launch"):  # before anything starts
+        assert main([command, "--model", str(tiny_dir), "--flight-dir", str(flight)]) == 2
+        err = capsys.readouterr().err
+        assert f"pdserve {command}: error: a flight directory (--flight-dir) needs --tp 2" in err
+    assert not flight.exists()
+
+
 def test_engine_flags_are_passed_on_as_given():
     args = build_parser().parse_args(
         [

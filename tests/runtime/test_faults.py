@@ -17,6 +17,7 @@ from pdserve.runtime.faults import (
     Faults,
     ThreadKilled,
     Verdict,
+    first_firing,
     parse,
 )
 
@@ -141,6 +142,15 @@ def test_the_seed_decides_which_hits_fire_per_point():
     c = Faults()
     c.configure(spec, 7)
     assert fires(c, RECV, 200) == a  # configure restarts the sequence from the seed
+
+
+@pytest.mark.parametrize("seed", [0, 7, 12345])
+def test_first_firing_says_which_hit_a_seed_fires_on(seed):
+    """What a harness places a fault by (chaos tp-desync): the hit `hit()` fires on."""
+    faults = Faults("tp.recv.1=malformed@0.05#1", seed)
+    fired = next(n for n in range(1, 1000) if faults.hit("tp.recv.1") is Verdict.MALFORMED)
+    assert first_firing("tp.recv.1", 0.05, seed, 1000) == fired
+    assert first_firing("tp.recv.1", 0.05, seed, fired - 1) is None
 
 
 def test_configure_replaces_and_snapshot_shows_points_seed_and_fired():

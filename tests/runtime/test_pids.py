@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.runtime.pids import is_pdserve, pid_alive, signal_pdserve, wait_gone
+from pdserve.runtime.pids import cmdline, is_pdserve, pid_alive, signal_pdserve, wait_gone
 
 SLEEP = "import time; time.sleep(120)"
 
@@ -73,7 +73,10 @@ def test_a_pdserve_process_is_signalled_through_its_pidfd(
     assert is_pdserve(ours) and is_pdserve(module)
     assert not is_pdserve(under_dir)  # names a file in a pdserve/ directory: not pdserve
     assert wait_gone([under_dir, ours, module], 0.0) == [under_dir, ours, module]
-    assert signal_pdserve(ours, signal.SIGKILL)
+    assert cmdline(module)[1:] == ["-c", SLEEP, "-m", "pdserve.chaos.client"]
+    # pdserve, but not the process meant (a pid handed out again): refused
+    assert not signal_pdserve(module, signal.SIGKILL, lambda argv: "--parent" in argv)
+    assert signal_pdserve(ours, signal.SIGKILL, lambda argv: argv[-1].endswith("/pdserve"))
     assert wait_gone([ours], 10.0) == []
     assert wait_gone([under_dir, ours, module], 0.0) == [under_dir, module]  # only it was hit
     assert children[0].wait(10) == -signal.SIGKILL
