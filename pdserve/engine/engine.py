@@ -6,10 +6,12 @@ send`, each a verb called by name (docs/architecture.md §Loop); forward, sample
 `Stepper.step` (engine/stepper.py: plain or overlapped). Other threads talk to it only
 through the inbox (submit, abort, snapshot) and hear back through each request's sink; there
 are no locks on request state. A request ends in one place, `finish`, with a reason from one
-enum (`Event`). A failure inside a step fails only the requests it belongs to
-(engine/isolation.py, LESSONS #16); a command whose handling raises fails its own request.
-With tensor parallelism (`cfg.tp` > 1) this engine is rank 0 and leads the others
-(engine/tp_leader.py); their group failing fails every request and ends the engine thread.
+enum (`Event`). What its role wants changed, the role asks for as effects, which the engine
+applies right after the role's verb returns (engine/role_host.py). A failure inside a step
+fails only the requests it belongs to (engine/isolation.py, LESSONS #16); a command whose
+handling raises fails its own request. With tensor parallelism (`cfg.tp` > 1) this engine is
+rank 0 and leads the others (engine/tp_leader.py); their group failing fails every request and
+ends the engine thread.
 """
 
 from __future__ import annotations
@@ -28,27 +30,21 @@ from pdserve.engine import sizing
 from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
 from pdserve.engine.grammar_waits import GRAMMAR_POLL_S, GrammarWaits
 from pdserve.engine.metrics import EngineMetrics
-from pdserve.engine.request import (
-    Event,
-    OutputSink,
-    Request,
-    TokenLogprob,
-)
-from pdserve.engine.request_end import RequestEnds
+from pdserve.engine.request import Event, OutputSink, Request
 from pdserve.engine.role import Colocated, Role
+from pdserve.engine.role_host import RoleHosting
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling.grammars import Grammars
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.engine.stepper import Stepper
-from pdserve.engine.tp_leader import TpLeader, rank_device
+from pdserve.engine.tp_leader import TpLeader, build_leader
 from pdserve.kvcache.host_pool import host_tier
 from pdserve.kvcache.layout import KVLayout
-from pdserve.kvcache.lease import Lease, Leases
+from pdserve.kvcache.lease import Leases
 from pdserve.kvcache.pool import KVPool, pages_for_budget
 from pdserve.kvcache.prefix_cache import PrefixCache
-from pdserve.model.config import ModelArch
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.parallel.lockstep import LockstepError
@@ -56,7 +52,6 @@ from pdserve.parallel.step_record import PoolPlan
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
-from pdserve.runtime.supervisor import ThreadFatal
 from pdserve.runtime.timing import OVERDUE_EVERY_S, OVERDUE_GRACE_S, ROLE_POLL_S, SYSTEM_CLOCK
 
 log = logging.getLogger(__name__)
@@ -66,7 +61,7 @@ def _unsent(msg: Send) -> None:
     raise RuntimeError(f"this engine has no transport for {type(msg.msg).__name__}")
 
 
-class Engine(RequestEnds):
+class Engine(RoleHosting):
     def __init__(
         self,
         cfg: EngineConfig,
@@ -147,19 +142,11 @@ class Engine(RequestEnds):
     ) -> Engine:
         """Load the model, size and build the pool; at TP > 1 first start the followers and
         join their group (engine/tp_leader.py), then tell them the pool."""
-        device = torch.device(cfg.model.device)
         if cfg.tp == 1:
-            return cls._build(cfg, eos_token_ids, shared_pool, device, None)
-        ModelArch.from_dir(Path(cfg.model.path)).for_rank(cfg.tp, 0)  # refused before any rank
-        device = rank_device(device, 0)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-        tp = TpLeader.start(cfg, device)
-        try:
-            return cls._build(cfg, eos_token_ids, shared_pool, device, tp)
-        except BaseException:
-            tp.close()
-            raise
+            return cls._build(cfg, eos_token_ids, shared_pool, torch.device(cfg.model.device))
+        return build_leader(
+            cfg, lambda dev, tp: cls._build(cfg, eos_token_ids, shared_pool, dev, tp)
+        )
 
     @classmethod
     def _build(
@@ -168,7 +155,7 @@ class Engine(RequestEnds):
         eos_token_ids: frozenset[int],
         shared_pool: bool,
         device: torch.device,
-        tp: TpLeader | None,
+        tp: TpLeader | None = None,
     ) -> Engine:
         dtype = getattr(torch, cfg.model.dtype)
         if tp is None:
@@ -270,10 +257,10 @@ class Engine(RequestEnds):
         self._drain_inbox(self._wait_s())
         now = self.clock.monotonic()
         self._settle_grammars(now)
-        self.role.poll_transfers(now)
-        self.role.expire(now)
+        self._role_verb(self.role.poll_transfers, now)
+        self._role_verb(self.role.expire, now)
         self._expire_requests(now)
-        self.role.admit(now)
+        self._role_verb(self.role.admit, now)
         self._send_outbox()  # replies go out before a step that may take seconds on a CPU
         if self.has_work():
             self.step()
@@ -284,6 +271,15 @@ class Engine(RequestEnds):
             except LockstepError as e:
                 self._ranks_lost(e)
         self._refresh_overdue()
+
+    def _role_verb(self, verb: Callable[[float], None], now: float) -> None:
+        """Call one of the role's loop verbs, then apply what it asked, even if it raised: an
+        effect left queued would wait past the next tick's commands (an abort would miss the
+        request an Adopt was about to schedule)."""
+        try:
+            verb(now)
+        finally:
+            self.apply_effects(now)
 
     def sync(self) -> None:
         """Process the step in flight, if any: every sampled token is then on the host (tools
@@ -324,7 +320,10 @@ class Engine(RequestEnds):
             self.transport(msg)
 
     def _drain_inbox(self, wait_s: float) -> None:
-        """Handle every queued command, first waiting up to `wait_s` for one (any wakes us)."""
+        """Handle every queued command, first waiting up to `wait_s` for one (any wakes us).
+        What the role asked and is not applied yet (a failure last tick left it queued) is
+        applied first, so no command sees the engine without it."""
+        self.apply_effects(self.clock.monotonic())
         try:
             cmd = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -335,6 +334,7 @@ class Engine(RequestEnds):
                 self._handle(cmd, now)
             except Exception as e:  # noqa: BLE001 - input must not kill this thread (LESSONS #1)
                 self._command_failed(cmd, e, now)
+            self.apply_effects(now)
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
@@ -346,7 +346,9 @@ class Engine(RequestEnds):
         self.metrics.command_errors.inc()
         log.warning("engine command %s failed: %s: %s", type(cmd).__name__, type(e).__name__, e)
         why = f"could not handle the request: {type(e).__name__}: {e}"
+        self.apply_effects(now)  # what the role asked before it raised, first
         self.role.command_failed(cmd, why, now)
+        self.apply_effects(now)
         if isinstance(cmd, SubmitCommand):
             self.finish(cmd.request, Event.FAIL, why)
 
@@ -356,9 +358,9 @@ class Engine(RequestEnds):
                 if self.scheduler.get(req.request_id) is not None:
                     self.finish(req, Event.FAIL, f"duplicate request id {req.request_id}")
                     return
-                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
                 self.scheduler.add(req)
                 self.grammar_waits.hold(req)
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))  # once it is scheduled
                 self.role.local_prefill(req, now)
             case AbortCommand(request_id=rid):
                 if self.role.abort(rid, now):
@@ -366,13 +368,15 @@ class Engine(RequestEnds):
                 live = self.scheduler.get(rid)
                 if live is not None:  # unknown or already finished: nothing to do
                     self.finish(live, Event.ABORT)
-            case SubmitCommand(request=req) if req.params.constraint is not None:
-                self.grammars.poll(req.params.constraint)  # its compile starts with P's prefill
+            case SubmitCommand(request=req):  # a prefill address: the role's (D opens a room)
+                if req.params.constraint is not None:
+                    self.grammars.poll(req.params.constraint)  # it compiles during P's prefill
                 self.role.handle(cmd, now)
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
             case SnapshotQuery(reply=fut):
                 if not fut.done():
                     fut.set_result(self._snapshot())
-            case _:  # a remote SubmitCommand, a peer's message, a failed send: the role's
+            case _:  # a peer's message, a failed send: the role's
                 self.role.handle(cmd, now)
 
     def _expire_requests(self, now: float) -> None:
@@ -401,65 +405,10 @@ class Engine(RequestEnds):
         self.metrics.after_step(len(plan.preempted), generated, self.scheduler.counts(), cache)
 
     def _ranks_lost(self, e: LockstepError) -> NoReturn:
-        """The tensor-parallel group failed (engine/tp_leader.py): its followers are stopped,
-        every request fails saying why, and this thread dies for good (ThreadFatal: /health
-        names the step and the rank, and the worker stops)."""
-        why = f"tensor-parallel ranks out of lockstep: {e}"
-        log.critical("%s; failing every request", why)
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.finish(req, Event.FAIL, why)
-        if self.tp is not None:  # after: its wait for the followers' dumps delays no answer
-            self.tp.close()
-        raise ThreadFatal(why) from e
-
-    # -- the role's host (engine/role.py RoleHost) --------------------------------------------
-    @property
-    def request_timeout_s(self) -> float:
-        return self.cfg.request_timeout_s
-
-    def compute_prompt(self, req: Request) -> None:
-        self.scheduler.add(req)
-        self.grammar_waits.hold(req)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-
-    def adopt(
-        self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
-    ) -> None:
-        req.num_computed = len(req.prompt_ids)
-        try:
-            self.scheduler.adopt(req, lease)  # the scheduler owns the lease from here
-        except Exception:
-            lease.release()  # never the scheduler's: it goes back with the request
-            self.finish(req, Event.FAIL, "its decode could not start")
-            raise
-        if not self.grammar_waits.hold(req, (tok, lp, now)):  # else taken once it compiled
-            self._take_first_token(req, tok, lp, now)
-
-    def _take_first_token(
-        self, req: Request, tok: int, lp: TokenLogprob | None, now: float
-    ) -> None:
-        """D's first token, sampled by P: emitted like any other (its grammar takes it)."""
-        try:
-            self.emit_token(req, tok, lp, now)
-        except Exception as e:  # noqa: BLE001 - e.g. its grammar refuses P's token: it alone fails
-            log.warning("request %s: its first token %d was refused: %s", req.request_id, tok, e)
-            self.finish(req, Event.FAIL, f"its first token could not be taken: {e}")
-
-    def open_lease(self, owner: str, num_pages: int) -> Lease:
-        lease = self.leases.open(owner, num_pages)
-        if self.leases.slots is not None:
-            try:
-                lease.take_slot()
-            except Exception:
-                lease.release()  # nothing half taken
-                raise
-        return lease
-
-    def count_prompt_tokens(self, n: int) -> None:
-        self.metrics.prompt_tokens.inc(n)
-
-    def count_generated_token(self) -> None:
-        self._generated += 1  # counted into metrics once a step, with the engine's own
+        """The tensor-parallel group failed: every request fails, the thread dies for good."""
+        assert self.tp is not None  # only a leader's runner raises LockstepError
+        live = list(self.scheduler.waiting) + list(self.scheduler.running)
+        self.tp.ranks_lost(e, live, lambda req, why: self.finish(req, Event.FAIL, why))
 
     def _snapshot(self) -> dict[str, Any]:
         return engine_snapshot(

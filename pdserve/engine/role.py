@@ -18,25 +18,39 @@ Each tick calls, in order (docs/architecture.md §Loop):
 
 and, off the loop: `abort` (the AbortCommand), `fail` (a step failed a request), `command_failed`
 (a command raised), `local_prefill` (a submission the engine prefills itself: the decode role
-counts it, as no prefill worker was named), `pins` (the scheduler: may this request be
-preempted), `on_control` (on the control thread, before a message is queued), `has_work`,
-`rooms`, `snapshot`, and at shutdown `settle` and `hard_exit`.
+counts it, as no prefill worker was named), `kept` (the pages a `KeepPages` kept), `pins` (the
+scheduler: may this request be preempted), `on_control` (on the control thread, before a
+message is queued: it may answer, never ask for an effect), `has_work`, `rooms`, `snapshot`,
+and at shutdown `settle` and `hard_exit`.
 
 Time is an input: every verb that may change a room or judge a deadline takes `now`, the
 engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a role reads no
-clock of its own but that clock's `wall()`, for what crosses hosts. A role sees its engine
-only as a `RoleHost`: a few verbs (compute a prompt, adopt a prompt computed elsewhere, finish
-a request, open a lease, count tokens) and what it may read; it never touches the scheduler,
-the leases or the metrics themselves, and sends messages only by returning them
-(`take_outbox`). The scheduler asks it `pins(req)` before preempting. `Role` is the base
-every role derives from: each verb's default is "nothing to add", so a role writes only the
-verbs it has. `Colocated`, the role of a worker that prefills
-and decodes itself, is the base alone.
+clock of its own but that clock's `wall()`, for what crosses hosts.
+
+A role sees its engine only as a `RoleHost`, and only reads it: the clock, the pool, the EOS
+ids, the tick's start, the request timeout, and two questions that must be answered at once,
+`validate` (may this request be served: a PrefillRequest is refused on the spot) and
+`open_lease` (pages now, or PageAllocError: a room is opened only with its pages). Whatever
+changes the engine's requests, the role asks for and the engine does, as the rooms' tables
+return commands: it appends an *effect* (below) to `effects`, and the engine applies them in
+order (`Engine.apply_effects`, engine/role_host.py) as soon as the verb that asked returns, or
+raises, before anything else happens; a failing effect costs its request alone (`fail`, else
+FAIL). Likewise it sends messages only by returning them (`take_outbox`). It never touches the
+scheduler, the leases of requests or the engine's metrics. The tokens the engine counts
+itself: a submission's prompt (the decode role's too), a prompt it computes, a token a role
+takes. Two effects answer: `KeepPages` ends a request but hands its lease to the role through a
+verb (`kept`), whose room then releases it; an `Adopt` calls its `started(now)` once the
+scheduler took the request (the decode role counts a completed transfer there). The scheduler
+asks `pins(req)` before preempting. `Role` is the base every role derives from: each verb's
+default is "nothing to add", so a role writes only the verbs it has. `Colocated`, the role of a
+worker that prefills and decodes itself, is the base alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pdserve.protocol.messages import Send
 
@@ -50,8 +64,8 @@ if TYPE_CHECKING:
 
 
 class RoleHost(Protocol):
-    """The engine as a role sees it (engine/engine.py implements it): what a role may read,
-    and the only verbs by which it changes requests and pages."""
+    """The engine as a role sees it (engine/engine.py implements it): only what a role may
+    read, and the two questions it needs answered at once. Changes are effects (below)."""
 
     clock: Clock
     pool: KVPool
@@ -64,32 +78,59 @@ class RoleHost(Protocol):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """InvalidParams for a request this engine can never serve."""
 
-    def compute_prompt(self, req: Request) -> None:
-        """Schedule `req` to compute its prompt here (a prefill room's request)."""
-
-    def adopt(
-        self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
-    ) -> None:
-        """Decode `req`, whose prompt KV a peer wrote into `lease`'s pages and whose first
-        token `tok` it sampled; the token is streamed as if sampled here."""
-
-    def finish(
-        self,
-        req: Request,
-        event: Event,
-        error: str | None = None,
-        *,
-        keep_pages_for: str | None = None,
-    ) -> Lease | None:
-        """End `req` (Engine.finish): its pages released, or kept for `keep_pages_for`."""
-
     def open_lease(self, owner: str, num_pages: int) -> Lease:
         """A lease on `num_pages` free pages for `owner`, with a state slot where the pool keeps
         per-request state; PageAllocError (SlotError) when too few are free."""
 
-    def count_prompt_tokens(self, n: int) -> None: ...
 
-    def count_generated_token(self) -> None: ...
+# -- effects: what a role asks the engine to do (Engine.apply_effects) --------------------------
+@dataclass(frozen=True)
+class ComputePrompt:
+    """Schedule `req` to compute its prompt here (a prefill room's request)."""
+
+    req: Request
+    why_failed: ClassVar[str] = "its prompt could not be scheduled"
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """Decode `req`, whose prompt KV a peer wrote into `lease`'s pages (handed to the request)
+    and whose first token `token` it sampled; the token is streamed as if sampled here. If it
+    cannot start, the lease is released and the request fails. `started(now)`, if given, is
+    called once the scheduler took it (the role counts a completed transfer there, not
+    before)."""
+
+    req: Request
+    lease: Lease
+    token: int
+    logprob: TokenLogprob | None
+    started: Callable[[float], None] | None = None
+    why_failed: ClassVar[str] = "its decode could not start"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End `req` (Engine.finish): a request outside the scheduler (its room owns its pages),
+    or one the scheduler releases."""
+
+    req: Request
+    event: Event
+    error: str | None = None
+    why_failed: ClassVar[str] = "it could not be ended"
+
+
+@dataclass(frozen=True)
+class KeepPages:
+    """End `req` but keep its pages for `owner`: the lease (None if it held no pages) goes
+    back to the role through `kept`, before any other effect is applied."""
+
+    req: Request
+    event: Event
+    owner: str
+    why_failed: ClassVar[str] = "it could not leave the batch"
+
+
+Effect = ComputePrompt | Adopt | Finish | KeepPages
 
 
 class Room(Protocol):
@@ -111,6 +152,13 @@ class Role:
     # engine streams every token without asking, a call saved per token.
     takes_tokens = False
 
+    def __init__(self) -> None:
+        self.effects: list[Effect] = []  # asked for, not yet applied: the engine drains it
+
+    def take_effects(self) -> list[Effect]:
+        out, self.effects = self.effects, []
+        return out
+
     def handle(self, cmd: object, now: float) -> None:
         """A command the engine does not know; raises TypeError for one this role does not take."""
         raise TypeError(f"a {self.name} engine takes no {type(cmd).__name__}")
@@ -129,6 +177,12 @@ class Role:
 
     def command_failed(self, cmd: object, why: str, now: float) -> None:
         """`cmd` raised while handled: end only the request or room it concerned."""
+
+    def kept(self, req: Request, lease: Lease | None, now: float) -> None:
+        """The engine ended `req` as a `KeepPages` asked: its pages are the role's from now on
+        (None: it held none). A role that keeps no pages frees them."""
+        if lease is not None:
+            lease.release()
 
     def pins(self, req: Request) -> bool:
         """Whether the scheduler must not preempt `req` (a transfer still reads its pages)."""

@@ -52,6 +52,12 @@ class StepHost(Protocol):
 
     def finish(self, req: Request, event: Event, error: str | None = None) -> object: ...
 
+    def apply_effects(self, now: float) -> None:
+        """What the role asked in the verb just called (engine/role_host.py)."""
+
+    def took_token(self, now: float) -> None:
+        """The role took a sampled token: counted, and what it asked applied."""
+
 
 class Stepper:
     def __init__(self, host: StepHost) -> None:
@@ -108,7 +114,9 @@ class Stepper:
             logits, chunks = forward_each(h.runner, chunks, self.fail, feed)
         for c in chunks:
             c.request.num_computed = c.start + c.length
-        h.role.after_forward(plan, h.clock.monotonic())
+        now = h.clock.monotonic()
+        h.role.after_forward(plan, now)
+        h.apply_effects(now)
         # One row of `logits` each; a request that ends meanwhile keeps its row, and its
         # token is dropped when the step completes.
         sampling = [c.request for c in chunks if c.samples]
@@ -164,17 +172,23 @@ class Stepper:
             if req.status.finished:  # ended meanwhile (an abort, a stop, a failed write)
                 continue
             try:
-                if take_token is None or not take_token(req, tok, lp, now):
+                if take_token is not None and take_token(req, tok, lp, now):
+                    h.took_token(now)
+                else:
                     emit_token(req, tok, lp, now)
             except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request
                 log.exception("handling a token of %s failed", req.request_id)
                 self.fail(req, f"handling its token failed: {type(e).__name__}: {e}")
 
     def fail(self, req: Request, why: str) -> None:
-        """A step failed `req` (only it): the role's to handle, else it ends as FAIL."""
+        """A step failed `req` (only it): the role's to handle, else it ends as FAIL. What the
+        role asked before (a verb of its that raised) is applied first."""
         h = self.host
-        if not req.status.finished and not h.role.fail(req, why, h.clock.monotonic()):
+        now = h.clock.monotonic()
+        h.apply_effects(now)
+        if not req.status.finished and not h.role.fail(req, why, now):
             h.finish(req, Event.FAIL, why)
+        h.apply_effects(now)
 
     def computing(self, req: Request) -> InFlight | None:
         """The latest launched step that computes `req`, if it may still be running."""

@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel engine (`--tp N`): it starts ranks 1..N-1 as processes, leads
 every step they run, and notices when one is gone.
 
-**Startup** (`TpLeader.start`, from Engine.build): a free port on 127.0.0.1 for
+**Startup** (`build_leader`, from Engine.build): a free port on 127.0.0.1 for
 torch.distributed's store; each follower started as `python -m pdserve.engine.tp_follower`
 (engine/tp_follower.py) on it; the group joined (gloo on the CPU, NCCL on CUDA with rank r on
 `cuda:r`) while watching that no follower exits first, within TP_JOIN_TIMEOUT_S. Then the
@@ -14,7 +14,7 @@ TP_KEEPALIVE_S without a record an IDLE one keeps the followers' wait for the ne
 within the collective timeout (LESSONS #21). Any failure, a digest mismatch, a collective that
 failed or timed out, a follower gone, this rank's forward raising once its record was sent, is
 a `LockstepError` naming the step and the rank: the engine fails every request and its thread
-dies for good (Engine._ranks_lost), which turns /health red with that message and stops the
+dies for good (`ranks_lost`), which turns /health red with that message and stops the
 worker.
 
 **Stopping** (`close`): SHUTDOWN when the group is sound, a bounded wait for each follower,
@@ -36,16 +36,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.request import Request
+from pdserve.model.config import ModelArch
 from pdserve.parallel import flight_recorder
 from pdserve.parallel.group import RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError
 from pdserve.parallel.step_record import Kind, PoolPlan, SeqPlan
+from pdserve.runtime.supervisor import ThreadFatal
 from pdserve.runtime.timing import (
     TP_COLLECTIVE_TIMEOUT_S,
     TP_EXIT_TIMEOUT_S,
@@ -63,8 +67,27 @@ JOIN_POLL_S = 0.1
 BLAME_WAIT_S = 0.2  # after a failed collective, how long a follower that died may take to exit
 
 
+T = TypeVar("T")
+
+
 class TpStartFailed(RuntimeError):
     """The group could not be formed: the message names the rank and why."""
+
+
+def build_leader(cfg: EngineConfig, build: Callable[[torch.device, TpLeader], T]) -> T:
+    """Rank 0 of a `cfg.tp` > 1 engine (Engine.build): the model is checked for `cfg.tp`
+    ranks before any starts, the followers are started and joined, then `build(device,
+    leader)` builds rank 0 on its device; if it fails, the followers are stopped."""
+    ModelArch.from_dir(Path(cfg.model.path)).for_rank(cfg.tp, 0)  # refused before any rank
+    device = rank_device(torch.device(cfg.model.device), 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    tp = TpLeader.start(cfg, device)
+    try:
+        return build(device, tp)
+    except BaseException:
+        tp.close()
+        raise
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -208,6 +231,22 @@ class TpLeader:
             f"the ranks are no longer in step: {type(error).__name__}: {error}",
             [0],
         )
+
+    def ranks_lost(
+        self,
+        error: LockstepError,
+        requests: Iterable[Request],
+        fail: Callable[[Request, str], object],
+    ) -> NoReturn:
+        """The group failed: the followers are stopped, each of the engine's `requests` fails
+        (`fail(req, why)`) saying why, and the engine thread dies for good (ThreadFatal:
+        /health names the step and the rank, and the worker stops)."""
+        why = f"tensor-parallel ranks out of lockstep: {error}"
+        log.critical("%s; failing every request", why)
+        for req in requests:
+            fail(req, why)
+        self.close()  # after: its wait for the followers' dumps delays no answer
+        raise ThreadFatal(why) from error
 
     def _send(
         self,

@@ -19,6 +19,7 @@ from pdserve.engine.offline import build_engine, generate
 from pdserve.kvcache.host_pool import HostPool
 from pdserve.kvcache.layout import KVLayout
 from pdserve.model.config import ModelArch
+from pdserve.protocol.rooms import Cmd
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.dataplane import ShmWriter
 from tests.worker.wire import Wire, ended, tokens
@@ -100,10 +101,16 @@ def test_incident_bf16_index_k_under_load_with_aborts(ds_dir, monkeypatch) -> No
 
     checked: list[int] = []
     wrong: list[str] = []  # not raised in here: the engine would isolate it as a failed step
-    real_adopt = wire.d.scheduler.adopt
+    real_adopt, real_command = wire.d.scheduler.adopt, wire.d_role._run_command
+    started: dict[str, int] = {}  # request -> its room, at START_DECODE (the room ends there)
+
+    def run_command(room: Any, c: Cmd, now: float) -> None:
+        if c is Cmd.START_DECODE:
+            started[room.request.request_id] = room.room
+        real_command(room, c, now)
 
     def adopt(req: Any, lease: Any) -> None:
-        room = wire.d_role.by_request[req.request_id].room
+        room = started[req.request_id]
         for page in lease.pages:
             got = regions(d_layout, wire.d.pool.page(page), (*INDEX, "latent"))
             if sent.get(page) != (room, got):
@@ -113,6 +120,7 @@ def test_incident_bf16_index_k_under_load_with_aborts(ds_dir, monkeypatch) -> No
 
     monkeypatch.setattr(ShmWriter, "write", write)
     monkeypatch.setattr(wire.d.scheduler, "adopt", adopt)
+    monkeypatch.setattr(wire.d_role, "_run_command", run_command)
     ps = prompts(32, seed=3, hi=18)
     two = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     outs = {f"r{i}": wire.submit(f"r{i}", p, two) for i, p in enumerate(ps)}

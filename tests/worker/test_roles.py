@@ -12,8 +12,9 @@ from functools import partial
 import pytest
 
 from pdserve.engine.offline import build_engine, generate
+from pdserve.kvcache.lease import LeaseState
 from pdserve.protocol import messages as m
-from pdserve.protocol.rooms import DState, PState
+from pdserve.protocol.rooms import Cmd, DState, PEvent, PState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.timing import FENCE_MARGIN_S, FENCE_S, PEER_SILENCE_S, PEER_TIMEOUT_S
 from tests.worker import wire as wire_module
@@ -332,3 +333,111 @@ def test_a_first_token_d_cannot_take_fails_only_that_request(wire, monkeypatch):
     assert good[-1].finish_reason == "length"
     wire.run_until(wire.idle)
     assert wire.violations() == []
+
+
+def test_a_prefill_rooms_pages_reach_it_before_its_prompt_counts_as_computed(wire, monkeypatch):
+    """P's request leaves the batch as an effect (KeepPages): its lease reaches the room
+    (`kept`) before COMPUTED, so the FREE_PAGES that follows (no write left) releases it."""
+    computed: list[tuple[str, bool, bool]] = []
+    freed: list[tuple[str, bool]] = []
+    apply, run = wire.p_role._apply, wire.p_role._run_command
+
+    def on_apply(room, event, now, reason=""):
+        if event is PEvent.COMPUTED:
+            live = room.lease is not None and room.lease.state is LeaseState.LIVE
+            computed.append((room.request.request_id, live, room.request.status.finished))
+        apply(room, event, now, reason)
+
+    def on_command(room, c):
+        if c is Cmd.FREE_PAGES:
+            freed.append((room.request.request_id, room.lease is not None))
+        run(room, c)
+
+    monkeypatch.setattr(wire.p_role, "_apply", on_apply)
+    monkeypatch.setattr(wire.p_role, "_run_command", on_command)
+    outs = {"a": wire.submit("a", PROMPT, GREEDY), "b": wire.submit("b", PROMPT[:9], GREEDY)}
+    wire.run_until(lambda: all(ended(o) for o in outs.values()))
+    assert all(o[-1].finish_reason == "length" for o in outs.values())
+    assert len(computed) == 2 and all(live and done for _, live, done in computed), computed
+    assert [rid for rid, _ in freed] == [rid for rid, _, _ in computed]
+    assert all(held for _, held in freed), freed
+    wire.run_until(wire.idle)
+    assert wire.violations() == []
+
+
+def test_a_decode_the_scheduler_refuses_fails_only_that_request(wire, monkeypatch, tiny_dir):
+    """D's Adopt raising (the scheduler refuses the request) releases the room's pages and
+    fails that request alone; the next one decodes as co-located."""
+    real = wire.d.scheduler.adopt
+
+    def adopt(req, lease):
+        if req.request_id == "bad":
+            raise ValueError("refused by the test")
+        real(req, lease)
+
+    monkeypatch.setattr(wire.d.scheduler, "adopt", adopt)
+    bad = wire.submit("bad", PROMPT, GREEDY)
+    good = wire.submit("good", PROMPT[:9], GREEDY)
+    wire.run_until(lambda: ended(bad) and ended(good))
+    assert bad[-1].finish_reason == "error"
+    assert bad[-1].error == "its decode could not start: ValueError: refused by the test"
+    assert good[-1].finish_reason == "length"
+    # A transfer counts as complete once its request decodes: the refused one does not.
+    assert wire.d_role.stats.done == 1
+    registry = wire.d.metrics.registry
+    for name in ("kv_bytes", "kv_transfer_seconds", "kv_wait_seconds"):
+        assert registry.get_sample_value(f"pdserve_pd_{name}_count") == 1, name
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    assert tokens(good) == generate(colocated, [PROMPT[:9]], GREEDY)[0]
+    wire.run_until(wire.idle)
+    assert wire.violations() == [] and not wire.d_role.has_work()
+
+
+def test_a_prefill_room_whose_pages_cannot_be_taken_fails_at_once(wire, monkeypatch):
+    """P's `kept` raises (its COMPUTED, here): the request has left the batch already, yet its
+    room fails at once (not at its deadline: the clock stands still), its pages are released
+    and D's request fails; the next one is served as usual."""
+    apply = wire.p_role._apply
+    refused: list[str] = []
+
+    def on_apply(room, event, now, reason=""):
+        if event is PEvent.COMPUTED and not refused:
+            refused.append(room.request.request_id)
+            raise RuntimeError("COMPUTED refused by the test")
+        apply(room, event, now, reason)
+
+    monkeypatch.setattr(wire.p_role, "_apply", on_apply)
+    bad = wire.submit("bad", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(bad))
+    assert bad[-1].finish_reason == "error"
+    assert "it could not leave the batch: RuntimeError: COMPUTED refused" in bad[-1].error
+    assert wire.p_role.stats.failed == 1 and not wire.p_role.by_room
+    assert wire.p.pool.allocator.num_held == 0
+    good = wire.submit("good", PROMPT[:9], GREEDY)
+    wire.run_until(lambda: ended(good))
+    assert good[-1].finish_reason == "length"
+    wire.run_until(wire.idle)
+    assert wire.violations() == []
+
+
+def test_a_prefill_request_that_could_not_leave_the_batch_is_asked_out_again(wire, monkeypatch):
+    """Ending P's request for its KeepPages raises: the request is still in the batch, so its
+    failing room asks it out again (STOP_COMPUTE), rather than leave it to run on."""
+    real = wire.p.finish
+    calls: list[tuple[str, str, str | None]] = []
+
+    def finish(req, event, error=None, **kw):
+        calls.append((req.request_id, event.value, kw.get("keep_pages_for")))
+        if len(calls) == 1:
+            raise RuntimeError("cannot end it by the test")
+        return real(req, event, error, **kw)
+
+    monkeypatch.setattr(wire.p, "finish", finish)
+    bad = wire.submit("bad", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(bad))
+    assert bad[-1].finish_reason == "error"
+    assert "it could not leave the batch: RuntimeError: cannot end it" in bad[-1].error
+    (rid, first, owner), (again, event, kept_for) = calls
+    assert (first, again, event, kept_for) == ("stop", rid, "abort", owner) and owner
+    wire.run_until(wire.idle)
+    assert wire.p.scheduler.get(rid) is None and wire.violations() == []

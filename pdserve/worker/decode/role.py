@@ -19,6 +19,7 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -26,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.commands import SubmitCommand
 from pdserve.engine.request import Event, Request
-from pdserve.engine.role import Role, RoleHost, Room
+from pdserve.engine.role import Adopt, Finish, Role, RoleHost, Room
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
@@ -64,6 +65,7 @@ class DecodeRole(Role):
         the transport to a prefill worker no longer paired (Control.forget); `timing`: the PD
         protocol's bounds; `registry`: where its metrics go (the engine's; default: a registry
         of their own). The clock is the engine's (`engine.clock`)."""
+        super().__init__()
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
@@ -101,7 +103,6 @@ class DecodeRole(Role):
     def handle(self, cmd: object, now: float) -> None:
         match cmd:
             case SubmitCommand(request=req, prefill=str() as address):
-                self.engine.count_prompt_tokens(len(req.prompt_ids))
                 self.metrics.prefill_remote()
                 self.admitting.append(HeldSubmit(req, address))
             case SendFailed(peer=peer, msg=msg, why=why):
@@ -324,16 +325,20 @@ class DecodeRole(Role):
                     room.lease.release()
                     self._end_detached(req, Event.FAIL, "its decode could not start")
                     raise
-                self.stats.done += 1
                 lp = room.first_logprob if req.params.logprobs is not None else None
-                self.engine.adopt(req, lease, room.first_token, lp, now)
-                self.metrics.kv_complete(room, now)
+                started = partial(self._decoding, room)  # counted once the engine took it
+                self.effects.append(Adopt(req, lease, room.first_token, lp, started))
             case _:
                 raise ValueError(f"decode role cannot run {c}")
 
+    def _decoding(self, room: DRoom, now: float) -> None:
+        """`room`'s request is decoding (its Adopt applied): a completed transfer."""
+        self.stats.done += 1
+        self.metrics.kv_complete(room, now)
+
     def _end_detached(self, req: Request, event: Event, error: str | None) -> None:
         """End a request that is not in the scheduler, leaving its pages to the room."""
-        self.engine.finish(req, event, error)
+        self.effects.append(Finish(req, event, error))
 
     # -- the loop's verbs ---------------------------------------------------------------
     def abort(self, request_id: str, now: float) -> bool:

@@ -8,9 +8,11 @@ it leaves the batch (its prompt computed, or STOP_COMPUTE) its lease passes to t
 releases it in one place, FREE_PAGES, once no write reads the pages (LESSONS #7). Anything a
 peer sends is answered or counted and dropped: ABORT for an unknown or finished room gets an
 AbortAck with known=False, never an assert (LESSONS #1, #3). The writes themselves are posted
-and polled by `PrefillWrites` (worker/prefill/writes.py). Time is an input: every verb takes
-the engine loop's `now`, and the wall clock (write deadlines, a Pong's stamp) is read from
-the engine's clock; the bounds are the role's `PdTiming` (runtime/timing.py).
+and polled by `PrefillWrites` (worker/prefill/writes.py); a room's events are entered and its
+commands run by `PrefillRoomMachine` (worker/prefill/room_machine.py), this role's base. Time
+is an input: every verb takes the engine loop's `now`, and the wall clock (write deadlines, a
+Pong's stamp) is read from the engine's clock; the bounds are the role's `PdTiming`
+(runtime/timing.py).
 """
 
 from __future__ import annotations
@@ -19,31 +21,31 @@ import logging
 from collections import deque
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.request import Event, Request, TokenLogprob
-from pdserve.engine.role import Role, RoleHost, Room
+from pdserve.engine.role import ComputePrompt, RoleHost, Room
 from pdserve.engine.scheduler import StepPlan
 from pdserve.protocol import messages as m
-from pdserve.protocol.rooms import P_TERMINAL, Cmd, PEvent, step_p
+from pdserve.protocol.rooms import PEvent
 from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.nixl import NixlAgent
-from pdserve.worker.pd_role import RoleStats, SendFailed, enter
+from pdserve.worker.pd_role import RoleStats, SendFailed
 from pdserve.worker.prefill.metrics import PrefillMetrics
 from pdserve.worker.prefill.peers import DecodePeer, DecodePeers
+from pdserve.worker.prefill.room_machine import PrefillRoomMachine
 from pdserve.worker.prefill.rooms import PRoom, check_prefill_request
 from pdserve.worker.prefill.snapshot import prefill_snapshot
-from pdserve.worker.prefill.writes import WAITING_FOR_WRITES, PrefillWrites
+from pdserve.worker.prefill.writes import PrefillWrites
 
 log = logging.getLogger(__name__)
 
 REFUSALS_KEPT = 16
 
 
-class PrefillRole(Role):
+class PrefillRole(PrefillRoomMachine):
     """The prefill worker's role in its engine's loop (engine/role.py)."""
 
     name = "prefill"
@@ -67,6 +69,7 @@ class PrefillRole(Role):
         address decode workers dial (HelloAck names it); default: `control`'s bound one.
         `timing`: the PD protocol's bounds. `registry`: where its metrics go (the engine's;
         default: a registry of their own). The clock is the engine's (`engine.clock`)."""
+        super().__init__()
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
@@ -170,10 +173,14 @@ class PrefillRole(Role):
             self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
 
     def fail(self, req: Request, why: str, now: float) -> bool:
-        """A step failed this room's request: the room fails (D hears PrefillFailed)."""
+        """A step, or an effect this role asked, failed this room's request: the room fails (D
+        hears PrefillFailed). A request still unfinished is still in the batch, even if a
+        KeepPages asked it out (its ending raised): the room's STOP_COMPUTE asks again."""
         room = self.by_request.get(req.request_id)
         if room is None:
             return False
+        if not req.status.finished:
+            room.in_batch = True
         self._apply(room, PEvent.LOCAL_FAIL, now, why)
         return True
 
@@ -198,9 +205,6 @@ class PrefillRole(Role):
             sender=self.identity,
         )
         return m.Send(inbound.peer, pong)
-
-    def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
-        self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity), frames))
 
     def _register(self, peer: str, msg: m.Register, now: float) -> None:
         ours = self.pool.layout.to_desc()
@@ -267,64 +271,8 @@ class PrefillRole(Role):
         )
         self.by_room[(peer_id, msg.room)] = room
         self.by_request[req.request_id] = room
-        self.engine.compute_prompt(req)
+        self.effects.append(ComputePrompt(req))
         self._reply(peer_id, m.PrefillAccept(room=msg.room, epoch=msg.epoch))
-
-    # -- the room machine ---------------------------------------------------------------------
-    def _apply(self, room: PRoom, event: PEvent, now: float, reason: str = "") -> None:
-        out = step_p(room.state, event)
-        if not enter(room, out, event.value, reason, self.stats, now):
-            return
-        for c in out.commands:
-            self._run_command(room, c)
-        if room.state in WAITING_FOR_WRITES and not room.inflight:
-            self._apply(room, PEvent.WRITES_DONE, now)
-        if room.state in P_TERMINAL:
-            self.by_room.pop((room.peer, room.room), None)
-            self.by_request.pop(room.request.request_id, None)
-
-    def _run_command(self, room: PRoom, c: Cmd) -> None:
-        match c:
-            case Cmd.STOP_COMPUTE:
-                self._leave_batch(room, Event.ABORT)  # writes may still read its pages
-            case Cmd.FREE_PAGES:  # the one release of a room's pages: no write reads them
-                self._leave_batch(room, Event.STOP)  # a no-op: every path left the batch
-                if room.lease is not None:
-                    room.lease.release()
-                    room.lease = None
-            case Cmd.SEND_DONE:
-                self.stats.done += 1
-                self.stats.bytes_acked += room.bytes_written  # reported to D as complete
-                self._reply(room.peer, room.done_message())
-            case Cmd.SEND_FAILED:
-                self.stats.failed += 1
-                self._reply(
-                    room.peer,
-                    m.PrefillFailed(
-                        room=room.room,
-                        epoch=room.epoch,
-                        reason=room.reason or "prefill failed",
-                        writes_cancelled=room.writes_cancelled,
-                    ),
-                )
-            case Cmd.SEND_ABORT_ACK:
-                self.stats.aborted += 1
-                self._reply(
-                    room.peer,
-                    m.AbortAck(
-                        room=room.room,
-                        epoch=room.epoch,
-                        known=True,
-                        writes_cancelled=room.writes_cancelled,
-                    ),
-                )
-            case Cmd.CANCEL_WRITES:
-                for xfer in room.inflight:
-                    xfer.cancel()
-                    room.writes_cancelled = True
-                room.inflight.clear()
-            case _:
-                raise ValueError(f"prefill role cannot run {c}")
 
     # -- the loop's verbs -------------------------------------------------------------------------
     def after_forward(self, plan: StepPlan, now: float) -> None:
@@ -332,21 +280,14 @@ class PrefillRole(Role):
         self.writes.post(plan, self.by_request, now, self.engine.clock.wall())
 
     def take_token(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
-        """The first token of a room's prompt: the room is computed (P streams nothing)."""
+        """The first token of a room's prompt: the room is computed (P streams nothing). Its
+        request leaves the batch, and the room goes on once its pages are the room's (`kept`)."""
         room = self.by_request.get(req.request_id)
         if room is None:  # not a room (cannot happen: P serves no local requests)
             return False
         room.first_token, room.first_logprob = tok, lp
-        self.engine.count_generated_token()
         self._leave_batch(room, Event.STOP)  # the prompt is computed; writes still read it
-        self._apply(room, PEvent.COMPUTED, now)
         return True
-
-    def _leave_batch(self, room: PRoom, event: Event) -> None:
-        """Finish the room's request if it is still scheduled, its lease passing to the room."""
-        lease = self.engine.finish(room.request, event, keep_pages_for=f"room {room.room}")
-        if lease is not None:  # the request leaves the batch once, so the room had none
-            room.lease = lease
 
     def abort(self, request_id: str, now: float) -> bool:
         room = self.by_request.get(request_id)

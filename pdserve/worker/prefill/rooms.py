@@ -37,8 +37,10 @@ class PRoom:
     reason: str = ""
     write_deadline: float = 0.0  # unix time; no write into dst_pages after it
     inflight: list[Pending] = field(default_factory=list)  # writes not yet complete
-    # The source pages once the request left the batch, kept while writes read them; released
-    # only by FREE_PAGES.
+    # Whether its request is in the batch: until the role asked it out (KeepPages).
+    in_batch: bool = True
+    # The source pages once the request left the batch (`PrefillRole.kept`), kept while writes
+    # read them; released only by FREE_PAGES.
     lease: Lease | None = None
     writes_cancelled: bool = False  # a write was released unconfirmed: D must fence
     # D's pages of the room's state slot (a layout with per-request state), written once after
