@@ -5,11 +5,13 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pdserve.runtime.pids import wait_gone
 from tests.procs import ServerProcess
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,6 +40,34 @@ def local_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.chmod(0o700)
     os.environ["XDG_RUNTIME_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def gbnf_converter_stopped(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A GBNF grammar converted in this process starts the converter's child
+    (runtime/gbnf_converter.py): stopped by pid after the test, whatever its outcome; a test
+    that started one is marked `process` like any other that starts a process. What earlier
+    tests converted or compile-checked is forgotten first, so a test converts whatever ran
+    before it (and an unmarked one fails in any order)."""
+    module = sys.modules.get("pdserve.runtime.gbnf_converter")
+    if module is not None:
+        module.GBNF_CONVERTER.clear()
+    constraint = sys.modules.get("pdserve.protocol.constraint")
+    if constraint is not None:
+        constraint.compile_error.cache_clear()
+    before = 0 if module is None else module.GBNF_CONVERTER.started
+    yield
+    module = sys.modules.get("pdserve.runtime.gbnf_converter")
+    if module is None:
+        return
+    converter = module.GBNF_CONVERTER
+    pid = converter.pid()
+    converter.close()
+    assert pid is None or wait_gone([pid], 10.0) == [], f"the GBNF converter {pid} outlived close"
+    if converter.started > before:
+        assert request.node.get_closest_marker("process") is not None, (
+            "this test started the GBNF converter's child but is not marked process"
+        )
 
 
 @pytest.fixture(scope="session")

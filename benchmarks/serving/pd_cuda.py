@@ -4,8 +4,10 @@ in-process engine on the same device, 64 concurrent mixed-length greedy requests
     python benchmarks/serving/pd_cuda.py --model builtin:tiny --device cuda --dtype float32
     python benchmarks/serving/pd_cuda.py --no-engine-process  # each engine in its worker's process
 
-Prints how many of the 64 texts match exactly, the cluster's wall time for the batch and the
-KV bytes moved; exits non-zero on any mismatch.
+Prints how many of the 64 answers match token for token (the completions' tokens as ids,
+`return_tokens_as_token_ids`: a text would differ where an answer ends inside a UTF-8
+character, which the server holds back as vLLM does), the cluster's wall time for the batch and
+the KV bytes moved; exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.engine_flags import engine_process_argv  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
-from pdserve.model.tokenizer import Tokenizer  # noqa: E402
 from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
 
@@ -70,8 +71,7 @@ def main() -> int:
         path, dtype=args.dtype, device=args.device, max_batched_tokens=args.chunk,
         kv_budget_mb=1024, max_model_len=args.max_model_len,
     )  # fmt: skip
-    tok = Tokenizer.from_dir(path)
-    want = [tok.decode(ids) for ids in generate(engine, prompts, params)]
+    want = generate(engine, prompts, params)  # token ids: the oracle is token for token
     del engine
     log_dir = Path(tempfile.mkdtemp(prefix="pd-cuda-"))
     proc = subprocess.Popen(
@@ -134,8 +134,10 @@ def main() -> int:
                             "max_tokens": args.new_tokens,
                             "temperature": 0,
                             "ignore_eos": True,
+                            "logprobs": 0,  # the tokens, as ids (vLLM's "token_id:N")
+                            "return_tokens_as_token_ids": True,
                         },
-                    )["choices"][0]["text"],
+                    )["choices"][0]["logprobs"]["tokens"],
                     prompts,
                 )
             )  # type: ignore[index]
@@ -153,7 +155,8 @@ def main() -> int:
             for w in workers.values()
             if w["role"] == "prefill"
         )
-        same = sum(a == b for a, b in zip(got, want, strict=True))
+        ids = [[int(t.removeprefix("token_id:")) for t in toks] for toks in got]
+        same = sum(a == b for a, b in zip(ids, want, strict=True))
         print(
             json.dumps(
                 {

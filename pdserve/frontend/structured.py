@@ -16,9 +16,11 @@ Two steps, as compiling may take up to the grammar thread's bound:
 - `find_constraint`, on the event loop: the fields -> an `AskedConstraint` (the field it came
   in, kind and spec), not yet compiled;
 - `build_constraint`, on the constraint threads (frontend/constraint_threads.py), never on the
-  loop: the Constraint, compiled (protocol/constraint.py). A spec that cannot compile is a 400
-  naming the field it came in (`response_format.json_schema.schema`,
-  `structured_outputs.regex`, `guided_json`), with the grammar engine's reason.
+  loop: the Constraint, compiled (protocol/constraint.py; `check_constraint`: a GBNF grammar
+  converted in the converter's child process, runtime/gbnf_converter.py, as the engine does).
+  A spec that cannot compile is a 400 naming the field it came in
+  (`response_format.json_schema.schema`, `structured_outputs.regex`, `guided_json`), with the
+  grammar engine's reason.
 Raises InvalidParams; torch-free.
 """
 
@@ -29,6 +31,7 @@ from typing import Any, NamedTuple
 
 from pdserve.protocol.constraint import Constraint, ConstraintKind
 from pdserve.protocol.invalid_params import InvalidParams, show
+from pdserve.runtime.gbnf_converter import GBNF_CONVERTER
 from pdserve.server.json_body import MAX_JSON_DEPTH
 
 GUIDED = {
@@ -70,10 +73,17 @@ def build_constraint(asked: AskedConstraint) -> Constraint:
     never call it on an event loop (ConstraintThreads.build runs it off the loop)."""
     try:
         c = Constraint(kind=asked.kind, spec=asked.spec)
-        c.check_compiles()
+        check_constraint(c)
         return c
     except InvalidParams as e:
         raise asked.refusal(e) from None
+
+
+def check_constraint(c: Constraint) -> None:
+    """`c.check_compiles()` as the sides facing a client make it (the front end, D's
+    /generate): a GBNF grammar converted in the converter's child process, so the conversion
+    never holds this process's GIL. Blocks: never on an event loop."""
+    c.check_compiles(GBNF_CONVERTER.convert)
 
 
 def find_constraint(body: dict[str, Any]) -> AskedConstraint | None:

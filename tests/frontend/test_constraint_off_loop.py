@@ -25,7 +25,7 @@ import pdserve.frontend.constraint_threads as constraint_threads
 import pdserve.protocol.constraint as constraint
 from pdserve.config import FrontendConfig
 from pdserve.frontend.api import OpenAIApi
-from pdserve.protocol.constraint import Constraint, ConstraintKind
+from pdserve.protocol.constraint import Constraint, ConstraintKind, ToLark
 from pdserve.protocol.grammar_thread import GRAMMAR_THREAD
 from pdserve.server.errors import error_middleware
 from pdserve.worker.http.api import WorkerApi
@@ -59,16 +59,16 @@ class SlowCompiles:
         self.on_loop: list[bool] = []
         inner, outer = constraint._compile_error, constraint.compile_error
 
-        def gated(kind: ConstraintKind, spec: str) -> str | None:
+        def gated(kind: ConstraintKind, spec: str, *to_lark: ToLark) -> str | None:
             if self.mark in spec:
                 self.entered.set()
                 self.release.wait(GATE_S)
                 self.done.set()
-            return inner(kind, spec)
+            return inner(kind, spec, *to_lark)
 
-        def watched(kind: ConstraintKind, spec: str) -> str | None:
+        def watched(kind: ConstraintKind, spec: str, *to_lark: ToLark) -> str | None:
             self.on_loop.append(_on_loop())
-            return outer(kind, spec)
+            return outer(kind, spec, *to_lark)
 
         monkeypatch.setattr(constraint, "_compile_error", gated)
         monkeypatch.setattr(constraint, "compile_error", watched)

@@ -9,6 +9,8 @@ processes are stopped (by pid) when each test closes its API, whatever the test'
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pdserve.config import FrontendConfig
 from pdserve.frontend.api import OpenAIApi
 from pdserve.frontend.chat import MAX_TEMPLATE_CHARS
-from pdserve.frontend.template_jail import TemplateJail, TemplateRefused
+from pdserve.frontend.template_jail import HELPERS, JailDown, TemplateJail, TemplateRefused
 from pdserve.model.builtin import CHATML_TEMPLATE
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.runtime.pids import wait_gone
@@ -171,6 +173,31 @@ def test_a_helper_past_its_time_is_killed_and_replaced():
         assert len(jail.pids()) == 2 and killed[0] not in jail.pids()
     finally:
         pids = jail.pids()
+        jail.close()
+        assert wait_gone(pids, 10.0) == []
+
+
+def test_a_helper_that_takes_no_template_holds_no_render_past_its_time():
+    """A helper that reads nothing (stopped, its pipe full) fails the render within the
+    render's time, as the server's trouble; it is killed, and the next render has a fresh one."""
+    jail = TemplateJail(timeout_s=TIMEOUT_S)
+    pids: list[int] = []
+    try:
+        for _ in range(HELPERS):  # one render each: every helper started
+            jail.render("{{ 1 }}", TURNS, True, {}, None)
+        pids = jail.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        big = [{"role": "user", "content": "x" * 200_000}]  # more than a pipe holds
+        for _ in range(HELPERS):
+            t0 = time.monotonic()
+            with pytest.raises(JailDown, match="did not take the template"):
+                jail.render("{{ 1 }}", big, True, {}, None)
+            assert time.monotonic() - t0 < TIMEOUT_S + 3.0
+        assert wait_gone(pids, 5.0) == [] and jail.pids() == []  # killed, by pid
+        assert jail.render("{{ 1 + 1 }}", big, True, {}, None) == "2"
+    finally:
+        pids += jail.pids()
         jail.close()
         assert wait_gone(pids, 10.0) == []
 

@@ -12,12 +12,13 @@ import pytest
 from pdserve.frontend.template_jail import (
     OPEN_FILES,
     PASSED_ENV,
+    PASSED_ENV_PREFIXES,
     TemplateJail,
     TemplateRefused,
-    helper_env,
 )
 from pdserve.model.chat_template import render_chat
 from pdserve.runtime.cluster_key import KEY_FILE_ENV
+from pdserve.runtime.line_child import scrubbed_env
 
 pytestmark = pytest.mark.process  # the jail starts helper processes
 
@@ -43,7 +44,7 @@ def open_files_limit(pid: int) -> tuple[str, str]:
 
 def test_helper_env_keeps_only_what_python_needs():
     parent = {**SECRETS, "PATH": "/bin", "LC_ALL": "C.UTF-8", "PYTHONPATH": "/x", "TZ": "UTC"}
-    env = helper_env(parent)
+    env = scrubbed_env(parent, PASSED_ENV, PASSED_ENV_PREFIXES)
     assert not set(SECRETS) & set(env)
     assert env["PATH"] == "/bin" and env["LC_ALL"] == "C.UTF-8" and env["TZ"] == "UTC"
     root = str(Path(__file__).resolve().parents[2])  # this pdserve, first

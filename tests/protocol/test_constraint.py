@@ -10,12 +10,17 @@ import msgspec
 import pytest
 
 from pdserve.protocol.constraint import (
+    CONVERSION_SHARE,
     MAX_CONSTRAINT_BYTES,
     Constraint,
     ConstraintKind,
     compile_error,
+    conversion_bound,
+    convert_here,
+    grammar_source,
 )
 from pdserve.protocol.generate import decode_generate
+from pdserve.protocol.grammar_thread import GRAMMAR_THREAD
 from pdserve.protocol.sampling import InvalidParams, SamplingParams
 
 K = ConstraintKind
@@ -121,3 +126,45 @@ def test_the_compile_check_is_cached():
         Constraint(kind=K.REGEX, spec="x+y").check_compiles()
     info = compile_error.cache_info()
     assert (info.misses, info.hits) == (1, 2)
+
+
+class FakeToLark:
+    """A GBNF converter that answers `answer` (text, or an exception to raise) and notes what
+    it was asked."""
+
+    def __init__(self, answer: str | BaseException) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, float]] = []
+
+    def __call__(self, gbnf: str, timeout_s: float) -> str:
+        self.asked.append((gbnf, timeout_s))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+def test_gbnf_is_converted_by_the_callers_to_lark_and_lark_is_not():
+    gbnf = 'root ::= "a" | "b"'
+    to_lark = FakeToLark(convert_here(gbnf, 0.0))
+    source = grammar_source(K.GRAMMAR, gbnf, to_lark)
+    bound = GRAMMAR_THREAD.timeout_s * CONVERSION_SHARE  # inside the compile's own bound
+    assert (
+        to_lark.asked == [(gbnf, bound)] and bound == conversion_bound() < GRAMMAR_THREAD.timeout_s
+    )
+    assert source == grammar_source(K.GRAMMAR, gbnf)  # as converted on this thread
+    grammar_source(K.GRAMMAR, 'start: "a"', to_lark)  # Lark: nothing to convert
+    assert len(to_lark.asked) == 1
+    with pytest.raises(ValueError, match="GBNF grammar does not convert to Lark: no"):
+        grammar_source(K.GRAMMAR, gbnf, FakeToLark(ValueError("no")))
+
+
+def test_a_conversion_too_slow_is_refused_and_remembered_one_not_run_is_busy():
+    compile_error.cache_clear()
+    slow, down = FakeToLark(TimeoutError("too slow")), FakeToLark(OSError("no converter"))
+    for _ in range(2):
+        with pytest.raises(InvalidParams, match="grammar does not compile: too slow"):
+            Constraint(kind=K.GRAMMAR, spec='root ::= "s"').check_compiles(slow)
+        with pytest.raises(InvalidParams, match="grammar was not compiled: .*no converter"):
+            Constraint(kind=K.GRAMMAR, spec='root ::= "d"').check_compiles(down)
+    assert (len(slow.asked), len(down.asked)) == (1, 2)  # the timeout remembered, busy not
+    compile_error.cache_clear()

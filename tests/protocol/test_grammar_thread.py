@@ -131,7 +131,7 @@ def test_a_call_taken_late_gets_its_whole_bound_from_when_it_was_taken():
 def test_constraint_refuses_a_timeout_remembering_it_and_a_busy_compiler_not(monkeypatch):
     calls: list[str] = []
 
-    def fake(fn, kind, spec):
+    def fake(fn, kind, spec, to_lark):
         calls.append(spec)
         raise (CompileTimeout if spec == "slow" else CompilerBusy)("it did not compile")
 

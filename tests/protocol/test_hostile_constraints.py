@@ -71,7 +71,7 @@ SCRIPT = textwrap.dedent(
         from pdserve.engine.sampling.grammars import Grammars
         from pdserve.model.tokenizer import Tokenizer
         from pdserve.protocol.constraint import Constraint, ConstraintKind
-        pc.compile_error = lambda kind, spec: None  # the engine's compile alone
+        pc.compile_error = lambda kind, spec, to_lark=None: None  # the engine's compile alone
         tok = Tokenizer.from_dir(tiny)
         c = Constraint(kind=ConstraintKind(kind), spec=spec)
         return Grammars(lambda: tok, tok.vocab_size, frozenset()).compiled(c).is_error()

@@ -214,6 +214,23 @@ def test_hostile_constraints_are_answered_and_the_server_lives(tiny_server):
     assert http("GET", tiny_server.url + "/health")[0] == 200
 
 
+def test_a_gbnf_grammar_is_served(tiny_server):
+    """A GBNF grammar (converted to Lark in a child process of the server's:
+    runtime/gbnf_converter.py) constrains the answer in either field that carries one; one that
+    does not convert is a 400 naming its field."""
+    url = tiny_server.url + "/v1/completions"
+    base = {"model": "tiny", "prompt": "x", "max_tokens": 8}
+    gbnf = 'root ::= "(" answer ")"\nanswer ::= "yes" | "no"'
+    for body in [{"guided_grammar": gbnf}, {"structured_outputs": {"grammar": gbnf}}]:
+        status, resp = http("POST", url, {**base, **body})
+        assert status == 200, resp
+        choice = resp["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) in {("(yes)", "stop"), ("(no)", "stop")}
+    status, resp = http("POST", url, {**base, "guided_grammar": "garbage !!! ###"})
+    assert status == 400 and resp["error"]["param"] == "guided_grammar", resp
+    assert "does not convert" in resp["error"]["message"], resp
+
+
 def wait_idle(url: str, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:

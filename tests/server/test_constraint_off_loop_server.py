@@ -34,7 +34,7 @@ import pdserve.protocol.constraint as c
 _gates = pathlib.Path(os.environ["PDSERVE_TEST_GATES"])
 _inner = c._compile_error
 
-def _held(kind, spec):
+def _held(kind, spec, *to_lark):
     m = re.search(r"slowmark([0-9a-f]+)", spec)
     if m:
         (_gates / (m[1] + ".started")).touch()
@@ -42,7 +42,7 @@ def _held(kind, spec):
         while not (_gates / (m[1] + ".release")).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         (_gates / (m[1] + ".finished")).touch()
-    return _inner(kind, spec)
+    return _inner(kind, spec, *to_lark)
 
 c._compile_error = _held
 """

@@ -20,6 +20,9 @@ the size bound), and the engine thread never waits for it:
   could not be built) is the server's trouble: it fails the requests waiting on that
   grammar in this tick and is forgotten at the next sweep, so a later request asks again.
 - **`compiled(c)`** waits, for callers outside the engine loop (tests, tools).
+- **GBNF** is converted to Lark by the `to_lark` given (the engine's: runtime/gbnf_converter.py,
+  in a child process, so the conversion never holds this process's GIL), within the compile's
+  bound.
 
 Only the engine thread uses this; it holds no lock.
 """
@@ -32,7 +35,7 @@ from typing import TypeVar
 
 import llguidance
 
-from pdserve.protocol.constraint import Constraint, ConstraintKind, grammar_source
+from pdserve.protocol.constraint import Constraint, ConstraintKind, ToLark, grammar_source
 from pdserve.protocol.grammar_thread import (
     CompilerBusy,
     CompileTimeout,
@@ -47,11 +50,18 @@ V = TypeVar("V")
 
 
 class GrammarCompiles:
-    """Compiled grammars of one vocabulary, built by `make_vocab()` on the grammar thread."""
+    """Compiled grammars of one vocabulary, built by `make_vocab()` on the grammar thread,
+    GBNF converted by `to_lark`."""
 
-    def __init__(self, make_vocab: Callable[[], llguidance.LLTokenizer], cache_size: int) -> None:
+    def __init__(
+        self,
+        make_vocab: Callable[[], llguidance.LLTokenizer],
+        cache_size: int,
+        to_lark: ToLark,
+    ) -> None:
         self._make_vocab = make_vocab
         self._cache_size = cache_size
+        self._to_lark = to_lark
         self._vocab: llguidance.LLTokenizer | None = None
         self._vocab_job: Pending[llguidance.LLTokenizer] | None = None
         self._compiled: OrderedDict[Key, llguidance.LLMatcher] = OrderedDict()
@@ -147,7 +157,8 @@ class GrammarCompiles:
         """A pristine matcher of (kind, spec) (on the grammar thread, the vocabulary built)."""
         if self._vocab is None:
             raise RuntimeError("a grammar compiled before its vocabulary was built")
-        return llguidance.LLMatcher(self._vocab, grammar_source(kind, spec), log_level=0)
+        source = grammar_source(kind, spec, self._to_lark)
+        return llguidance.LLMatcher(self._vocab, source, log_level=0)
 
     def _settle(self, key: Key, pending: Pending[llguidance.LLMatcher]) -> None:
         try:

@@ -7,10 +7,12 @@ matcher and a step's token masks (the grammar engine is llguidance: protocol/con
   past the tokenizer's (a padded embedding) are tokens no grammar matches, so their bits are
   always 0 (and logits past the table, if the tokenizer is the wider one, are cut off).
 - **Compiled grammars.** One pristine matcher per (kind, spec), compiled on the grammar thread
-  and kept in an LRU of `GRAMMAR_CACHE_SIZE` (engine/sampling/grammar_compiles.py); the engine
-  thread never waits for a compile: `poll` starts it and says whether it is done, `sweep`
-  settles those that ended, and engine/grammar_waits.py holds the request meanwhile.
-  `compiled` waits, for callers outside the loop (tests, tools).
+  (a GBNF grammar converted to Lark first, in the converter's child process:
+  runtime/gbnf_converter.py) and kept in an LRU of `GRAMMAR_CACHE_SIZE`
+  (engine/sampling/grammar_compiles.py); the engine thread never waits for a compile: `poll`
+  starts it and says whether it is done, `sweep` settles those that ended, and
+  engine/grammar_waits.py holds the request meanwhile. `compiled` waits, for callers outside
+  the loop (tests, tools).
 - **A request's matcher** is a deep copy of the pristine one (microseconds), given to it as
   its grammar is found compiled (`attach`), and has always consumed exactly the request's
   `output_ids`: `accept` advances it with each token the engine emits (Engine.emit_token),
@@ -41,7 +43,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling.grammar_compiles import GrammarCompiles
 from pdserve.engine.sampling.grammar_mask import GrammarMask
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.constraint import Constraint
+from pdserve.protocol.constraint import Constraint, ToLark
+from pdserve.runtime.gbnf_converter import GBNF_CONVERTER
 
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept, least recently used evicted
 
@@ -49,7 +52,8 @@ GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept, least recently used evicted
 class Grammars:
     """The engine's grammars: `poll`/`sweep`/`attach` (compiles the loop never waits for),
     `matcher`, `accept` and `mask`, over a vocabulary built from `tokenizer()` on first use;
-    `vocab_size` is the width of the model's logits."""
+    `vocab_size` is the width of the model's logits; `to_lark` converts GBNF (by default in
+    the process's converter child)."""
 
     def __init__(
         self,
@@ -57,11 +61,12 @@ class Grammars:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         cache_size: int = GRAMMAR_CACHE_SIZE,
+        to_lark: ToLark = GBNF_CONVERTER.convert,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = eos_token_ids
-        self._compiles = GrammarCompiles(self._build_vocab, cache_size)
+        self._compiles = GrammarCompiles(self._build_vocab, cache_size, to_lark)
         self._executor: llguidance.LLExecutor | None = None
 
     def _build_vocab(self) -> llguidance.LLTokenizer:

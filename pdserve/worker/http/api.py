@@ -39,7 +39,7 @@ from aiohttp import web
 from pdserve.frontend.api import read_json
 from pdserve.frontend.constraint_threads import ConstraintThreads
 from pdserve.frontend.protocol import ApiError, bad
-from pdserve.protocol.constraint import Constraint
+from pdserve.frontend.structured import check_constraint
 from pdserve.protocol.generate import check_request_id, decode_generate
 from pdserve.protocol.outputs import MAX_ABORT_IDS, RequestOutput, encode_lines
 from pdserve.protocol.sampling import InvalidParams
@@ -128,7 +128,7 @@ class WorkerApi:
             raw = utf8_body(await read_body(request), request.charset)
             g = decode_generate(raw)
             if g.params.constraint is not None:  # its compile check waits: off the loop
-                await self.constraints.run(Constraint.check_compiles, g.params.constraint)
+                await self.constraints.run(check_constraint, g.params.constraint)
         except (ApiError, InvalidParams) as e:
             return _refused(e)
         rid, prompt, params, timeout = g.request_id, g.prompt_ids, g.params, g.timeout_s
