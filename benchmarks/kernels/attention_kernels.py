@@ -44,8 +44,9 @@ if not torch.cuda.is_available():  # --smoke: the kernels run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.attention.batch import Batch, BatchBuilder, SeqSpan  # noqa: E402
+from pdserve.attention.decode_bucket import DecodeBuffers  # noqa: E402
 from pdserve.attention.torch_backend import TorchBackend  # noqa: E402
-from pdserve.attention.triton_backend import DecodeBuffers, TritonBackend  # noqa: E402
+from pdserve.attention.triton_backend import TritonBackend  # noqa: E402
 from pdserve.attention.triton_decode import paged_decode  # noqa: E402
 from pdserve.kvcache.layout import KVLayout  # noqa: E402
 from pdserve.kvcache.pool import KVPool  # noqa: E402

@@ -29,16 +29,14 @@ import torch
 
 from pdserve.attention.backend import AttentionShape
 from pdserve.attention.batch import Batch
+from pdserve.attention.decode_bucket import DecodeBuffers, device_sms, fill_decode_bucket
 from pdserve.attention.torch_backend import FP8, TorchBackend, TorchMetadata, gather_pages
-from pdserve.attention.triton_backend import DecodeBuffers, fill_decode_bucket
 from pdserve.attention.triton_decode import choose_num_splits, partial_shapes
 from pdserve.attention.triton_index_scores import paged_index_scores, pick
 from pdserve.attention.triton_mla_decode import head_blocks, paged_latent_decode
 from pdserve.attention.triton_store import store_rows
 from pdserve.kvcache.layout import INDEX_K, INDEX_K_SCALE, LATENT
 from pdserve.kvcache.pool import KVPool
-
-CPU_SMS = 4  # the "GPU size" the split heuristic assumes off CUDA (the interpreter)
 
 
 class LatentKernel(Enum):
@@ -117,10 +115,7 @@ class MLABackend(TorchBackend):
         mla = getattr(shape, "mla", None)  # ModelArch's MLA dims (AttentionShape has no rank)
         self.rank = mla.kv_lora_rank if mla is not None else None
         self.num_splits = num_splits
-        if pool.device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
-        else:
-            self.num_sms = CPU_SMS
+        self.num_sms = device_sms(pool.device)
         self._scratch = torch.empty(0, dtype=torch.float32, device=pool.device)
 
     def prepare(self, batch: Batch) -> MLAMetadata:
@@ -213,23 +208,11 @@ class MLABackend(TorchBackend):
     def decode_buffers(self, rows: int, max_pages: int) -> DecodeBuffers:
         """A decode bucket's static metadata: `rows` rows of at most `max_pages` pages, its
         split count the heuristic's for rows that long, its own split scratch."""
-        if rows < 1 or max_pages < 1:
-            raise ValueError(f"a decode bucket needs rows and pages, got {rows} x {max_pages}")
         if self.kernel is not LatentKernel.TRITON or self.rank is None:
             raise ValueError("CUDA-graph decode needs the Triton latent kernel and MLA dims")
         splits = self._splits(rows, max_pages * self.page_size)
-        out_shape, lse_shape = partial_shapes(rows, self.num_heads, splits, self.rank)
-        if splits == 1:
-            out_shape, lse_shape = (0,), (0,)
-        dev, i32 = self.pool.device, torch.int32
-        return DecodeBuffers(
-            kv_lens=torch.zeros(rows, dtype=i32, device=dev),
-            page_table=torch.zeros(rows, max_pages, dtype=i32, device=dev),
-            slot_mapping=torch.full((rows,), -1, dtype=i32, device=dev),
-            num_splits=splits,
-            partial_out=torch.empty(out_shape, dtype=torch.float32, device=dev),
-            partial_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
-        )
+        width = (self.num_heads, self.rank)
+        return DecodeBuffers.allocate(rows, max_pages, splits, width, self.pool.device)
 
     def decode_metadata(self, buffers: DecodeBuffers) -> MLAMetadata:
         """Metadata naming only `buffers`' tensors: what a CUDA graph is captured with."""

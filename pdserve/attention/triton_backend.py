@@ -32,55 +32,16 @@ import torch
 
 from pdserve.attention.backend import AttentionShape, Rope
 from pdserve.attention.batch import INDEX_DTYPE, Batch
+from pdserve.attention.decode_bucket import (
+    DecodeBuffers,
+    copy_decodes,
+    device_sms,
+    fill_decode_bucket,
+)
 from pdserve.attention.triton_decode import choose_num_splits, paged_decode, partial_shapes
 from pdserve.attention.triton_prefill import paged_prefill
 from pdserve.attention.triton_store import rope_store_kv, store_kv
 from pdserve.kvcache.pool import KVPool
-
-CPU_SMS = 4  # the "GPU size" the split heuristic assumes under the CPU interpreter
-
-
-@dataclass(frozen=True)
-class DecodeBuffers:
-    """A decode bucket's static metadata: fixed addresses a CUDA graph can be captured over."""
-
-    kv_lens: torch.Tensor  # [rows] int32: 0 for a padded row
-    page_table: torch.Tensor  # [rows, max_pages] int32
-    slot_mapping: torch.Tensor  # [rows] int32: -1 for a padded row (store_kv skips it)
-    num_splits: int
-    partial_out: torch.Tensor  # [rows, Hq, num_splits, D] float32 (empty with one split)
-    partial_lse: torch.Tensor  # [rows, Hq, num_splits] float32
-
-    @property
-    def rows(self) -> int:
-        return self.kv_lens.shape[0]
-
-    @property
-    def max_pages(self) -> int:
-        return self.page_table.shape[1]
-
-
-def copy_decodes(batch: Batch, buffers: DecodeBuffers) -> None:
-    """The decodes' KV lengths and page-table rows into `buffers` (rows past: kv_len 0)."""
-    n, width = batch.num_decodes, batch.page_table.shape[1]
-    if n > buffers.rows or width > buffers.max_pages:
-        raise ValueError(
-            f"a batch of {n} decodes x {width} pages does not fit a bucket of "
-            f"{buffers.rows} rows x {buffers.max_pages} pages"
-        )
-    buffers.kv_lens[:n].copy_(batch.kv_lens[:n])
-    if n < buffers.rows:
-        buffers.kv_lens[n:].zero_()
-    buffers.page_table[:n, :width].copy_(batch.page_table[:n])
-
-
-def fill_decode_bucket(batch: Batch, buffers: DecodeBuffers) -> None:
-    """`copy_decodes`, and the decodes' slots (rows past them: slot -1, no store)."""
-    n = batch.num_decodes
-    copy_decodes(batch, buffers)
-    buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
-    if n < buffers.rows:
-        buffers.slot_mapping[n:].fill_(-1)
 
 
 @dataclass(frozen=True)
@@ -167,10 +128,7 @@ class TritonBackend:
         self.head_dim = shape.head_dim
         self.scale = shape.head_dim**-0.5
         self.num_splits = num_splits
-        if self.device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.num_sms = CPU_SMS
+        self.num_sms = device_sms(self.device)
         self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
 
     # -- metadata ------------------------------------------------------------------------
@@ -205,25 +163,11 @@ class TritonBackend:
         `max_pages` pages each; `num_splits` None: as for `rows` rows of max_pages pages;
         `slot_mapping`: the rows' slots as a view of a larger step's (a step bucket's decode
         section), else its own."""
-        if rows < 1 or max_pages < 1:
-            raise ValueError(f"a decode bucket needs rows and pages, got {rows} x {max_pages}")
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be at least 1, got {num_splits}")
         splits = num_splits or self._splits(rows, max_pages * self.page_size)
-        out_shape, lse_shape = partial_shapes(rows, self.num_heads, splits, self.head_dim)
-        if splits == 1:
-            out_shape, lse_shape = (0,), (0,)
-        dev = self.device
-        if slot_mapping is None:
-            slot_mapping = torch.full((rows,), -1, dtype=INDEX_DTYPE, device=dev)
-        return DecodeBuffers(
-            kv_lens=torch.zeros(rows, dtype=INDEX_DTYPE, device=dev),
-            page_table=torch.zeros(rows, max_pages, dtype=INDEX_DTYPE, device=dev),
-            slot_mapping=slot_mapping,
-            num_splits=splits,
-            partial_out=torch.empty(out_shape, dtype=torch.float32, device=dev),
-            partial_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
-        )
+        width = (self.num_heads, self.head_dim)
+        return DecodeBuffers.allocate(rows, max_pages, splits, width, self.device, slot_mapping)
 
     def decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
         """Metadata naming only `buffers`' tensors: what a CUDA graph is captured with."""

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.attention.decode_bucket import copy_decodes
 from pdserve.attention.staging import Staging
-from pdserve.attention.triton_backend import TritonBackend, copy_decodes
+from pdserve.attention.triton_backend import TritonBackend
 from pdserve.engine import cuda_graphs
 from pdserve.engine.cuda_graphs import BucketGraphs, DecodeGraphs, bucket_for
 from pdserve.engine.offline import build_engine
