@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument(
         "name",
         help="tiny | qwen2-tiny | qwen3-tiny | qwen2-0.5b-shape | llama3.2-1b-shape | "
-        "deepseek-v3-tiny | deepseek-v32-tiny | deepseek-v4-tiny",
+        "deepseek-v3-tiny | deepseek-v32-tiny | deepseek-v4-tiny | deepseek-v3-fp8-tiny",
     )
     mk.add_argument("--out", required=True, help="output directory")
     mk.set_defaults(func=cmd_make_model)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol.messages import BACKENDS as BACKENDS
 
+QUANTIZATIONS = ("auto", "fp8", "none")  # --quantization
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -17,10 +19,17 @@ class ModelSpec:
     name: str  # the name clients use in "model"
     dtype: str = "float32"
     device: str = "cpu"
+    # A block-quantised fp8 checkpoint's weights (model/fp8_weights.py): "auto" keeps them fp8
+    # where a kernel multiplies them as stored, "fp8" insists, "none" dequantises on load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
 
 
 INDEX_K_DTYPES = ("auto", "fp8")  # --index-k-dtype

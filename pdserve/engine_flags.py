@@ -12,6 +12,7 @@ from pdserve.config import (
     ATTENTION_BACKENDS,
     INDEX_K_DTYPES,
     KV_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelSpec,
@@ -80,6 +81,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=INDEX_K_DTYPES,
         help="DeepSeek-V3.2's indexer keys in the KV cache: auto = the model dtype (exact "
         "against HF), fp8 = float8_e4m3fn with a float32 scale per token; P and D must agree",
+    )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="a block-quantised fp8 checkpoint (DeepSeek-V3/V3.2): auto = its weights stay fp8 "
+        "and multiply through block-scaled fp8 kernels (activations quantised per 128 "
+        "values), fp8 = the same, refused for a checkpoint with nothing to keep, none = "
+        "dequantised to --dtype on load",
     )
     g.add_argument(
         "--kv-dtype",
@@ -214,6 +224,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             name=args.served_model_name or args.model,
             dtype=dtype,
             device=resolve_device(args.device),
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             page_size=args.page_size,

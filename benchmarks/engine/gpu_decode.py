@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from pdserve.engine.offline import build_engine  # noqa: E402
 from pdserve.engine.request import RequestOutput  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
 from pdserve.engine.scheduler import Chunk  # noqa: E402
+from pdserve.kvcache.layout import KVLayout  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.config import ModelArch  # noqa: E402
 from pdserve.protocol.sampling import SamplingParams  # noqa: E402
@@ -54,20 +56,53 @@ from pdserve.runtime.gc_freeze import freeze_startup_heap  # noqa: E402
 PAGE_SIZE = 16
 PREFILL_TOKENS = 8192  # the step budget while prefilling: a batch of 256 prompts in ~10 steps
 PREFILL_TIMEOUT_S = 600.0
+Probe = Callable[[list[Chunk]], dict[str, Any]]  # run on the measured step's chunks: more fields
 
 
 # ---------------------------------------------------------------- pdserve
 
 
 def prefill(
-    engine: Engine, batch: int, ctx: int, max_tokens: int, ended: dict[str, str]
+    engine: Engine,
+    batch: int,
+    ctx: int,
+    max_tokens: int,
+    ended: dict[str, str],
+    warm: bool = False,
 ) -> list[str]:
     """Submit `batch` random `ctx`-token prompts and tick until each has its first token (so
     each is decoding: its KV holds the prompt); returns their ids. A request that ends is
-    entered in `ended` (id -> why): none should before the benchmark aborts them."""
+    entered in `ended` (id -> why): none should before the benchmark aborts them.
+
+    `warm`: each prompt's first ctx - 1 tokens (whole pages) are computed first, by requests
+    that end at their first token, in steps of prefill chunks only; the batch's requests then
+    start from the prefix cache with one token each to compute, all in one step of decodes.
+    So no step mixes the batch's decodes with a long chunk: a model whose mixed steps grow
+    with every sequence in them (DeepSeek's expanded MLA: each sequence's context expanded to
+    every head) needs that at a large batch."""
     vocab = min(engine.model.arch.vocab_size, 4000)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, vocab, (batch, ctx), generator=g).tolist()
+    if warm:
+        page = engine.pool.page_size
+        if engine.scheduler.cache is None or (ctx - 1) % page:
+            raise ValueError(
+                f"a warm prefill needs the prefix cache and ctx - 1 in whole pages of {page} "
+                f"tokens, got ctx {ctx}"
+            )
+        once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        warming: dict[str, str] = {}
+        for i, prompt in enumerate(prompts):
+
+            def warmed(out: RequestOutput, rid: str = f"w{batch}-{i}") -> None:
+                if out.finish_reason is not None:
+                    warming[rid] = f"{out.finish_reason}: {out.error}"
+
+            engine.submit(f"w{batch}-{i}", prompt[:-1], once, warmed)
+        tick_until(engine, lambda: len(warming) == batch, f"warm prefill of {batch} prompts")
+        failed = {rid: why for rid, why in warming.items() if not why.startswith("length")}
+        if failed:
+            raise RuntimeError(f"warm prefill failed: {failed}")
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     got: set[str] = set()
     ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -79,12 +114,16 @@ def prefill(
             got.add(rid)
 
         engine.submit(rid, prompt, params, sink)
-    deadline = time.monotonic() + PREFILL_TIMEOUT_S
-    while len(got) < batch and not ended:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"prefill of {batch} prompts unfinished after {PREFILL_TIMEOUT_S}s")
-        engine.tick()
+    tick_until(engine, lambda: len(got) == batch or bool(ended), f"prefill of {batch} prompts")
     return ids
+
+
+def tick_until(engine: Engine, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + PREFILL_TIMEOUT_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} unfinished after {PREFILL_TIMEOUT_S}s")
+        engine.tick()
 
 
 def check_none_ended(ended: dict[str, str]) -> None:
@@ -104,15 +143,29 @@ def decode_chunks(engine: Engine, ids: list[str]) -> list[Chunk]:
     return plan.chunks
 
 
+def max_new_tokens(batch: int, args: argparse.Namespace) -> int:
+    """What each request may generate, so that none ends inside the measurement: the measured
+    steps (`run_pdserve` decodes 3 * steps + 2 * warmup tokens) with room to spare, plus one a
+    step while the batch prefills (a request decodes while the later ones prefill)."""
+    prefill_steps = -(-batch * args.ctx // max(args.prefill_tokens - batch, 1))
+    return 4 * (args.warmup + args.steps) + 8 + prefill_steps
+
+
 def run_pdserve(
-    engine: Engine, runner: ModelRunner, batch: int, args: argparse.Namespace
+    engine: Engine,
+    runner: ModelRunner,
+    batch: int,
+    args: argparse.Namespace,
+    probe: Probe | None = None,
 ) -> dict[str, Any]:
+    """One row: the forward, the engine step and the overlapped step at `batch`; `probe`, if
+    given, runs once on the measured step's chunks (after the forward's timing, before the
+    ticks') and its fields join the row."""
     device = engine.pool.device
     overlap_default = engine.overlap
-    max_tokens = 4 * (args.warmup + args.steps) + 8  # never ends inside the measurement
     t0 = time.perf_counter()
     ended: dict[str, str] = {}
-    ids = prefill(engine, batch, args.ctx, max_tokens, ended)
+    ids = prefill(engine, batch, args.ctx, max_new_tokens(batch, args), ended, args.warm_prefill)
     engine.sync()  # no step in flight: the planned decode below has every input on the host
     sync(device)
     prefill_s = time.perf_counter() - t0
@@ -127,6 +180,7 @@ def run_pdserve(
         runner.forward(chunks)
     sync(device)
     fwd_wall = (time.perf_counter() - wall0) / args.steps
+    probed = probe(chunks) if probe is not None else {}
     before = [len(r.output_ids) for r in reqs]
     graphs = runner.graphs
     replays = lambda: graphs.replays if graphs is not None else 0  # noqa: E731
@@ -174,12 +228,20 @@ def run_pdserve(
         # ticks that replayed a graph, of those measured: a step run eagerly shows here
         "plain_graph_ticks": f"{r1 - r0}/{args.warmup + args.steps}",
         "overlap_graph_ticks": f"{r2 - r1}/{args.warmup + args.steps}",
+        **probed,
     }
 
 
-def decode_engine(path: Path, args: argparse.Namespace, max_len: int, prompt: int = 0) -> Engine:
+def decode_engine(
+    path: Path,
+    args: argparse.Namespace,
+    max_len: int,
+    prompt: int = 0,
+    prefill_tokens: int = PREFILL_TOKENS,
+    index_k_dtype: str = "auto",
+) -> Engine:
     """An engine for max(args.batches) requests of up to `max_len` tokens each (KV for all of
-    them), prefilling PREFILL_TOKENS a step, graphs unless --eager. `prompt` > 0: room for
+    them), prefilling `prefill_tokens` a step, graphs unless --eager. `prompt` > 0: room for
     one more request, a `prompt`-token prompt in one chunk beside the decodes."""
     top = max(args.batches)
     max_len = max(max_len, prompt + 16)
@@ -189,18 +251,23 @@ def decode_engine(path: Path, args: argparse.Namespace, max_len: int, prompt: in
         dtype=args.dtype,
         device=args.device,
         page_size=PAGE_SIZE,
-        max_batched_tokens=max(PREFILL_TOKENS, top + prompt),
+        max_batched_tokens=max(prefill_tokens, top + prompt),
         max_running=top + (prompt > 0),
-        kv_budget_mb=kv_budget_mb(path, getattr(torch, args.dtype), tokens),
+        kv_budget_mb=kv_budget_mb(path, getattr(torch, args.dtype), tokens, index_k_dtype),
         max_model_len=max_len,
         attention_backend=getattr(args, "backend", None),
         enforce_eager=args.eager,
+        index_k_dtype=index_k_dtype,
     )
 
 
-def kv_budget_mb(path: Path, dtype: torch.dtype, tokens: int) -> float:
+def kv_budget_mb(path: Path, dtype: torch.dtype, tokens: int, index_k: str = "auto") -> float:
+    """A pool for `tokens` tokens (a quarter more), sized by the model's own KV layout (k and
+    v; MLA's latent, V3.2's index-K)."""
     arch = ModelArch.from_dir(path)
-    per_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    dtype_name = str(dtype).removeprefix("torch.")
+    layout = KVLayout.for_model(arch, dtype_name, PAGE_SIZE, index_k=index_k)
+    per_token = layout.page_bytes / layout.page_size
     return max(64.0, 1.25 * tokens * per_token / 2**20)
 
 
@@ -215,7 +282,8 @@ def bench_model(
     t0 = time.perf_counter()
     path = resolve_model(f"builtin:{name}")
     report.meta.setdefault("model_build_s", {})[name] = round(time.perf_counter() - t0, 1)
-    engine = decode_engine(path, args, max_len=args.ctx + 4 * (args.warmup + args.steps) + 64)
+    max_len = args.ctx + max_new_tokens(max(args.batches), args) + 64
+    engine = decode_engine(path, args, max_len, prefill_tokens=args.prefill_tokens)
     freeze_startup_heap()  # as a server does before it serves (pdserve/runtime/gc_freeze.py)
     runner = engine.runner
     graphs = runner.graphs
@@ -313,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int, default=320, help="prompt tokens before decoding")
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per measurement")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--prefill-tokens", type=int, default=PREFILL_TOKENS, help="the step budget prefilling"
+    )
+    ap.add_argument(
+        "--warm-prefill", action="store_true", help="prompts through the prefix cache (prefill)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--backend", default=None, help="attention backend (default: the device's)")

@@ -159,9 +159,11 @@ class Engine(RoleHosting):
     ) -> Engine:
         dtype = getattr(torch, cfg.model.dtype)
         if tp is None:
-            model = load_model(Path(cfg.model.path), dtype, device)
+            model = load_model(Path(cfg.model.path), dtype, device, None, cfg.model.quantization)
         else:
-            model = load_model(Path(cfg.model.path), dtype, device, tp.group)
+            model = load_model(
+                Path(cfg.model.path), dtype, device, tp.group, cfg.model.quantization
+            )
         arch = model.arch
         if cfg.auto:  # the limits the user left to us, now that the weights are on the device
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))

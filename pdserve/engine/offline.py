@@ -39,6 +39,7 @@ def build_engine(
     overlap_schedule: bool | None = None,
     index_k_dtype: str = CacheConfig.index_k_dtype,
     kv_dtype: str = CacheConfig.kv_dtype,
+    quantization: str = ModelSpec.quantization,
     tp: int = 1,
     flight_dir: str | None = None,
 ) -> Engine:
@@ -46,7 +47,7 @@ def build_engine(
     caller stops with `engine.tp.close()` (engine/tp_leader.py); `flight_dir`: where they
     write their flight recorders if they fail."""
     cfg = EngineConfig(
-        ModelSpec(str(path), str(path), dtype=dtype, device=device),
+        ModelSpec(str(path), str(path), dtype=dtype, device=device, quantization=quantization),
         CacheConfig(
             page_size,
             int(kv_budget_mb * 2**20),

@@ -22,6 +22,8 @@ before it; it then writes its blocks' expert id, its own assignments in order, a
 padding. Every program reads all A ids twice: nothing for a decode step (A = batch * top_k),
 and still a small cost beside the GEMMs for a long prefill; in exchange it is one launch with
 no atomics and no second pass.
+
+`block_of` is the GEMMs' side of the layout: a program's assignments and expert.
 """
 
 from __future__ import annotations
@@ -95,6 +97,16 @@ def _align_kernel(
     # its padding: fewer than BLOCK_M positions
     pad = start + mine + tl.arange(0, BLOCK_M)
     tl.store(sorted_ptr + pad, A + 0 * pad, mask=pad < start + run)
+
+
+@triton.jit
+def block_of(sorted_ptr, block_expert_ptr, A, BLOCK_M: tl.constexpr):
+    """A grouped GEMM program's block of the layout (axis 0 of its grid): its assignments
+    [BLOCK_M], which of them are real (padding holds A), and its expert."""
+    pid_m = tl.program_id(0)
+    a = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return a, a < A, expert
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 1024) -> Alignment:

@@ -10,7 +10,13 @@ cuBLAS through F.linear, float32 (the parity oracle) included.
 A mixture of experts' routed experts on CUDA take the fused grouped GEMMs
 (kernels/triton_moe.py) when `fused_moe_applies`; $PDSERVE_FUSED_MOE overrides the choice:
 "0" keeps the torch loop on CUDA too, "1" takes the fused path on any device (CPU tensors only
-under TRITON_INTERPRET=1, which is how the CPU tests run it). Read at each call."""
+under TRITON_INTERPRET=1, which is how the CPU tests run it). Read at each call.
+
+A product with an fp8 block-scaled weight (`fp8_linear`, DeepSeek's checkpoints kept in fp8)
+takes the Triton kernels (kernels/triton_fp8.py: the activation quantised per group, then the
+fp8 GEMM) for CUDA tensors and the torch reference (kernels/fp8_blocks.py) otherwise;
+$PDSERVE_FP8_TRITON overrides it the same way: "0" the reference everywhere, "1" Triton on
+any device. Read at each call."""
 
 from __future__ import annotations
 
@@ -21,12 +27,14 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import reference
+from pdserve.kernels import fp8_blocks, reference
 
 _triton: ModuleType | None = None
 _triton_gemv: ModuleType | None = None
 _triton_moe: ModuleType | None = None
+_triton_fp8: ModuleType | None = None
 FUSED_MOE_ENV = "PDSERVE_FUSED_MOE"
+FP8_TRITON_ENV = "PDSERVE_FP8_TRITON"
 
 
 def _kernels() -> ModuleType:
@@ -116,11 +124,44 @@ def fused_moe(
     weights: torch.Tensor,  # [N, top_k] float32
     gate_up_proj: torch.Tensor,  # [E, 2I, H]
     down_proj: torch.Tensor,  # [E, H, I]
+    gate_up_scale: torch.Tensor | None = None,  # fp8 experts: [E, 2I / 128, H / 128] float32
+    down_scale: torch.Tensor | None = None,  # [E, H / 128, I / 128]
 ) -> torch.Tensor:  # [N, H]
-    """The routed experts' weighted sum per token in Triton, with no host synchronisation."""
+    """The routed experts' weighted sum per token in Triton, with no host synchronisation;
+    fp8 experts (both scales given) multiply block-scaled, as kernels/fp8_blocks.py says."""
     global _triton_moe
     if _triton_moe is None:
         from pdserve.kernels import triton_moe
 
         _triton_moe = triton_moe
-    return _triton_moe.fused_moe(x, ids, weights, gate_up_proj, down_proj)  # type: ignore[no-any-return]
+    return _triton_moe.fused_moe(  # type: ignore[no-any-return]
+        x, ids, weights, gate_up_proj, down_proj,
+        gate_up_scale=gate_up_scale, down_scale=down_scale,
+    )  # fmt: skip
+
+
+def fp8_triton_applies(x: torch.Tensor) -> bool:
+    """Whether `fp8_linear` of tokens `x` takes the Triton kernels: on CUDA, unless
+    $PDSERVE_FP8_TRITON says otherwise (module docstring)."""
+    forced = os.environ.get(FP8_TRITON_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return x.is_cuda
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [N, K], the model's dtype
+    weight: torch.Tensor,  # [O, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [ceil(O / 128), ceil(K / 128)] float32
+) -> torch.Tensor:  # [N, O], x's dtype
+    """x @ the fp8 block-scaled weight, the activation quantised per group of 128: the
+    Triton kernels where `fp8_triton_applies`, else the torch reference."""
+    if not fp8_triton_applies(x):
+        return fp8_blocks.linear(x, weight, weight_scale)
+    global _triton_fp8
+    if _triton_fp8 is None:
+        from pdserve.kernels import triton_fp8
+
+        _triton_fp8 = triton_fp8
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads rows of unit stride
+    return _triton_fp8.linear(x, weight, weight_scale)  # type: ignore[no-any-return]

@@ -86,6 +86,15 @@ def rms_norm(
 
 
 @triton.jit
+def silu_mul_tile(gate, up):
+    """silu(gate) * up for tiles of the model's dtype, rounded as reference.silu_mul rounds:
+    F.silu to the dtype, then the product to the dtype (the fused MoE's epilogues use it too)."""
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -95,10 +104,7 @@ def _silu_mul_kernel(
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0)
-    g32 = gate.to(tl.float32)
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)  # F.silu rounds to the dtype
-    y = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, silu_mul_tile(gate, up), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

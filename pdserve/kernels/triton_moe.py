@@ -23,6 +23,10 @@ token's sum adds its experts' outputs in expert index order, rounding after each
 model keeps its greedy parity with HF. Under Triton's CPU interpreter (the tests) bfloat16
 operands are multiplied in float32, since numpy has no bfloat16.
 
+Experts stored as block-quantised fp8 (e4m3 weights with float32 block scales, DeepSeek's
+checkpoints) take the same align and sum around fp8 GEMMs of their own, with the activations
+quantised per token per group of 128 (kernels/triton_moe_fp8.py).
+
 `config_for` is the block rule: BLOCK_M follows the assignments an expert can expect (few
 in decode: small blocks, one weight pass; many in prefill: larger blocks reuse each weight
 tile across more rows), sized so a stage's tiles fit in shared memory.
@@ -30,65 +34,18 @@ tile across more rows), sized so a stage's tiles fit in shared memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from pdserve.kernels.moe_align import align
+from pdserve.kernels import triton_moe_fp8
+from pdserve.kernels.moe_align import Alignment, align, block_of
+from pdserve.kernels.moe_config import Config, config_for
 from pdserve.kernels.pdl import enter, launch
+from pdserve.kernels.triton_fused import silu_mul_tile
 
-MIN_DOT = 16  # tl.dot's smallest block side
 SUM_BLOCK = 1024  # columns a program of the sum kernel adds
-
-
-@dataclass(frozen=True)
-class Config:
-    block_m: int  # sorted assignments per program (the alignment's padding unit)
-    block_n: int  # output columns per program
-    block_k: int  # reduction columns per load
-    num_warps: int
-    num_stages: int
-
-
-def config_for(
-    num_tokens: int,
-    hidden: int,
-    intermediate: int,
-    top_k: int,
-    num_experts: int,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Config:
-    """The blocks for N tokens through experts of (H, I). Rows per expert hit, with routing
-    spread evenly: A / min(A, E). Up to 16 (decode), BLOCK_M 16 and narrow, long tiles
-    (BLOCK_N 32, BLOCK_K 128): each expert's weights stream once through many programs. More
-    rows, larger BLOCK_M so each weight tile serves more of them; 8 warps for 128-row blocks.
-    float32 tiles are twice the bytes: one stage fewer. Sides shrink to fit small H and I."""
-    assignments = max(1, num_tokens * top_k)
-    rows = assignments / min(assignments, num_experts)
-    if rows <= 16:
-        m, n, k, warps, stages = 16, 32, 128, 4, 4
-    elif rows <= 32:
-        m, n, k, warps, stages = 32, 64, 128, 4, 3
-    elif rows <= 128:
-        m, n, k, warps, stages = 64, 64, 64, 4, 3
-    else:
-        m, n, k, warps, stages = 128, 64, 64, 8, 3
-    if dtype == torch.float32:
-        stages -= 1
-    fit = max(MIN_DOT, triton.next_power_of_2(min(hidden, intermediate)))
-    return Config(m, min(n, fit), min(k, fit), warps, stages)
-
-
-@triton.jit
-def _block(sorted_ptr, block_expert_ptr, A, BLOCK_M: tl.constexpr):
-    """This program's block: its assignments [BLOCK_M], which are real, and its expert."""
-    pid_m = tl.program_id(0)
-    a = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    return a, a < A, expert
 
 
 @triton.jit
@@ -117,7 +74,7 @@ def _gate_up_kernel(
     enter(PDL, True)
     if tl.program_id(0) * BLOCK_M >= tl.load(total_ptr):
         return
-    a, real, expert = _block(sorted_ptr, block_expert_ptr, A, BLOCK_M)
+    a, real, expert = block_of(sorted_ptr, block_expert_ptr, A, BLOCK_M)
     token = (a // TOP_K).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -136,9 +93,7 @@ def _gate_up_kernel(
         up = tl.dot(x, wu, up, input_precision=PRECISION)
     # rounded as the torch path rounds: each product to the dtype, silu, then times up
     dt = h_ptr.dtype.element_ty
-    g32 = gate.to(dt).to(tl.float32)
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(dt)
-    h = (silu.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
+    h = silu_mul_tile(gate.to(dt), up.to(dt))
     h_ptrs = h_ptr + a[:, None].to(tl.int64) * stride_hm + rn[None, :]
     tl.store(h_ptrs, h, mask=real[:, None] & (rn < INTER)[None, :])
 
@@ -169,7 +124,7 @@ def _down_kernel(
     enter(PDL, True)
     if tl.program_id(0) * BLOCK_M >= tl.load(total_ptr):
         return
-    a, real, expert = _block(sorted_ptr, block_expert_ptr, A, BLOCK_M)
+    a, real, expert = block_of(sorted_ptr, block_expert_ptr, A, BLOCK_M)
     rows = a.to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -229,39 +184,76 @@ def fused_moe(
     x: torch.Tensor,  # [N, H]
     ids: torch.Tensor,  # [N, top_k] int: each token's experts, distinct
     weights: torch.Tensor,  # [N, top_k] float32: their routing weights
-    gate_up_proj: torch.Tensor,  # [E, 2I, H]
-    down_proj: torch.Tensor,  # [E, H, I]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]: x's dtype, or e4m3 with gate_up_scale
+    down_proj: torch.Tensor,  # [E, H, I]: x's dtype, or e4m3 with down_scale
     config: Config | None = None,
+    *,
+    gate_up_scale: torch.Tensor | None = None,  # [E, ceil(2I / 128), ceil(H / 128)] float32
+    down_scale: torch.Tensor | None = None,  # [E, ceil(H / 128), ceil(I / 128)] float32
 ) -> torch.Tensor:  # [N, H], x's dtype
     """sum over each token's top_k experts e of weight * down_e(silu(gate_e(x)) * up_e(x)),
-    as model/moe.py's loop computes it, in four launches and no host synchronisation."""
+    as model/moe.py's loop computes it, with no host synchronisation. With both scales the
+    experts are block-quantised fp8 and multiply as kernels/fp8_blocks.py's reference does
+    (x and h quantised per token per group of 128: kernels/triton_moe_fp8.py)."""
     n, hidden = x.shape
     e, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
+    fp8 = gate_up_scale is not None or down_scale is not None
+    if fp8:
+        weights_ok = triton_moe_fp8.scales_fit(gate_up_proj, gate_up_scale, down_proj, down_scale)
+    else:
+        weights_ok = gate_up_proj.dtype == down_proj.dtype == x.dtype
     if (
-        x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        not weights_ok
+        or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
         or gate_up_proj.shape != (e, 2 * inter, hidden)
         or down_proj.shape != (e, hidden, inter)
         or ids.shape != weights.shape
         or ids.shape[0] != n
-        or gate_up_proj.dtype != x.dtype
-        or down_proj.dtype != x.dtype
         or not all(t.stride(-1) == 1 for t in (x, gate_up_proj, down_proj))
     ):
+        scales = [
+            None if t is None else (tuple(t.shape), t.dtype) for t in (gate_up_scale, down_scale)
+        ]
         raise ValueError(
             f"fused_moe: x {tuple(x.shape)} {x.dtype}, ids {tuple(ids.shape)}, weights "
             f"{tuple(weights.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} "
-            f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}: wants "
-            "[N, H], [N, K], [N, K], [E, 2I, H], [E, H, I] of one float dtype, unit stride in H/I"
+            f"{gate_up_proj.dtype}, down_proj {tuple(down_proj.shape)} {down_proj.dtype}, "
+            f"scales {scales}: wants [N, H], [N, K], [N, K], [E, 2I, H], [E, H, I] of one float "
+            "dtype, unit stride in H/I; or those weights in float8_e4m3fn with both float32 "
+            "scales, [E, ceil(2I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)]"
         )
     top_k = ids.shape[1]
     if n == 0:
         return torch.zeros_like(x)
-    cfg = config or config_for(n, hidden, inter, top_k, e, x.dtype)
+    cfg = config or config_for(n, hidden, inter, top_k, e, x.dtype, fp8)
+    if fp8 and cfg.block_k != triton_moe_fp8.GROUP:
+        raise ValueError(f"fused_moe: fp8 experts step K by scale blocks of 128, not {cfg}")
     ids = ids.contiguous()
     layout = align(ids, e, cfg.block_m)
+    flat_weights = weights.float().reshape(-1).contiguous()  # [A]
+    if gate_up_scale is not None and down_scale is not None:
+        per_slot = triton_moe_fp8.routed(
+            x, flat_weights, layout, top_k, gate_up_proj, gate_up_scale, down_proj,
+            down_scale, cfg,
+        )  # fmt: skip
+    else:
+        per_slot = _routed(x, flat_weights, layout, top_k, gate_up_proj, down_proj, cfg)
+    return _sum(per_slot, ids)
+
+
+def _routed(
+    x: torch.Tensor,  # [N, H]
+    weights: torch.Tensor,  # [A] float32
+    layout: Alignment,
+    top_k: int,
+    gate_up_proj: torch.Tensor,  # [E, 2I, H], x's dtype
+    down_proj: torch.Tensor,  # [E, H, I], x's dtype
+    cfg: Config,
+) -> torch.Tensor:  # [A, H]: each assignment's weighted expert output
+    """The 16-bit (and float32) experts: steps 2 and 3 of the module docstring."""
+    num, (_, hidden), inter = weights.numel(), x.shape, down_proj.shape[-1]
     blocks = layout.block_expert.numel()
-    num = n * top_k
     dot, precision = _dot(x.dtype, _gate_up_kernel)
     common = dict(
         BLOCK_M=cfg.block_m,
@@ -295,7 +287,7 @@ def fused_moe(
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
         h,
         down_proj,
-        weights.float().reshape(-1).contiguous(),
+        weights,
         per_slot,
         layout.sorted_ids,
         layout.block_expert,
@@ -310,7 +302,14 @@ def fused_moe(
         **common,
         **launch(x.device, _down_kernel),
     )
-    out = torch.empty_like(x)
+    return per_slot
+
+
+def _sum(per_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """per_slot [N * top_k, H] -> [N, H]: each token's rows added in expert order (step 4)."""
+    n, top_k = ids.shape
+    hidden = per_slot.shape[1]
+    out = torch.empty((n, hidden), dtype=per_slot.dtype, device=per_slot.device)
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _sum_kernel[(n, triton.cdiv(hidden, block))](
         per_slot,
@@ -322,6 +321,6 @@ def fused_moe(
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
         BLOCK=block,
-        **launch(x.device, _sum_kernel),
+        **launch(per_slot.device, _sum_kernel),
     )
     return out

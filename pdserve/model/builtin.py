@@ -213,6 +213,10 @@ def _hf_config(spec: BuiltinSpec, ids: dict[str, int]) -> dict[str, Any]:
         cfg.update(_deepseek_v4_fields(spec, spec.deepseek_v4))
     elif spec.deepseek is not None:
         cfg.update(_deepseek_fields(spec.deepseek))
+        if spec.fp8:
+            from pdserve.model.builtin_weights import FP8_QUANTIZATION_CONFIG
+
+            cfg["quantization_config"] = FP8_QUANTIZATION_CONFIG
     elif spec.model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:

@@ -21,6 +21,7 @@ BUILTIN_NAMES: tuple[str, ...] = (
     "deepseek-v3-tiny",
     "deepseek-v32-tiny",
     "deepseek-v4-tiny",
+    "deepseek-v3-fp8-tiny",
 )
 
 
@@ -100,6 +101,9 @@ class BuiltinSpec:
     num_shards: int = 1
     deepseek: DeepseekShape | None = None
     deepseek_v4: DeepseekV4Shape | None = None
+    # DeepSeek's block fp8 checkpoint format (kernels/fp8_blocks.py): every projection stored
+    # float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block.
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.vocab_size < TOKENIZER_VOCAB:
@@ -229,6 +233,21 @@ SPECS["deepseek-v4-tiny"] = BuiltinSpec(
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         routed_scaling_factor=1.5, swiglu_limit=2.0,
     ),
+)  # fmt: skip
+
+# DeepSeek-V3's fp8 checkpoint format at CPU-test size: V3-tiny's paths with every fused or
+# stacked part on a 128-row block boundary (hidden 256, dense 512, experts 128 wide, q_lora 128,
+# o_proj's input 4 x 32), so `--quantization fp8` keeps every projection fp8 but kv_b_proj.
+SPECS["deepseek-v3-fp8-tiny"] = replace(
+    _V3,
+    name="deepseek-v3-fp8-tiny",
+    hidden_size=256,
+    intermediate_size=512,
+    deepseek=replace(
+        _V3.deepseek, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32,
+        moe_intermediate_size=128,
+    ),
+    fp8=True,
 )  # fmt: skip
 
 

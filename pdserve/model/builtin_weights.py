@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -228,6 +229,8 @@ def write_weights(spec: BuiltinSpec, out_dir: Path) -> None:
             else _random_tensor(f"{spec.name}/{n}", init, dtype)
             for n, init in sorted(inits.items())
         }
+        if spec.fp8:
+            tensors = fp8_checkpoint(tensors)
         save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, filename))
@@ -237,6 +240,33 @@ def write_weights(spec: BuiltinSpec, out_dir: Path) -> None:
             out_dir / "model.safetensors.index.json",
             {"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
         )
+
+
+# DeepSeek's fp8 checkpoints quantise every projection; norms, the router, the indexer's
+# head weights, the embeddings and the head stay in the model dtype.
+FP8_STORED = re.compile(
+    r".*\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj"
+    r"|indexer\.wq_b|indexer\.wk)\.weight"
+)
+# config.json's quantization_config of such a checkpoint (DeepSeek-V3's own).
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}  # fmt: skip
+
+
+def fp8_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A DeepSeek checkpoint's tensors in its fp8 format: the projections as float8_e4m3fn
+    with their float32 `weight_scale_inv` blocks, the rest as they are."""
+    from pdserve.kernels.fp8_blocks import quantize_weight
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if FP8_STORED.fullmatch(name) and t.dim() == 2:
+            out[name], out[name + "_scale_inv"] = quantize_weight(t)
+        else:
+            out[name] = t
+    return out
 
 
 _CHUNK = 1 << 22  # values per numpy step: bounds the temporaries to a few 16 MiB arrays

@@ -74,6 +74,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     """Parameter names match HF checkpoints (model.*, lm_head.weight)."""
 
     FLOAT32_PARAMS: tuple[str, ...] = FLOAT32_PARAMS  # the loader keeps these float32
+    # Dequantised whatever --quantization says: absorbed decode reads kv_b_proj's halves.
+    DEQUANTISED_PARAMS: tuple[str, ...] = ("self_attn.kv_b_proj.weight",)
     ATTENTION: type[MLAttention] = MLAttention  # each layer's (V3.2: with its indexer)
 
     def __init__(self, arch: ModelArch) -> None:

@@ -17,10 +17,12 @@ Also (DeepSeek checkpoints; V3.2's indexer weights load by name, its weights_pro
 like the router's): block-quantised weights (V3's fp8 with float32 `weight_scale_inv`; V4's fp8
 with E8M0 `scale`s and its fp4 routed experts) are paired with their scales and checked by
 model/quantized.py before a byte is read, then dequantised one tensor at a time (fp4 planned at
-its unpacked shape); the weights of multi-token prediction layers (the
-`num_nextn_predict_layers` layers after the last; DeepSeek-V4's `mtp.*` modules) are skipped
-with one log line, as vLLM does: pdserve does not run MTP, and the model without them is the
-whole model. DeepSeek-V4's hash-routing tables (tid2eid) load as integers.
+its unpacked shape), or, for the weights model/fp8_weights.py keeps fp8 (`quantization`, decided
+on the meta model before anything is allocated), copied as stored beside their scales; the
+weights of multi-token prediction layers (the `num_nextn_predict_layers` layers after the last;
+DeepSeek-V4's `mtp.*` modules) are skipped with one log line, as vLLM does: pdserve does not
+run MTP, and the model without them is the whole model. DeepSeek-V4's hash-routing tables
+(tid2eid) load as integers.
 
 Tensor parallelism (`group` of N ranks, the Llama family): each rank builds its shard of the
 model (model/llama.py) and plans the checkpoint against the whole model's shapes
@@ -46,9 +48,10 @@ from pdserve.model.config import ModelArch, ModelConfigError
 from pdserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
+from pdserve.model.fp8_weights import Fp8Plan, is_fp8_param, keep_fp8, keeps_fp8, plan_fp8
 from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
-from pdserve.model.quantized import BlockScale, dequantize, take_scales
+from pdserve.model.quantized import BlockScale, dequantize, e8m0_values, take_scales
 from pdserve.model.safetensors_file import (
     StoredTensor,
     checkpoint_tensors,
@@ -78,6 +81,11 @@ def empty_model(
     (tied parameters share one tensor; the model's FLOAT32_PARAMS in float32), and its derived
     buffers computed. `group`: this rank's tensor-parallel group (default: TP 1): the model
     holds its shard (the Llama family only: ModelArch.for_rank refuses the others)."""
+    return allocate(meta_model(arch, dtype, group), dtype, device)
+
+
+def meta_model(arch: ModelArch, dtype: torch.dtype, group: RankGroup | None = None) -> LoadedModel:
+    """The model on the meta device (shapes only), its tied parameters tied."""
     if arch.v4 is not None and dtype == torch.float16:
         # HF keeps V4's compressor and indexer projections in float32 under float16.
         raise ModelConfigError(f"{arch.architecture} runs in float32 or bfloat16, not float16")
@@ -94,13 +102,20 @@ def empty_model(
             else DeepseekV3ForCausalLM(arch)
         )
     model.tie_weights()
+    return model
+
+
+def allocate(model: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Give a meta model's parameters storage on `device`: `dtype`, but float32 for its
+    FLOAT32_PARAMS, and their own type for integer tables and for parameters made fp8
+    (model/fp8_weights.py: the weight and its float32 scales); then its derived buffers."""
     keep32 = getattr(model, "FLOAT32_PARAMS", ())
     # Module.to_empty would untie (one new tensor per module), so replace parameters here.
     made: dict[int, nn.Parameter] = {}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) not in made:
             want = torch.float32 if name.endswith(keep32) and keep32 else dtype
-            if not p.dtype.is_floating_point:  # an index table (V4's tid2eid) keeps its type
+            if not p.dtype.is_floating_point or is_fp8_param(name, p):
                 want = p.dtype
             data = torch.empty(p.shape, dtype=want, device=device)
             made[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
@@ -108,7 +123,8 @@ def empty_model(
         setattr(model.get_submodule(owner), attr, made[id(p)])
     # Derived buffers, never in a checkpoint. The RoPE table stays float32 like the reference.
     if isinstance(model, CausalLM):
-        model.inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        model.inv_freq = rope_inv_freq(model.arch.head_dim, model.arch.rope_theta,
+                                       model.arch.rope_scaling)  # fmt: skip
         model.inv_freq = model.inv_freq.to(device)
     else:
         model.derive_buffers(device)
@@ -119,10 +135,16 @@ def empty_model(
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, group: RankGroup | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: RankGroup | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """An HF directory's model, or a GGUF file's (a .gguf, or a directory holding one).
-    `group`: this rank's tensor-parallel group: the model is its shard (default: TP 1)."""
+    `group`: this rank's tensor-parallel group: the model is its shard (default: TP 1).
+    `quantization` (model/fp8_weights.py): whether a block-quantised checkpoint's fp8 weights
+    stay fp8 ("auto", "fp8") or are dequantised ("none")."""
     gguf = find_gguf(path)
     if gguf is not None:
         return _load_gguf(open_gguf(gguf), dtype, device, group)
@@ -132,23 +154,31 @@ def load_model(
     if arch.v4 is not None:
         _skip_mtp_modules(stored)
     scales = take_scales(stored, arch.quant, str(path))
-    model = empty_model(arch, dtype, device, group)
+    model = meta_model(arch, dtype, group)  # planned (and made fp8) before a byte is allocated
     shapes = {n: t.shape for n, t in stored.items()}
     packed: dict[str, str] = {}  # fp4 is planned at its dequantised shape: two values a byte
     for n, s in scales.items():
         shapes[n] = s.weight_shape(stored[n].shape)
         if shapes[n] != stored[n].shape:
             packed[n] = f"{s.fmt.value} stored as {stored[n].dtype} {stored[n].shape}"
-    placements, params = _plan(model, shapes, arch, str(path), packed)
-    copy_placements(stored, placements, params, scales, _shards(model))
+    placements, _ = _plan(model, shapes, arch, str(path), packed)
+    fp8 = None
+    if keeps_fp8(quantization, arch, device, str(path)):
+        fp8 = plan_fp8(model, placements, scales, quantization, str(path))
+        keep_fp8(model, fp8.kept)
+    model = allocate(model, dtype, device)
+    params = dict(model.named_parameters())
+    copy_placements(stored, placements, params, scales, _shards(model), fp8)
     model.eval()
+    kept = f", {len(fp8.kept)} weights kept fp8" if fp8 is not None else ""
     log.info(
-        "loaded %s (%s) from %s on %s as %s%s",
+        "loaded %s (%s) from %s on %s as %s%s%s",
         arch.architecture,
         arch.family,
         path,
         device,
         dtype,
+        kept,
         _rank_note(group),
     )
     return model
@@ -239,10 +269,13 @@ def copy_placements(
     params: dict[str, nn.Parameter],
     scales: dict[str, BlockScale] | None = None,
     shards: Shards | None = None,
+    fp8: Fp8Plan | None = None,
 ) -> None:
     """Fill each placement's destination from its file, file by file, in offset order; a
-    source with a scale (`scales`: model/quantized.py) is dequantised on the way. Each file is
-    opened once (its scales may sit in another shard) and closed after its last read. A
+    source with a scale (`scales`: model/quantized.py) is dequantised on the way, unless its
+    parameter is kept fp8 (`fp8`): then it is copied as stored, its scale placed beside it.
+    Each file is opened once (its scales may sit in another shard) and closed after its last
+    read. A
     parameter in `shards` (tensor parallelism) takes its rank's part of each tensor, read
     whole."""
     scales = scales or {}
@@ -257,7 +290,16 @@ def copy_placements(
         for file, group in sorted(by_file.items()):
             for p in sorted(group, key=lambda p: stored[p.source].offset):
                 t = stored[p.source]
-                if p.source in scales:
+                if fp8 is not None and p.target in fp8.kept:
+                    scale = scales[p.source]
+                    dst = p.destination(params[p.target])
+                    bounce = _copy_tensor(files.get(file), t, dst, bounce)
+                    s = read_whole(files.get(scale.tensor.file), scale.tensor)
+                    s = s if s.dtype == torch.float32 else e8m0_values(s, p.source)
+                    to = fp8.scales[p.source]  # the scale's own placement
+                    to.destination(params[to.target]).copy_(s)
+                    files.done(scale.tensor.file)
+                elif p.source in scales:
                     scale = scales[p.source]
                     w = read_whole(files.get(file), t)
                     s = read_whole(files.get(scale.tensor.file), scale.tensor)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kernels import ops
+from pdserve.kernels import fp8_blocks, ops
 from pdserve.model.deepseek_config import MoEArch
 
 # Parameter names (suffixes) kept in float32 whatever the model's dtype, as HF keeps them.
@@ -76,13 +76,22 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, stacked (HF's DeepseekV3Experts parameter names)."""
+    """The routed experts, stacked (HF's DeepseekV3Experts parameter names). When the loader
+    keeps them fp8 (model/fp8_weights.py: both or neither), both are float8_e4m3fn with float32
+    block scales beside them (`P_scale_inv` [E, rows / 128, cols / 128]) and multiply as
+    kernels/fp8_blocks.py says."""
+
+    FP8_PARAMS = ("gate_up_proj", "down_proj")  # what the loader may keep fp8
 
     def __init__(self, moe: MoEArch, hidden: int) -> None:
         super().__init__()
         e, i = moe.num_experts, moe.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
+        self.gate_up_proj_scale_inv: nn.Parameter | None  # fp8 only
+        self.down_proj_scale_inv: nn.Parameter | None
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
 
     def forward(
         self,
@@ -91,7 +100,10 @@ class Experts(nn.Module):
         weights: torch.Tensor,  # [N, top_k] float32
     ) -> torch.Tensor:  # [N, H]
         if ops.fused_moe_applies(x):  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
-            return ops.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return ops.fused_moe(
+                x, ids, weights, self.gate_up_proj, self.down_proj,
+                self.gate_up_proj_scale_inv, self.down_proj_scale_inv,
+            )  # fmt: skip
         return self.loop(x, ids, weights)
 
     def loop(
@@ -100,14 +112,24 @@ class Experts(nn.Module):
         ids: torch.Tensor,  # [N, top_k]
         weights: torch.Tensor,  # [N, top_k] float32
     ) -> torch.Tensor:  # [N, H]
-        """HF's loop over the chosen experts: the CPU's path, and what the fused one equals."""
+        """HF's loop over the chosen experts: the CPU's path, and what the fused one equals.
+        fp8 experts: x is quantised once per token (its groups are the same for every expert),
+        each expert's products are block-scaled, h is quantised before the down product."""
         out = torch.zeros_like(x)
+        up_scale, down_scale = self.gate_up_proj_scale_inv, self.down_proj_scale_inv
+        xq, xs = fp8_blocks.act_quant(x) if up_scale is not None else (x, x)
         # One host read per layer: which experts any token chose, in index order.
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)  # the tokens routed to e, and at which rank
-            h = ops.silu_mul(nn.functional.linear(x[token], self.gate_up_proj[e]))  # [n, I]
-            h = nn.functional.linear(h, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
+            if up_scale is None or down_scale is None:
+                h = ops.silu_mul(nn.functional.linear(x[token], self.gate_up_proj[e]))  # [n, I]
+                h = nn.functional.linear(h, self.down_proj[e])  # [n, H]
+            else:
+                g = fp8_blocks.block_linear(
+                    xq[token], xs[token], self.gate_up_proj[e], up_scale[e], x.dtype
+                )  # [n, 2I]
+                h = fp8_blocks.linear(ops.silu_mul(g), self.down_proj[e], down_scale[e])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out
 
 

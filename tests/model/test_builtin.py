@@ -52,6 +52,7 @@ def test_names_are_the_documented_ones() -> None:
         "deepseek-v3-tiny",
         "deepseek-v32-tiny",
         "deepseek-v4-tiny",
+        "deepseek-v3-fp8-tiny",
     )
     assert set(builtin_specs.SPECS) == set(BUILTIN_NAMES)
 

@@ -1,0 +1,262 @@
+"""fp8 weights kept fp8 (`--quantization`, model/fp8_weights.py): which parameters the loader
+keeps, their scales' placement, and greedy parity of the engine's fp8 path with its definition.
+
+The oracle: HF transformers' DeepSeek-V3 on the dequantised weights, each kept projection's
+input quantised per 128-value group and dequantised again before its product (DeepSeek's fp8
+inference, written as fake quantisation). pdserve multiplies the e4m3 values with scales
+applied per block: the same values, summed in another order.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve.config import ModelSpec
+from pdserve.engine.offline import build_engine, generate
+from pdserve.kernels import fp8_blocks
+from pdserve.model.builtin_weights import FP8_QUANTIZATION_CONFIG, fp8_checkpoint
+from pdserve.model.config import ModelConfigError
+from pdserve.model.fp8_linear import Fp8Linear
+from pdserve.model.loader import load_model
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+LENGTHS = [1, 5, 12, 17, 30, 41]
+NEW_TOKENS = 12
+# The projections DeepSeek quantises and pdserve keeps fp8 (kv_b_proj is dequantised).
+KEPT = (
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_up_proj", "down_proj",
+    "indexer.wq_b", "indexer.wk",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(builtin_dir) -> Path:
+    return builtin_dir("deepseek-v3-fp8-tiny")
+
+
+def fp8_copy(src: Path, dst: Path) -> Path:
+    """A built-in (one safetensors file) in DeepSeek's fp8 checkpoint format."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    out = fp8_checkpoint(load_file(str(src / "model.safetensors")))
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = FP8_QUANTIZATION_CONFIG
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def v32_fp8_dir(builtin_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """deepseek-v32-tiny in fp8: its indexer's wq_b and wk kept fp8 too; its experts (64 rows
+    wide, so up starts inside gate's block) and dense MLP stay dequantised."""
+    return fp8_copy(builtin_dir("deepseek-v32-tiny"), tmp_path_factory.mktemp("v32") / "fp8")
+
+
+def dequantised_copy(src: Path, dst: Path) -> Path:
+    """`src` with every fp8 weight dequantised to float32 and no quantization_config."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    stored = load_file(str(src / "model.safetensors"))
+    out = {
+        n: fp8_blocks.dequantize_weight(t, stored[n + "_scale_inv"])
+        if t.dtype == fp8_blocks.FP8_DTYPE
+        else t
+        for n, t in stored.items()
+        if not n.endswith("_scale_inv")
+    }
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_every_projection_but_kv_b_stays_fp8(fp8_dir: Path) -> None:
+    model = load_model(fp8_dir, torch.float32, CPU, quantization="fp8")
+    params = dict(model.named_parameters())
+    kept = {n for n, p in params.items() if p.dtype == fp8_blocks.FP8_DTYPE}
+    attention = [f"model.layers.{i}.self_attn.{k}.weight" for i in range(3) for k in KEPT[:4]]
+    mlps = [f"model.layers.0.mlp.{k}.weight" for k in ("gate_up_proj", "down_proj")] + [
+        f"model.layers.{i}.mlp.{part}"
+        for i in (1, 2)
+        for part in ("experts.gate_up_proj", "experts.down_proj",
+                     "shared_experts.gate_up_proj.weight", "shared_experts.down_proj.weight")
+    ]  # fmt: skip
+    assert kept == set(attention + mlps)
+    for name in kept:
+        assert params[name + "_scale_inv"].dtype == torch.float32
+    for i in range(3):
+        a = f"model.layers.{i}.self_attn."
+        assert params[a + "kv_b_proj.weight"].dtype == torch.float32
+        assert isinstance(model.get_submodule(a + "o_proj"), Fp8Linear)
+    assert params["lm_head.weight"].dtype == torch.float32
+
+
+def test_kept_weights_and_stacked_scales_equal_the_checkpoint(fp8_dir: Path) -> None:
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    params = dict(load_model(fp8_dir, torch.float32, CPU, quantization="fp8").named_parameters())
+    plain = dict(load_model(fp8_dir, torch.float32, CPU, quantization="none").named_parameters())
+    e = "model.layers.2.mlp.experts"
+    for x in range(8):  # expert x: its gate then up scales, stacked, rows in 128-row blocks
+        src = f"{e}.{x}."
+        want = torch.cat(
+            [stored[src + "gate_proj.weight_scale_inv"], stored[src + "up_proj.weight_scale_inv"]]
+        )
+        assert torch.equal(params[f"{e}.gate_up_proj_scale_inv"][x], want)
+        assert torch.equal(params[f"{e}.down_proj"][x], stored[src + "down_proj.weight"])
+    for name, p in params.items():
+        if p.dtype != fp8_blocks.FP8_DTYPE:
+            continue
+        scale = params[name + "_scale_inv"]
+        whole = (
+            torch.stack([fp8_blocks.dequantize_weight(w, s) for w, s in zip(p, scale, strict=True)])
+            if p.dim() == 3
+            else fp8_blocks.dequantize_weight(p, scale)
+        )
+        assert torch.equal(whole, plain[name]), name  # the dequantised load's bits
+
+
+def test_a_module_whose_parts_straddle_blocks_stays_dequantised(v32_fp8_dir: Path) -> None:
+    """The stacked experts keep both weights fp8 or neither: their up rows start inside the
+    gate's block, so gate_up cannot be kept, and down (which alone could be) is not."""
+    params = dict(
+        load_model(v32_fp8_dir, torch.float32, CPU, quantization="fp8").named_parameters()
+    )
+    e = "model.layers.1.mlp.experts."
+    assert params[e + "gate_up_proj"].dtype == params[e + "down_proj"].dtype == torch.float32
+    assert e + "down_proj_scale_inv" not in params
+    a = "model.layers.1.self_attn."
+    for kept in ("q_a_proj", "o_proj", "indexer.wq_b", "indexer.wk"):
+        assert params[a + kept + ".weight"].dtype == fp8_blocks.FP8_DTYPE, kept
+    assert params[a + "indexer.weights_proj.weight"].dtype == torch.float32
+
+
+def test_quantization_choices_are_checked(fp8_dir: Path, builtin_dir, tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="not block-quantised"):
+        load_model(builtin_dir("deepseek-v3-tiny"), torch.float32, CPU, quantization="fp8")
+    with pytest.raises(ModelConfigError, match="DeepSeek-V3 and V3.2 only"):
+        load_model(fp8_copy(builtin_dir("tiny"), tmp_path / "t"), torch.float32, CPU, None, "fp8")
+    # auto on a CPU: no fp8 kernel there, so the checkpoint is dequantised
+    auto = load_model(fp8_dir, torch.float32, CPU)
+    assert all(p.dtype == torch.float32 for p in auto.parameters())
+    with pytest.raises(ModelConfigError, match="--quantization must be one of"):
+        load_model(fp8_dir, torch.float32, CPU, quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelSpec("p", "n", quantization="fp4")
+    plain = load_model(builtin_dir("deepseek-v3-tiny"), torch.float32, CPU)  # auto: nothing kept
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+
+
+def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """x quantised per 128-value group of its last dim and dequantised: DeepSeek's activations."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, s = fp8_blocks.act_quant(flat)
+    k = flat.shape[1]
+    return (q.float() * s.repeat_interleave(fp8_blocks.BLOCK, 1)[:, :k]).view(x.shape).to(x.dtype)
+
+
+def kept_in_hf(path: Path) -> set[str]:
+    """HF's names of the weights pdserve keeps fp8 for this checkpoint (HF keeps a dense
+    MLP's gate and up apart; the rest share pdserve's names)."""
+    model = load_model(path, torch.float32, CPU, quantization="fp8")
+    kept = {n for n, p in model.named_parameters() if p.dtype == fp8_blocks.FP8_DTYPE}
+    split = {n.replace("gate_up_proj.", f"{h}_proj.") for n in kept for h in ("gate", "up")}
+    return {n for n in kept if not n.endswith("gate_up_proj.weight")} | {
+        n for n in split if n.endswith(("gate_proj.weight", "up_proj.weight"))
+    }
+
+
+def hf_fp8_logprobs(path: Path, prompts: list[list[int]], kept: set[str]) -> torch.Tensor:
+    """HF's log-probability of each prompt's next token [P, T - 1], float32, the input of each
+    product with a weight named in `kept` fake-quantised: F.linear quantises it (a weight is
+    known by its storage: an expert's weight is a view of the stacked one)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        experts_implementation="eager",  # its loop calls F.linear
+    )
+    named = model.named_parameters()
+    quantised = {p.untyped_storage().data_ptr() for n, p in named if n in kept}
+    linear = torch.nn.functional.linear
+
+    def fp8_linear(x, w, b=None):  # type: ignore[no-untyped-def]
+        if w.untyped_storage().data_ptr() in quantised:
+            x = fake_quant(x)
+        return linear(x, w, b)
+
+    ids = torch.tensor(prompts)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(torch.nn.functional, "linear", fp8_linear)
+        logprobs = model(ids).logits.float().log_softmax(-1)  # [P, T, V]
+    return logprobs[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+
+
+def engine_logprobs(path: Path, prompts: list[list[int]], quantization: str) -> torch.Tensor:
+    """pdserve's prompt logprobs of the same tokens [P, T - 1] (chunked prefill, pages of 4)."""
+    engine = build_engine(
+        path, quantization=quantization, page_size=4, max_batched_tokens=12, kv_budget_mb=4.0
+    )
+    got: dict[int, list[float]] = {}
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for i, p in enumerate(prompts):
+
+        def sink(o: RequestOutput, i: int = i) -> None:
+            if o.prompt_logprobs:
+                got[i] = [t.logprob for t in o.prompt_logprobs]
+
+        engine.submit(f"r{i}", p, params, sink)
+    deadline = time.monotonic() + 120
+    while len(got) < len(prompts) and time.monotonic() < deadline:
+        engine.tick()
+    return torch.tensor([got[i] for i in range(len(prompts))])
+
+
+@pytest.mark.parametrize("which", ["v3", "v32"])
+def test_the_fp8_path_equals_its_definition(
+    which: str, fp8_dir: Path, v32_fp8_dir: Path, tmp_path: Path
+) -> None:
+    """fp8 rounding is a step function: where the two sides' float32 inputs differ by an ulp
+    across a rounding boundary, one value moves by an e4m3 step, and a routing choice or a
+    later position may follow. So most positions, not all, agree to float32 noise; the
+    dequantised path agrees at none (the quantisation is really applied)."""
+    path = fp8_dir if which == "v3" else v32_fp8_dir  # V3.2: prompts past its top-k of 12
+    g = torch.Generator().manual_seed(8)
+    prompts = torch.randint(3, 4000, (4, 40), generator=g).tolist()
+    dequantised = dequantised_copy(path, tmp_path / "deq")
+    want = hf_fp8_logprobs(dequantised, prompts, kept_in_hf(path))
+    ours = (engine_logprobs(path, prompts, "fp8") - want).abs()
+    plain = (engine_logprobs(path, prompts, "none") - want).abs()
+    assert (ours < 1e-3).float().mean() >= 0.5, ours
+    assert ours.median() < 1e-4
+    assert (plain < 1e-3).float().mean() <= 0.05, plain
+    # and the dequantised path is HF's plain model, to float32 noise
+    exact = hf_fp8_logprobs(dequantised, prompts, set())
+    assert (engine_logprobs(path, prompts, "none") - exact).abs().max() < 1e-3
+
+
+def test_fp8_greedy_decoding_runs_chunked_or_not(fp8_dir: Path) -> None:
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in LENGTHS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    kw: dict = dict(quantization="fp8", kv_budget_mb=4.0)
+    chunked = build_engine(fp8_dir, page_size=4, max_batched_tokens=12, **kw)
+    whole = build_engine(fp8_dir, **kw)
+    out = generate(chunked, prompts, params)
+    assert out == generate(whole, prompts, params)
+    assert [len(o) for o in out] == [NEW_TOKENS] * len(prompts)
