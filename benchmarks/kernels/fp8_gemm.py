@@ -27,7 +27,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.roofline import measure_ceilings  # noqa: E402
+from benchmarks.kernels.roofline import measure_ceilings, time_calls  # noqa: E402
 from pdserve.attention.triton_common import interpreted  # noqa: E402
 from pdserve.kernels import fp8_blocks, triton_fp8  # noqa: E402
 
@@ -61,38 +60,6 @@ SWEEP = ((16, 32, 64, 128), (16, 32, 64, 128), (4, 8), (3, 4, 5), (1, 2, 4, 8))
 SMOKE_SWEEP = ((16,), (16, 64), (4,), (2,), (1, 2))
 
 Call = Callable[[], object]
-
-
-def time_calls(calls: list[Call], replays: int, device: torch.device) -> float:
-    """Seconds per call: every call once, in sequence, in a CUDA graph (a loop on the CPU);
-    the median of `replays` replays."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            for call in calls:
-                call()
-        return (time.perf_counter() - t0) / (replays * len(calls))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up (compiles) outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / len(calls)
 
 
 class Weights:

@@ -18,9 +18,9 @@ against a float32 product first.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.roofline import measure_ceilings  # noqa: E402
+from benchmarks.kernels.roofline import measure_ceilings, time_calls  # noqa: E402
 from pdserve.kernels import triton_fused, triton_gemv  # noqa: E402
 from pdserve.model.builtin_specs import builtin_spec  # noqa: E402
 
@@ -65,35 +65,7 @@ def time_product(
     fn: Product, xs: torch.Tensor, ws: list[torch.Tensor], replays: int, device: torch.device
 ) -> float:
     """Seconds per product: every weight once, in sequence, in a CUDA graph (a loop on CPU)."""
-    if device.type != "cuda":
-        import time
-
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            for w in ws:
-                fn(xs, w)
-        return (time.perf_counter() - t0) / (replays * len(ws))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in ws:  # warm-up (compiles) outside the capture
-            fn(xs, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in ws:
-            fn(xs, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / len(ws)
+    return time_calls([functools.partial(fn, xs, w) for w in ws], replays, device)
 
 
 def max_rel_err(fn: Product, x: torch.Tensor, w: torch.Tensor) -> float:

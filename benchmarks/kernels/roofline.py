@@ -103,3 +103,35 @@ def roofline(cost: tuple[int, int], ceilings: dict[str, float]) -> dict[str, flo
         "roofline_flop_ms": round(flop_s * 1e3, 4),
         "roofline_ms": round(max(mem_s, flop_s) * 1e3, 4),
     }
+
+
+def time_calls(calls: list[Callable[[], object]], replays: int, device: torch.device) -> float:
+    """Seconds per call: every call once, in sequence, in a CUDA graph (a loop on the CPU);
+    the median of `replays` replays."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            for call in calls:
+                call()
+        return (time.perf_counter() - t0) / (replays * len(calls))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up (compiles) outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / len(calls)
