@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.engine import deepseek_decode, gpu_decode
+from benchmarks.engine import decode_batch, deepseek_decode
 from benchmarks.models import deepseek_checkpoint as ckpt
 from pdserve.engine.offline import build_engine
 from pdserve.engine.scheduler import Chunk
@@ -74,12 +74,12 @@ def test_warm_prefill_starts_the_batch_as_one_step_of_decodes(
 
     engine.runner.forward = recorded  # type: ignore[method-assign,assignment]
     ended: dict[str, str] = {}
-    ids = gpu_decode.prefill(engine, 3, 33, 8, ended, warm=True)
+    ids = decode_batch.prefill(engine, 3, 33, 8, ended, warm=True)
     # 32 tokens of each prompt in one step of chunks, then each request's last one: decodes
     assert steps == [[32, 32, 32], [1, 1, 1]] and not ended
-    assert [c.length for c in gpu_decode.decode_chunks(engine, ids)] == [1, 1, 1]
+    assert [c.length for c in decode_batch.decode_chunks(engine, ids)] == [1, 1, 1]
     with pytest.raises(ValueError, match="whole pages"):
-        gpu_decode.prefill(engine, 1, 40, 8, ended, warm=True)
+        decode_batch.prefill(engine, 1, 40, 8, ended, warm=True)
 
 
 def test_smoke_run_counts_the_roofline_exactly(
