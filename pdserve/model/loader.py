@@ -33,11 +33,9 @@ rows (`Sharded.load_shard`: q, k and v each their own slice of the fused qkv_pro
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import TypeAlias
 
@@ -53,8 +51,10 @@ from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
 from pdserve.model.quantized import BlockScale, dequantize, e8m0_values, take_scales
 from pdserve.model.safetensors_file import (
+    OpenFiles,
     StoredTensor,
     checkpoint_tensors,
+    copy_tensor,
     read_whole,
     weight_files,
 )
@@ -293,7 +293,7 @@ def copy_placements(
                 if fp8 is not None and p.target in fp8.kept:
                     scale = scales[p.source]
                     dst = p.destination(params[p.target])
-                    bounce = _copy_tensor(files.get(file), t, dst, bounce)
+                    bounce = copy_tensor(files.get(file), t, dst, bounce)
                     s = read_whole(files.get(scale.tensor.file), scale.tensor)
                     s = s if s.dtype == torch.float32 else e8m0_values(s, p.source)
                     to = fp8.scales[p.source]  # the scale's own placement
@@ -309,66 +309,8 @@ def copy_placements(
                     _fill(p, read_whole(files.get(file), t), params, shards)
                 else:
                     dst = p.destination(params[p.target])
-                    bounce = _copy_tensor(files.get(file), t, dst, bounce)
+                    bounce = copy_tensor(files.get(file), t, dst, bounce)
                 files.done(file)
-
-
-class OpenFiles:
-    """The checkpoint files a load reads, each opened at its first read and closed after its
-    last (`reads` lists the file of every read, one entry per read): no file is opened twice,
-    and no more stay open than the reads still need. All are closed on exit."""
-
-    def __init__(self, reads: list[Path]) -> None:
-        self._left = Counter(reads)
-        self._open: dict[Path, io.FileIO] = {}
-
-    def get(self, file: Path) -> io.FileIO:
-        if file not in self._open:
-            if self._left[file] < 1:
-                raise RuntimeError(f"{file}: read after its last planned read")
-            self._open[file] = open(file, "rb", buffering=0)  # noqa: SIM115 - closed by done()
-        return self._open[file]
-
-    def done(self, file: Path) -> None:
-        """One read of `file` finished; the last one closes it."""
-        self._left[file] -= 1
-        if self._left[file] == 0:
-            self._open.pop(file).close()
-
-    def __enter__(self) -> OpenFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for f in self._open.values():
-            f.close()
-        self._open.clear()
-
-
-def _copy_tensor(
-    f: io.FileIO, t: StoredTensor, dst: torch.Tensor, bounce: torch.Tensor
-) -> torch.Tensor:
-    """Read `t` into `dst` (same shape, any dtype, device or strides) in chunks of whole rows
-    through `bounce`; returns the buffer, grown if one row did not fit."""
-    if dst.numel() == 0:
-        return bounce
-    rows = dst if dst.dim() > 0 else dst.unsqueeze(0)  # [R, ...]
-    row_bytes = math.prod(rows.shape[1:]) * t.dtype.itemsize
-    if row_bytes > bounce.numel():
-        bounce = torch.empty(row_bytes, dtype=torch.uint8)
-    per_chunk = bounce.numel() // row_bytes
-    f.seek(t.offset)
-    for r0 in range(0, rows.shape[0], per_chunk):
-        n = min(per_chunk, rows.shape[0] - r0)
-        chunk = bounce[: n * row_bytes]
-        view = chunk.numpy().data  # a writable memoryview of the chunk
-        got = 0
-        while got < len(view):
-            k = f.readinto(view[got:])
-            if not k:
-                raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
-            got += k
-        rows[r0 : r0 + n].copy_(chunk.view(t.dtype).view(n, *rows.shape[1:]))
-    return bounce
 
 
 # ---------------------------------------------------------------- DeepSeek checkpoints

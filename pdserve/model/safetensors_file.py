@@ -1,9 +1,10 @@
 """Safetensors checkpoint files: which files hold the weights, and where each tensor's bytes are.
 
 The format is an 8-byte little-endian header length, a JSON header (dtype, shape,
-data_offsets per tensor) and the raw little-endian bytes of each tensor in C order. Nothing is
-read but the header here; model/loader.py reads the bytes (see its docstring for why with
-plain reads). Two dtypes are not one byte per element of the header's shape:
+data_offsets per tensor) and the raw little-endian bytes of each tensor in C order. The
+headers are read here, and the bytes with plain reads (`read_whole`, `copy_tensor` in chunks,
+`OpenFiles` keeping each file open only while reads remain; model/loader.py's docstring says
+why not safe_open). Two dtypes are not one byte per element of the header's shape:
   * F8_E8M0: one byte per element, an exponent (float8_e8m0fnu: 2^(byte - 127));
   * F4: e2m1 values packed two to a byte; the header's shape counts values, a StoredTensor's
     counts bytes (torch's float4_e2m1fn_x2, as safetensors loads it): the last dim halved.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,3 +139,61 @@ def read_whole(f: io.FileIO, t: StoredTensor) -> torch.Tensor:
             raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
         got += k
     return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
+class OpenFiles:
+    """The checkpoint files a load reads, each opened at its first read and closed after its
+    last (`reads` lists the file of every read, one entry per read): no file is opened twice,
+    and no more stay open than the reads still need. All are closed on exit."""
+
+    def __init__(self, reads: list[Path]) -> None:
+        self._left = Counter(reads)
+        self._open: dict[Path, io.FileIO] = {}
+
+    def get(self, file: Path) -> io.FileIO:
+        if file not in self._open:
+            if self._left[file] < 1:
+                raise RuntimeError(f"{file}: read after its last planned read")
+            self._open[file] = open(file, "rb", buffering=0)  # noqa: SIM115 - closed by done()
+        return self._open[file]
+
+    def done(self, file: Path) -> None:
+        """One read of `file` finished; the last one closes it."""
+        self._left[file] -= 1
+        if self._left[file] == 0:
+            self._open.pop(file).close()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def copy_tensor(
+    f: io.FileIO, t: StoredTensor, dst: torch.Tensor, bounce: torch.Tensor
+) -> torch.Tensor:
+    """Read `t` into `dst` (same shape, any dtype, device or strides) in chunks of whole rows
+    through `bounce`; returns the buffer, grown if one row did not fit."""
+    if dst.numel() == 0:
+        return bounce
+    rows = dst if dst.dim() > 0 else dst.unsqueeze(0)  # [R, ...]
+    row_bytes = math.prod(rows.shape[1:]) * t.dtype.itemsize
+    if row_bytes > bounce.numel():
+        bounce = torch.empty(row_bytes, dtype=torch.uint8)
+    per_chunk = bounce.numel() // row_bytes
+    f.seek(t.offset)
+    for r0 in range(0, rows.shape[0], per_chunk):
+        n = min(per_chunk, rows.shape[0] - r0)
+        chunk = bounce[: n * row_bytes]
+        view = chunk.numpy().data  # a writable memoryview of the chunk
+        got = 0
+        while got < len(view):
+            k = f.readinto(view[got:])
+            if not k:
+                raise ModelConfigError(f"{t.file}: ends inside tensor data at byte {t.offset}")
+            got += k
+        rows[r0 : r0 + n].copy_(chunk.view(t.dtype).view(n, *rows.shape[1:]))
+    return bounce

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from pdserve.model import loader
-from pdserve.model.loader import Fp8Scale, OpenFiles, checkpoint_tensors, copy_placements
+from pdserve.model import safetensors_file
+from pdserve.model.loader import Fp8Scale, checkpoint_tensors, copy_placements
+from pdserve.model.safetensors_file import OpenFiles
 from pdserve.model.weight_map import Placement, Whole
 
 BLOCK = (2, 2)
@@ -60,7 +61,8 @@ def test_each_file_is_opened_once_per_load(tmp_path: Path, monkeypatch) -> None:
         opened.append(Path(file).name)
         return builtins.open(file, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "open", counting_open, raising=False)  # the loader's `open`
+    # OpenFiles' `open` (model/safetensors_file.py), through which the loader reads
+    monkeypatch.setattr(safetensors_file, "open", counting_open, raising=False)
     copy_placements(stored, placements, params, scales)
     assert sorted(opened) == ["a.safetensors", "b.safetensors"]
     assert torch.equal(params["w1"], dequantised(w1, s1))
