@@ -4,9 +4,13 @@ format and the torch reference (what the CPU runs, and what the Triton kernels e
 A weight W [O, K] is stored as float8_e4m3fn with one float32 scale per BLOCK x BLOCK block:
 W = W_q * S[o // BLOCK, k // BLOCK] (`weight_scale_inv` [ceil(O / B), ceil(K / B)], the last
 blocks cut short). An activation row x [K] is quantised per group of BLOCK consecutive values
-(`act_quant`): s = max|x_group| / FP8_MAX, x_q = x / s rounded to e4m3, one float32 scale per
-group. The product of the two is accumulated one K block at a time in float32, each block's
-partial sum scaled by its activation scale and its weight scale before it is added:
+(`act_quant`): s = max(max|x_group|, MIN_AMAX) / FP8_MAX, x_q = x / s rounded to e4m3, one
+float32 scale per group. With `pow2` (checkpoints whose quantization_config says "scale_fmt":
+"ue8m0", DeepSeek-V3.1 and V3.2, as DeepSeek's act_quant does for them) s is then rounded up to
+a power of two, 2**ceil(log2 s), by its bits (`pow2_ceil`: float log2 can be off by an ulp),
+so a scale that is already one stays. The product of the two is accumulated one K block at a
+time in float32, each block's partial sum scaled by its activation scale and its weight scale
+before it is added:
 
     y[n, o] = sum_kb (x_q[n, kb] . W_q[o, kb]) * s_x[n, kb] * S[o // B, kb]
 
@@ -21,18 +25,34 @@ BLOCK = 128  # DeepSeek's weight_block_size (both sides) and its activation grou
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 MIN_AMAX = 1e-10  # an all-zero group gets this amax: a finite scale, zeros stay zeros
+# float32's fields: the mantissa, the exponent, and the exponent's lowest bit (2x the value)
+MANTISSA_BITS, EXPONENT_BITS, EXPONENT_ONE = 0x007FFFFF, 0x7F800000, 0x00800000
 
 
-def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales (positive, normal: MIN_AMAX / FP8_MAX is) -> the power of two at or above
+    each, exactly: one with mantissa bits set takes the next exponent and a zero mantissa; a
+    power of two (and an inf or NaN: exponent all ones) stays."""
+    bits = scale.view(torch.int32)
+    up = ((bits & MANTISSA_BITS) != 0) & (bits < EXPONENT_BITS)
+    return torch.where(up, (bits & EXPONENT_BITS) + EXPONENT_ONE, bits).view(torch.float32)
+
+
+def act_quant(
+    x: torch.Tensor, block: int = BLOCK, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, K] -> (x_q float8_e4m3fn [N, K], scales float32 [N, ceil(K / block)]): each group
     of `block` values (the last cut short, as the weight's last K block is) scaled so that its
-    largest magnitude is FP8_MAX."""
+    largest magnitude is FP8_MAX, or with `pow2` by that scale rounded up to a power of two
+    (`pow2_ceil`: the largest magnitude then lies in (FP8_MAX / 2, FP8_MAX])."""
     n, k = x.shape
     kb = -(-k // block)
     groups = torch.zeros(n, kb * block, dtype=torch.float32, device=x.device)
     groups[:, :k] = x.float()
     groups = groups.view(n, kb, block)  # [N, KB, B]
     scale = groups.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX  # [N, KB]
+    if pow2:
+        scale = pow2_ceil(scale)
     q = (groups / scale.unsqueeze(-1)).to(FP8_DTYPE).view(n, kb * block)
     return q[:, :k].contiguous(), scale
 
@@ -57,10 +77,13 @@ def block_linear(
     return acc.to(out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, pow2: bool = False
+) -> torch.Tensor:
     """x [N, K] (the model's dtype) @ the fp8 weight [O, K] -> [N, O] in x's dtype: the
-    activation quantised per group, then the block-scaled product."""
-    x_q, x_scale = act_quant(x)
+    activation quantised per group (its scales powers of two with `pow2`), then the
+    block-scaled product."""
+    x_q, x_scale = act_quant(x, pow2=pow2)
     return block_linear(x_q, x_scale, weight, weight_scale, x.dtype)
 
 

@@ -16,7 +16,8 @@ A product with an fp8 block-scaled weight (`fp8_linear`, DeepSeek's checkpoints 
 takes the Triton kernels (kernels/triton_fp8.py: the activation quantised per group, then the
 fp8 GEMM) for CUDA tensors and the torch reference (kernels/fp8_blocks.py) otherwise;
 $PDSERVE_FP8_TRITON overrides it the same way: "0" the reference everywhere, "1" Triton on
-any device. Read at each call."""
+any device. Read at each call. `pow2` (fp8_linear, fused_moe): the activation scales rounded up
+to powers of two, as DeepSeek does for its ue8m0 checkpoints."""
 
 from __future__ import annotations
 
@@ -126,6 +127,7 @@ def fused_moe(
     down_proj: torch.Tensor,  # [E, H, I]
     gate_up_scale: torch.Tensor | None = None,  # fp8 experts: [E, 2I / 128, H / 128] float32
     down_scale: torch.Tensor | None = None,  # [E, H / 128, I / 128]
+    pow2: bool = False,  # fp8 experts: power-of-two activation scales
 ) -> torch.Tensor:  # [N, H]
     """The routed experts' weighted sum per token in Triton, with no host synchronisation;
     fp8 experts (both scales given) multiply block-scaled, as kernels/fp8_blocks.py says."""
@@ -136,7 +138,7 @@ def fused_moe(
         _triton_moe = triton_moe
     return _triton_moe.fused_moe(  # type: ignore[no-any-return]
         x, ids, weights, gate_up_proj, down_proj,
-        gate_up_scale=gate_up_scale, down_scale=down_scale,
+        gate_up_scale=gate_up_scale, down_scale=down_scale, pow2=pow2,
     )  # fmt: skip
 
 
@@ -153,15 +155,16 @@ def fp8_linear(
     x: torch.Tensor,  # [N, K], the model's dtype
     weight: torch.Tensor,  # [O, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [ceil(O / 128), ceil(K / 128)] float32
+    pow2: bool = False,  # the activation scales rounded up to powers of two
 ) -> torch.Tensor:  # [N, O], x's dtype
     """x @ the fp8 block-scaled weight, the activation quantised per group of 128: the
     Triton kernels where `fp8_triton_applies`, else the torch reference."""
     if not fp8_triton_applies(x):
-        return fp8_blocks.linear(x, weight, weight_scale)
+        return fp8_blocks.linear(x, weight, weight_scale, pow2=pow2)
     global _triton_fp8
     if _triton_fp8 is None:
         from pdserve.kernels import triton_fp8
 
         _triton_fp8 = triton_fp8
     x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads rows of unit stride
-    return _triton_fp8.linear(x, weight, weight_scale)  # type: ignore[no-any-return]
+    return _triton_fp8.linear(x, weight, weight_scale, pow2=pow2)  # type: ignore[no-any-return]

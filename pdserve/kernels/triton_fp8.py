@@ -3,10 +3,11 @@ then a GEMM whose fp8 operands go to the tensor cores as they are stored. The fo
 torch reference it equals are kernels/fp8_blocks.py.
 
 `act_quant`: one program per (row, GROUPS groups of 128 columns). Each group's scale is
-max|x| clamped to MIN_AMAX, over FP8_MAX, and x / scale is rounded to e4m3, as the reference
-does, bit for bit: both divides are IEEE (`tl.div_rn`: Triton's `/` on float32 compiles to an
-approximate divide), and the rounding to e4m3 (nearest, ties to even, e4m3's subnormals
-below 2**-6) is done in float32 by `_round_e4m3`, so the cast to fp8 that follows is exact.
+max|x| clamped to MIN_AMAX, over FP8_MAX (with POW2, rounded up to a power of two by its bits,
+as fp8_blocks.pow2_ceil), and x / scale is rounded to e4m3, as the reference does, bit for bit:
+both divides are IEEE (`tl.div_rn`: Triton's `/` on float32 compiles to an approximate divide),
+and the rounding to e4m3 (nearest, ties to even, e4m3's subnormals below 2**-6) is done in
+float32 by `_round_e4m3`, so the cast to fp8 that follows is exact.
 Done so because the interpreter's float32 -> fp8 cast does not round to nearest even; on the
 GPU the cast of an already rounded value is exact too, so the tests check the path that runs.
 
@@ -55,6 +56,9 @@ _FP8_MAX = tl.constexpr(fp8_blocks.FP8_MAX)
 _MIN_AMAX = tl.constexpr(fp8_blocks.MIN_AMAX)
 _E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 _ROUNDER = tl.constexpr(1.5 * 2.0**20)  # 2**E times this has a float32 ulp of e4m3's at 2**E
+_MANTISSA_BITS = tl.constexpr(fp8_blocks.MANTISSA_BITS)
+_EXPONENT_BITS = tl.constexpr(fp8_blocks.EXPONENT_BITS)
+_EXPONENT_ONE = tl.constexpr(fp8_blocks.EXPONENT_ONE)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _pow2_ceil(scale):
+    """fp8_blocks.pow2_ceil: a float32 scale with mantissa bits set takes the next exponent
+    and a zero mantissa; a power of two, an inf or a NaN stays."""
+    bits = scale.to(tl.int32, bitcast=True)
+    up = ((bits & _MANTISSA_BITS) != 0) & (bits < _EXPONENT_BITS)
+    rounded = tl.where(up, (bits & _EXPONENT_BITS) + _EXPONENT_ONE, bits)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr,  # [N, K]
     q_ptr,  # [N, K] float8_e4m3fn out
@@ -131,6 +145,7 @@ def _act_quant_kernel(
     stride_sn,
     GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    POW2: tl.constexpr,  # the scales rounded up to powers of two (ue8m0 checkpoints)
     PDL: tl.constexpr,
 ):
     enter(PDL, True)
@@ -141,16 +156,18 @@ def _act_quant_kernel(
     x = tl.load(x_ptr + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]: the masked tail reads 0, as the reference pads
     scale = tl.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+    if POW2:
+        scale = _pow2_ceil(scale)
     q = _round_e4m3(tl.div_rn(x, scale[:, None]))
     tl.store(q_ptr + row * stride_qn + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sn + g, scale, mask=g < KB)
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, K] (float32/bfloat16/float16, unit stride in K) -> (float8_e4m3fn [N, K], float32
-    scales [N, ceil(K / 128)]): fp8_blocks.act_quant's bits (as the CPU computes it: torch on
-    CUDA divides by a Python scalar as a multiply by its reciprocal, which may move a scale's
-    last bit)."""
+    scales [N, ceil(K / 128)], powers of two with `pow2`): fp8_blocks.act_quant's bits (as the
+    CPU computes it: torch on CUDA divides by a Python scalar as a multiply by its reciprocal,
+    which may move a scale's last bit)."""
     if x.dim() != 2 or x.dtype not in IN_DTYPES or x.stride(-1) != 1:
         raise ValueError(
             f"act_quant: x {tuple(x.shape)} {x.dtype} (stride {x.stride()}): wants [N, K] of "
@@ -174,6 +191,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale.stride(0),
         GROUPS=groups,
         BLOCK=BLOCK_K,
+        POW2=pow2,
         **launch(x.device, _act_quant_kernel),
     )
     return q, scale
@@ -350,9 +368,14 @@ def block_linear(
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: Config | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    config: Config | None = None,
+    pow2: bool = False,
 ) -> torch.Tensor:
     """x [N, K] (the model's dtype) @ the fp8 weight [O, K] -> [N, O] in x's dtype: the
-    activation quantised per group, then the block-scaled product (fp8_blocks.linear)."""
-    x_q, x_scale = act_quant(x)
+    activation quantised per group (power-of-two scales with `pow2`), then the block-scaled
+    product (fp8_blocks.linear)."""
+    x_q, x_scale = act_quant(x, pow2)
     return block_linear(x_q, x_scale, weight, weight_scale, x.dtype, config)

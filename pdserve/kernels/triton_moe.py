@@ -190,11 +190,13 @@ def fused_moe(
     *,
     gate_up_scale: torch.Tensor | None = None,  # [E, ceil(2I / 128), ceil(H / 128)] float32
     down_scale: torch.Tensor | None = None,  # [E, ceil(H / 128), ceil(I / 128)] float32
+    pow2: bool = False,  # fp8 experts: activation scales rounded up to powers of two
 ) -> torch.Tensor:  # [N, H], x's dtype
     """sum over each token's top_k experts e of weight * down_e(silu(gate_e(x)) * up_e(x)),
     as model/moe.py's loop computes it, with no host synchronisation. With both scales the
     experts are block-quantised fp8 and multiply as kernels/fp8_blocks.py's reference does
-    (x and h quantised per token per group of 128: kernels/triton_moe_fp8.py)."""
+    (x and h quantised per token per group of 128, their scales powers of two with `pow2`:
+    kernels/triton_moe_fp8.py); 16-bit experts quantise nothing, so `pow2` is moot there."""
     n, hidden = x.shape
     e, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
@@ -235,7 +237,7 @@ def fused_moe(
     if gate_up_scale is not None and down_scale is not None:
         per_slot = triton_moe_fp8.routed(
             x, flat_weights, layout, top_k, gate_up_proj, gate_up_scale, down_proj,
-            down_scale, cfg,
+            down_scale, cfg, pow2,
         )  # fmt: skip
     else:
         per_slot = _routed(x, flat_weights, layout, top_k, gate_up_proj, down_proj, cfg)

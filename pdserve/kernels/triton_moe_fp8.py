@@ -12,6 +12,7 @@ GEMMs, and sums each token's rows as for any dtype.
      accumulator; the epilogue rounds as the 16-bit kernel's (the products to the model's
      dtype, silu, times up) -> h [A, I] in the model's dtype;
   3. h is quantised per assignment per group of 128 (`act_quant`, the same call as x's);
+     with `pow2` (ue8m0 checkpoints) both x's and h's scales are rounded up to powers of two;
   4. down: h's e4m3 rows times the expert's down rows, scaled the same way, the product
      rounded to the model's dtype and then weighed by the routing weight -> [A, H].
 
@@ -57,11 +58,11 @@ if TYPE_CHECKING:
 GROUP = fp8_blocks.BLOCK  # the weight's scale block, the activations' group, and BLOCK_K
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, K] in the model's dtype -> (e4m3 [R, K], float32 scales [R, ceil(K / 128)]): the one
-    place this module quantises activations (x and h), with kernels/triton_fp8.py's kernel
-    (fp8_blocks.act_quant's bits, one launch)."""
-    return triton_fp8.act_quant(x.contiguous())
+def act_quant(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] in the model's dtype -> (e4m3 [R, K], float32 scales [R, ceil(K / 128)], powers
+    of two with `pow2`): the one place this module quantises activations (x and h), with
+    kernels/triton_fp8.py's kernel (fp8_blocks.act_quant's bits, one launch)."""
+    return triton_fp8.act_quant(x.contiguous(), pow2)
 
 
 def scales_fit(
@@ -228,6 +229,7 @@ def routed(
     down_proj: torch.Tensor,  # [E, H, I] e4m3
     down_scale: torch.Tensor,  # [E, ceil(H / 128), ceil(I / 128)] float32
     cfg: Config,  # block_k == GROUP
+    pow2: bool = False,  # x's and h's scales rounded up to powers of two
 ) -> torch.Tensor:  # [A, H], x's dtype: each assignment's weighted expert output
     """Steps 1-4 of the module docstring, for operands kernels/triton_moe.fused_moe checked."""
     num, (_, hidden), inter = weights.numel(), x.shape, down_proj.shape[-1]
@@ -242,7 +244,7 @@ def routed(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    xq, xs = act_quant(x)
+    xq, xs = act_quant(x, pow2)
     h = torch.empty((num, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
         xq,
@@ -267,7 +269,7 @@ def routed(
         **common,
         **launch(x.device, _gate_up_kernel),
     )
-    hq, hs = act_quant(h)
+    hq, hs = act_quant(h, pow2)
     per_slot = torch.empty((num, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
         hq,

@@ -24,7 +24,10 @@ The loader decides on the meta model, so the kept parameters are allocated fp8 f
 start: a load never holds the dequantised copy of what it keeps.
 Each kept parameter P gets a float32 parameter `P_scale_inv` (Fp8Linear's is its
 `weight_scale_inv`) shaped like its blocks; the scales fill it through the same placements as
-the weights, their rows divided by the block (`scale_region`).
+the weights, their rows divided by the block (`scale_region`). A "scale_fmt": "ue8m0"
+checkpoint (V3.1, V3.2) also flags what it keeps to round its activation scales up to powers
+of two, as DeepSeek's inference does for it: Fp8Linear's `pow2_scales`, and `fp8_pow2_scales`
+on a module with FP8_PARAMS (model/moe.py's Experts).
 
 DeepSeek-V4 keeps its dequantised path (its fp4 experts and E8M0 layout are another kernel).
 """
@@ -46,6 +49,7 @@ from pdserve.model.weight_map import Index, IndexSlice, Placement, Region, Slice
 
 SCALE_SUFFIX = "_scale_inv"  # a kept parameter's scales: P -> P_scale_inv
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the e4m3 dot
+POW2_FLAG = "fp8_pow2_scales"  # a module with FP8_PARAMS: its activation scales powers of two
 
 
 def keeps_fp8(choice: str, arch: ModelArch, device: torch.device, where: str) -> bool:
@@ -162,20 +166,24 @@ def scale_region(region: Region) -> Region | None:
             return None
 
 
-def keep_fp8(model: nn.Module, kept: frozenset[str]) -> None:
+def keep_fp8(model: nn.Module, kept: frozenset[str], pow2: bool) -> None:
     """Make each kept parameter of the meta `model` fp8, with its float32 scales beside it: an
     nn.Linear becomes an Fp8Linear, a module's FP8_PARAMS get `P_scale_inv` [..., ceil(rows /
     128), ceil(cols / 128)], which its parts' scales tile: each starts on a block boundary
-    (`plan_fp8`), so only the last can end inside a block. The loader allocates them."""
+    (`plan_fp8`), so only the last can end inside a block. The loader allocates them. `pow2`
+    (a ue8m0 checkpoint): their products round the activation scales up to powers of two."""
     meta = torch.device("meta")
     for target in sorted(kept):
         owner, _, attr = target.rpartition(".")
         module = model.get_submodule(owner)
         if type(module) is nn.Linear:
             parent, _, child = owner.rpartition(".")
-            swapped = Fp8Linear(module.in_features, module.out_features, meta)
+            swapped = Fp8Linear(module.in_features, module.out_features, meta, pow2)
             setattr(model.get_submodule(parent), child, swapped)
             continue
+        if not hasattr(module, POW2_FLAG):
+            raise TypeError(f"{owner} lists FP8_PARAMS but has no {POW2_FLAG} to honour")
+        setattr(module, POW2_FLAG, pow2)
         shape = getattr(module, attr).shape  # [..., rows, cols]
         weight = torch.empty(shape, dtype=FP8_DTYPE, device=meta)
         blocks = (*shape[:-2], *scale_shape(shape[-2], shape[-1]))

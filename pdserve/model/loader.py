@@ -49,6 +49,7 @@ from pdserve.model.deepseek_v32 import DeepseekV32ForCausalLM
 from pdserve.model.fp8_weights import Fp8Plan, is_fp8_param, keep_fp8, keeps_fp8, plan_fp8
 from pdserve.model.gguf_file import GGUFFile, find_gguf, open_gguf
 from pdserve.model.llama import CausalLM, rope_inv_freq
+from pdserve.model.quant_config import ScaleFormat
 from pdserve.model.quantized import BlockScale, dequantize, e8m0_values, take_scales
 from pdserve.model.safetensors_file import (
     OpenFiles,
@@ -163,9 +164,9 @@ def load_model(
             packed[n] = f"{s.fmt.value} stored as {stored[n].dtype} {stored[n].shape}"
     placements, _ = _plan(model, shapes, arch, str(path), packed)
     fp8 = None
-    if keeps_fp8(quantization, arch, device, str(path)):
+    if keeps_fp8(quantization, arch, device, str(path)) and arch.quant is not None:
         fp8 = plan_fp8(model, placements, scales, quantization, str(path))
-        keep_fp8(model, fp8.kept)
+        keep_fp8(model, fp8.kept, arch.quant.scale_fmt is ScaleFormat.UE8M0)
     model = allocate(model, dtype, device)
     params = dict(model.named_parameters())
     copy_placements(stored, placements, params, scales, _shards(model), fp8)

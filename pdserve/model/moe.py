@@ -79,7 +79,8 @@ class Experts(nn.Module):
     """The routed experts, stacked (HF's DeepseekV3Experts parameter names). When the loader
     keeps them fp8 (model/fp8_weights.py: both or neither), both are float8_e4m3fn with float32
     block scales beside them (`P_scale_inv` [E, rows / 128, cols / 128]) and multiply as
-    kernels/fp8_blocks.py says."""
+    kernels/fp8_blocks.py says; `fp8_pow2_scales` (set by the loader for ue8m0 checkpoints)
+    rounds the activations' group scales up to powers of two, fused or looped."""
 
     FP8_PARAMS = ("gate_up_proj", "down_proj")  # what the loader may keep fp8
 
@@ -92,6 +93,7 @@ class Experts(nn.Module):
         self.down_proj_scale_inv: nn.Parameter | None
         self.register_parameter("gate_up_proj_scale_inv", None)
         self.register_parameter("down_proj_scale_inv", None)
+        self.fp8_pow2_scales: bool = False
 
     def forward(
         self,
@@ -102,7 +104,7 @@ class Experts(nn.Module):
         if ops.fused_moe_applies(x):  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
             return ops.fused_moe(
                 x, ids, weights, self.gate_up_proj, self.down_proj,
-                self.gate_up_proj_scale_inv, self.down_proj_scale_inv,
+                self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_pow2_scales,
             )  # fmt: skip
         return self.loop(x, ids, weights)
 
@@ -117,7 +119,8 @@ class Experts(nn.Module):
         each expert's products are block-scaled, h is quantised before the down product."""
         out = torch.zeros_like(x)
         up_scale, down_scale = self.gate_up_proj_scale_inv, self.down_proj_scale_inv
-        xq, xs = fp8_blocks.act_quant(x) if up_scale is not None else (x, x)
+        pow2 = self.fp8_pow2_scales
+        xq, xs = fp8_blocks.act_quant(x, pow2=pow2) if up_scale is not None else (x, x)
         # One host read per layer: which experts any token chose, in index order.
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)  # the tokens routed to e, and at which rank
@@ -128,7 +131,7 @@ class Experts(nn.Module):
                 g = fp8_blocks.block_linear(
                     xq[token], xs[token], self.gate_up_proj[e], up_scale[e], x.dtype
                 )  # [n, 2I]
-                h = fp8_blocks.linear(ops.silu_mul(g), self.down_proj[e], down_scale[e])
+                h = fp8_blocks.linear(ops.silu_mul(g), self.down_proj[e], down_scale[e], pow2)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out
 

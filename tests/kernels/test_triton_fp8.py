@@ -4,15 +4,17 @@
 Without a GPU the kernels run in Triton's CPU interpreter (tests/conftest.py sets
 TRITON_INTERPRET), at small shapes whose last 128-blocks are cut short. The reference always
 runs on the CPU (on CUDA torch divides by a Python scalar as a multiply by its reciprocal).
-act_quant is compared bit for bit. block_linear's float32 output agrees with the reference's
-to float32 rounding under the interpreter (only the order of a K block's sum differs); on a
-GPU the fp8 tensor cores sum each K block in reduced precision, so the bound there is
-looser. bfloat16 outputs agree to one bfloat16 rounding (the interpreter truncates to it).
+act_quant is compared bit for bit, with its scales as they are and rounded up to powers of
+two (`pow2`, DeepSeek's ue8m0 checkpoints). block_linear's float32 output agrees with the
+reference's to float32 rounding under the interpreter (only the order of a K block's sum
+differs); on a GPU the fp8 tensor cores sum each K block in reduced precision, so the bound
+there is looser. bfloat16 outputs agree to one bfloat16 rounding (the interpreter truncates to it).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 
 import pytest
@@ -124,6 +126,49 @@ def test_act_quant_rounds_ties_to_even_and_subnormals():
     assert_same_bits(triton_fp8.act_quant(x.to(DEVICE)), want)
 
 
+def pow2_above(s: float) -> float:
+    """The power of two at or above s > 0, by frexp (s = m * 2**e, m in [0.5, 1)): exact."""
+    m, e = math.frexp(s)
+    return 2.0 ** (e - 1) if m == 0.5 else 2.0**e
+
+
+@pytest.mark.parametrize("k", [64, 200, 1100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pow2_act_quant_equals_the_reference_bit_for_bit(k, dtype):
+    """Every scale the plain one rounded up to a power of two (frexp's, not the bit trick's),
+    and the kernel's bits equal to the reference's."""
+    x = activations(k, dtype)
+    want = fp8_blocks.act_quant(x, pow2=True)
+    plain = fp8_blocks.act_quant(x)[1].flatten().tolist()
+    assert want[1].flatten().tolist() == [pow2_above(s) for s in plain]
+    assert_same_bits(triton_fp8.act_quant(x.to(DEVICE), pow2=True), want)
+
+
+def test_pow2_scales_at_powers_of_two_and_either_side():
+    """Groups whose largest magnitude is 448 * 2**j (a scale of exactly 2**j, which stays), a
+    float32 step above it (the next power), a step below (2**j again), and the groups whose
+    amax is clamped to MIN_AMAX (all zeros, 1e-12s, a subnormal): 2**-42, the power above
+    MIN_AMAX / 448. The other values of a group spread below its largest, so x / s rounds."""
+    rows = []
+    for j in (-20, -3, 0, 5):
+        top = torch.tensor(fp8_blocks.FP8_MAX * 2.0**j)
+        rows += [top, top.nextafter(torch.tensor(math.inf)), top.nextafter(torch.zeros(()))]
+    tops = torch.stack(rows + [torch.tensor(0.0), torch.tensor(1e-12), torch.tensor(1e-40)])
+    g = torch.Generator().manual_seed(17)
+    x = (torch.rand(len(tops), B, generator=g) * 2 - 1) * tops[:, None]
+    x[:, 5] = tops
+    x[::2, 9] = -tops[::2]  # the largest magnitude negative too
+    x = x.reshape(1, -1)
+    q, scale = fp8_blocks.act_quant(x, pow2=True)
+    want = []
+    for j in (-20, -3, 0, 5):
+        want += [2.0**j, 2.0 ** (j + 1), 2.0**j]
+    assert scale.flatten().tolist() == want + [2.0**-42] * 3
+    assert_same_bits(triton_fp8.act_quant(x.to(DEVICE), pow2=True), (q, scale))
+    plain_q, plain_scale = fp8_blocks.act_quant(x)
+    assert not torch.equal(plain_scale, scale) and not torch.equal(plain_q.float(), q.float())
+
+
 def test_act_quant_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="act_quant"):
         triton_fp8.act_quant(torch.zeros(4, 256, device=DEVICE).t())  # stride 4 in K
@@ -149,6 +194,23 @@ def test_block_linear_equals_the_reference(m, o, k, out_dtype):
     for config in CONFIGS:
         got = triton_fp8.block_linear(*on(x_q, x_s, w, w_s), out_dtype, config)
         assert_matches(got, want)
+
+
+@pytest.mark.parametrize("o, k", SHAPES)
+def test_pow2_linear_equals_the_reference(o, k):
+    """linear with power-of-two activation scales: the reference's product, and not the plain
+    one (whose scales differ: a kernel that dropped pow2 would fail)."""
+    x = blocky(5, k, seed=18)
+    w, w_s = weight(o, k)
+    want = fp8_blocks.linear(x, w, w_s, pow2=True)
+    assert torch.equal(
+        want, fp8_blocks.block_linear(*fp8_blocks.act_quant(x, pow2=True), w, w_s, torch.float32)
+    )
+    for config in CONFIGS:
+        assert_matches(triton_fp8.linear(*on(x, w, w_s), config, pow2=True), want)
+    plain = triton_fp8.linear(*on(x, w, w_s))
+    err = float((plain.cpu() - want).abs().max() / want.abs().max())
+    assert err > 100 * BOUND[torch.float32], err
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
@@ -230,14 +292,16 @@ def test_config_rule():
 # ---------------------------------------------------------------- ops.fp8_linear
 
 
-def test_fp8_linear_takes_triton_on_cuda_or_when_forced(monkeypatch):
-    """Which path ran is watched, not guessed from the numbers; both give the reference's."""
-    taken: list[str] = []
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_linear_takes_triton_on_cuda_or_when_forced(monkeypatch, pow2):
+    """Which path ran, and the pow2 it was given, are watched, not guessed from the numbers;
+    both give the reference's."""
+    taken: list[tuple[str, bool]] = []
 
     def spy(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def run(*args: torch.Tensor) -> torch.Tensor:
-            taken.append(name)
-            return fn(*args)
+        def run(*args: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+            taken.append((name, kwargs.get("pow2", False)))
+            return fn(*args, **kwargs)
 
         return run
 
@@ -245,19 +309,19 @@ def test_fp8_linear_takes_triton_on_cuda_or_when_forced(monkeypatch):
     monkeypatch.setattr(fp8_blocks, "linear", spy("torch", fp8_blocks.linear))
     x = blocky(5, 200, seed=13).bfloat16()
     w, w_s = weight(300, 200)
-    want = fp8_blocks.block_linear(*fp8_blocks.act_quant(x), w, w_s, torch.bfloat16)
+    want = fp8_blocks.block_linear(*fp8_blocks.act_quant(x, pow2=pow2), w, w_s, torch.bfloat16)
     xd, wd, w_sd = on(x, w, w_s)
     monkeypatch.delenv(ops.FP8_TRITON_ENV, raising=False)
-    assert_matches(ops.fp8_linear(xd, wd, w_sd), want)
-    assert taken == ["triton" if DEVICE == "cuda" else "torch"]
+    assert_matches(ops.fp8_linear(xd, wd, w_sd, pow2), want)
+    assert taken == [("triton" if DEVICE == "cuda" else "torch", pow2)]
     for forced, path in (("1", "triton"), ("0", "torch")):
         monkeypatch.setenv(ops.FP8_TRITON_ENV, forced)
         taken.clear()
-        assert_matches(ops.fp8_linear(xd, wd, w_sd), want)
-        assert taken == [path]
+        assert_matches(ops.fp8_linear(xd, wd, w_sd, pow2), want)
+        assert taken == [(path, pow2)]
     monkeypatch.setenv(ops.FP8_TRITON_ENV, "1")
     strided = xd.t().contiguous().t()  # unit stride along N, not K
-    assert_matches(ops.fp8_linear(strided, wd, w_sd), want)
+    assert_matches(ops.fp8_linear(strided, wd, w_sd, pow2), want)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")

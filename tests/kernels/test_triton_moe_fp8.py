@@ -2,7 +2,8 @@
 through kernels/triton_moe.fused_moe) against the block-scaled loop it must equal: x quantised
 once per token per group of 128, each expert's gate-up product block-scaled, silu * up in the
 model's dtype, h quantised the same way, the down product block-scaled, weighed, and summed per
-token in expert index order (`loop`, the oracle model/moe.py's loop follows for fp8 experts).
+token in expert index order (`loop`, the oracle model/moe.py's loop follows for fp8 experts);
+with `pow2` (ue8m0 checkpoints) x's and h's group scales rounded up to powers of two.
 
 Without a GPU the kernels run in Triton's CPU interpreter, where a block's e4m3 products are
 exact and summed in float32, as the oracle sums them: float32 agrees to rounding. Except where
@@ -29,7 +30,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from pdserve.attention.triton_common import interpreted  # noqa: E402
-from pdserve.kernels import fp8_blocks, reference, triton_moe, triton_moe_fp8  # noqa: E402
+from pdserve.kernels import fp8_blocks, ops, reference, triton_moe, triton_moe_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreted(triton_moe_fp8._gate_up_kernel):
@@ -90,19 +91,19 @@ def unsteady_rows(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def loop(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex: Experts
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex: Experts, pow2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: (out [N, H] in x's dtype, [N] bool: the tokens with an unsteady h)."""
     out = torch.zeros_like(x)
     unsteady = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    xq, xs = fp8_blocks.act_quant(x)  # once: every expert of a token reads the same
+    xq, xs = fp8_blocks.act_quant(x, pow2=pow2)  # once: every expert of a token reads the same
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
         g = fp8_blocks.block_linear(
             xq[token], xs[token], ex.gate_up[e], ex.gate_up_scale[e], x.dtype
         )  # [n, 2I]
         h = reference.silu_mul(g)  # [n, I]
-        hq, hs = fp8_blocks.act_quant(h)
+        hq, hs = fp8_blocks.act_quant(h, pow2=pow2)
         unsteady[token] |= unsteady_rows(h, hs)
         y = fp8_blocks.block_linear(hq, hs, ex.down[e], ex.down_scale[e], x.dtype)  # [n, H]
         out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
@@ -115,10 +116,11 @@ def fused(
     weights: torch.Tensor,
     ex: Experts,
     config: triton_moe.Config | None = None,
+    pow2: bool = False,
 ) -> torch.Tensor:
     return triton_moe.fused_moe(
         x, ids, weights, ex.gate_up, ex.down, config,
-        gate_up_scale=ex.gate_up_scale, down_scale=ex.down_scale,
+        gate_up_scale=ex.gate_up_scale, down_scale=ex.down_scale, pow2=pow2,
     )  # fmt: skip
 
 
@@ -128,12 +130,13 @@ def check(
     weights: torch.Tensor,
     ex: Experts,
     config: triton_moe.Config | None = None,
+    pow2: bool = False,
 ) -> None:
     """The fused experts equal the loop: each token's row within TIGHT of the largest output
     where the sums are float32 throughout and its h is steady, else within LOOSE."""
     x, ids, weights = x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)
-    got = fused(x, ids, weights, ex, config)
-    want, unsteady = loop(x, ids, weights, ex)
+    got = fused(x, ids, weights, ex, config, pow2)
+    want, unsteady = loop(x, ids, weights, ex, pow2)
     assert got.dtype == want.dtype and got.shape == want.shape
     scale = want.float().abs().max().clamp_min(1e-6)
     row_err = (got.float() - want.float()).abs().amax(dim=1) / scale  # [N]
@@ -158,6 +161,22 @@ def test_fp8_experts_equal_the_block_scaled_loop(dtype, hidden, inter, n):
     block. 1 token: six experts get none; 40: 80 assignments, not a multiple of the block."""
     ids, w = routing(n, seed=n)
     check(tokens(n, hidden, dtype, seed=n + 1), ids, w, experts(hidden, inter, seed=inter))
+
+
+@pytest.mark.parametrize("n", [7, 40])
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (192, 192)])
+def test_pow2_scales_equal_the_pow2_loop(hidden, inter, n):
+    """Power-of-two scales for x and h (ue8m0 checkpoints): the fused experts equal the loop
+    that rounds them so, whose outputs are not the plain loop's (at several times LOOSE, so
+    a kernel that dropped pow2 for x or for h fails)."""
+    ids, w = routing(n, seed=n + 20)
+    x = tokens(n, hidden, torch.float32, seed=n + 21)
+    ex = experts(hidden, inter, seed=inter + 22)
+    check(x, ids, w, ex, pow2=True)
+    xd, idsd, wd = x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
+    want = loop(xd, idsd, wd, ex, pow2=True)[0]
+    plain = loop(xd, idsd, wd, ex)[0]
+    assert (plain - want).abs().max() > 0.5 * LOOSE * want.abs().max()
 
 
 def test_tiles_that_straddle_scale_blocks():
@@ -282,9 +301,11 @@ def test_on_cuda_no_host_sync_and_a_cuda_graph_replays_new_routing():
         assert torch.equal(out, fused(static_x, static_ids, static_w, ex))
 
 
-def test_the_models_cpu_loop_is_this_oracle() -> None:
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_models_cpu_loop_is_this_oracle(pow2: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """model/moe.py's `Experts.loop` with fp8 experts (the CPU's path) computes the oracle's
-    bits, so the fused kernel held to the oracle is held to the model."""
+    bits, with its `fp8_pow2_scales` as the oracle's pow2, so the fused kernel held to the
+    oracle is held to the model; and its forward passes the flag to the fused kernel."""
     from torch import nn
 
     from pdserve.model.deepseek_config import MoEArch
@@ -304,7 +325,13 @@ def test_the_models_cpu_loop_is_this_oracle() -> None:
         strict=True,
     ):
         setattr(model, name, nn.Parameter(t.cpu(), requires_grad=False))
+    model.fp8_pow2_scales = pow2
     x = tokens(23, hidden, torch.float32)
     ids, weights = routing(23)
-    want, _ = loop(x, ids, weights, Experts(*(t.cpu() for t in ex)))
+    on_cpu = Experts(*(t.cpu() for t in ex))
+    want, _ = loop(x, ids, weights, on_cpu, pow2)
     assert torch.equal(model.loop(x, ids, weights), want)
+    assert not torch.equal(loop(x, ids, weights, on_cpu, not pow2)[0], want)
+    monkeypatch.setenv(ops.FUSED_MOE_ENV, "1")
+    xd, idsd, wd = x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)
+    assert torch.equal(model.to(DEVICE)(xd, idsd, wd), fused(xd, idsd, wd, ex, None, pow2))

@@ -3,8 +3,9 @@ keeps, their scales' placement, and greedy parity of the engine's fp8 path with 
 
 The oracle: HF transformers' DeepSeek-V3 on the dequantised weights, each kept projection's
 input quantised per 128-value group and dequantised again before its product (DeepSeek's fp8
-inference, written as fake quantisation). pdserve multiplies the e4m3 values with scales
-applied per block: the same values, summed in another order.
+inference, written as fake quantisation; for a "scale_fmt": "ue8m0" checkpoint, V3.1's and
+V3.2's, with the group scales rounded up to powers of two). pdserve multiplies the e4m3 values
+with scales applied per block: the same values, summed in another order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdserve.model.builtin_weights import FP8_QUANTIZATION_CONFIG, fp8_checkpoin
 from pdserve.model.config import ModelConfigError
 from pdserve.model.fp8_linear import Fp8Linear
 from pdserve.model.loader import load_model
+from pdserve.model.moe import Experts
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 
@@ -62,6 +64,19 @@ def v32_fp8_dir(builtin_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """deepseek-v32-tiny in fp8: its indexer's wq_b and wk kept fp8 too; its experts (64 rows
     wide, so up starts inside gate's block) and dense MLP stay dequantised."""
     return fp8_copy(builtin_dir("deepseek-v32-tiny"), tmp_path_factory.mktemp("v32") / "fp8")
+
+
+@pytest.fixture(scope="module")
+def ue8m0_dir(fp8_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """deepseek-v3-fp8-tiny as a V3.1-style checkpoint: "scale_fmt": "ue8m0". Its weight
+    scales stay the float32 ones (DeepSeek's are powers of two too, which the loader does not
+    ask of them); what changes is how the activations are quantised."""
+    dst = tmp_path_factory.mktemp("ue8m0") / "fp8"
+    shutil.copytree(fp8_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {**cfg["quantization_config"], "scale_fmt": "ue8m0"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def dequantised_copy(src: Path, dst: Path) -> Path:
@@ -145,6 +160,22 @@ def test_a_module_whose_parts_straddle_blocks_stays_dequantised(v32_fp8_dir: Pat
     assert params[a + "indexer.weights_proj.weight"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_ue8m0_checkpoints_quantise_activations_with_power_of_two_scales(
+    ue8m0: bool, fp8_dir: Path, ue8m0_dir: Path
+) -> None:
+    """Every product kept fp8 is flagged: each Fp8Linear and the fp8 experts, pow2 exactly
+    when the checkpoint says "scale_fmt": "ue8m0"."""
+    model = load_model(ue8m0_dir if ue8m0 else fp8_dir, torch.float32, CPU, quantization="fp8")
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert len(linears) == 4 * 3 + 2 + 2 * 2 and len(experts) == 2  # as kept above
+    assert all(e.down_proj.dtype == fp8_blocks.FP8_DTYPE for e in experts)
+    assert [m.pow2_scales for m in linears] == [ue8m0] * len(linears)
+    assert [e.fp8_pow2_scales for e in experts] == [ue8m0] * len(experts)
+    assert f"pow2_scales={ue8m0}" in repr(linears[0])
+
+
 def test_quantization_choices_are_checked(fp8_dir: Path, builtin_dir, tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="not block-quantised"):
         load_model(builtin_dir("deepseek-v3-tiny"), torch.float32, CPU, quantization="fp8")
@@ -161,10 +192,11 @@ def test_quantization_choices_are_checked(fp8_dir: Path, builtin_dir, tmp_path: 
     assert all(p.dtype == torch.float32 for p in plain.parameters())
 
 
-def fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """x quantised per 128-value group of its last dim and dequantised: DeepSeek's activations."""
+def fake_quant(x: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """x quantised per 128-value group of its last dim and dequantised: DeepSeek's activations
+    (`pow2`: their scales rounded up to powers of two, as for a ue8m0 checkpoint)."""
     flat = x.reshape(-1, x.shape[-1])
-    q, s = fp8_blocks.act_quant(flat)
+    q, s = fp8_blocks.act_quant(flat, pow2=pow2)
     k = flat.shape[1]
     return (q.float() * s.repeat_interleave(fp8_blocks.BLOCK, 1)[:, :k]).view(x.shape).to(x.dtype)
 
@@ -180,10 +212,13 @@ def kept_in_hf(path: Path) -> set[str]:
     }
 
 
-def hf_fp8_logprobs(path: Path, prompts: list[list[int]], kept: set[str]) -> torch.Tensor:
+def hf_fp8_logprobs(
+    path: Path, prompts: list[list[int]], kept: set[str], pow2: bool = False
+) -> torch.Tensor:
     """HF's log-probability of each prompt's next token [P, T - 1], float32, the input of each
-    product with a weight named in `kept` fake-quantised: F.linear quantises it (a weight is
-    known by its storage: an expert's weight is a view of the stacked one)."""
+    product with a weight named in `kept` fake-quantised (with power-of-two scales: `pow2`):
+    F.linear quantises it (a weight is known by its storage: an expert's weight is a view of
+    the stacked one)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -197,7 +232,7 @@ def hf_fp8_logprobs(path: Path, prompts: list[list[int]], kept: set[str]) -> tor
 
     def fp8_linear(x, w, b=None):  # type: ignore[no-untyped-def]
         if w.untyped_storage().data_ptr() in quantised:
-            x = fake_quant(x)
+            x = fake_quant(x, pow2)
         return linear(x, w, b)
 
     ids = torch.tensor(prompts)
@@ -227,27 +262,37 @@ def engine_logprobs(path: Path, prompts: list[list[int]], quantization: str) -> 
     return torch.tensor([got[i] for i in range(len(prompts))])
 
 
-@pytest.mark.parametrize("which", ["v3", "v32"])
+@pytest.mark.parametrize("which", ["v3", "v32", "v3-ue8m0"])
 def test_the_fp8_path_equals_its_definition(
-    which: str, fp8_dir: Path, v32_fp8_dir: Path, tmp_path: Path
+    which: str, fp8_dir: Path, v32_fp8_dir: Path, ue8m0_dir: Path, tmp_path: Path
 ) -> None:
     """fp8 rounding is a step function: where the two sides' float32 inputs differ by an ulp
     across a rounding boundary, one value moves by an e4m3 step, and a routing choice or a
-    later position may follow. So most positions, not all, agree to float32 noise; the
-    dequantised path agrees at none (the quantisation is really applied)."""
-    path = fp8_dir if which == "v3" else v32_fp8_dir  # V3.2: prompts past its top-k of 12
+    later position may follow, chaotically per prompt (hence eight prompts, so that one
+    prompt's early flip cannot sink the share). So most positions, not all, agree to float32
+    noise; the dequantised path agrees at none (the quantisation is really applied), and
+    neither does the definition with the other scale rule (plain vs power-of-two: the rule
+    is the checkpoint's)."""
+    # V3.2: prompts past its top-k of 12; ue8m0: V3-tiny as V3.1 stores it
+    path = {"v3": fp8_dir, "v32": v32_fp8_dir, "v3-ue8m0": ue8m0_dir}[which]
+    pow2 = which.endswith("ue8m0")
     g = torch.Generator().manual_seed(8)
-    prompts = torch.randint(3, 4000, (4, 40), generator=g).tolist()
+    prompts = torch.randint(3, 4000, (8, 40), generator=g).tolist()
     dequantised = dequantised_copy(path, tmp_path / "deq")
-    want = hf_fp8_logprobs(dequantised, prompts, kept_in_hf(path))
-    ours = (engine_logprobs(path, prompts, "fp8") - want).abs()
-    plain = (engine_logprobs(path, prompts, "none") - want).abs()
+    kept = kept_in_hf(path)
+    want = hf_fp8_logprobs(dequantised, prompts, kept, pow2)
+    fp8 = engine_logprobs(path, prompts, "fp8")
+    ours = (fp8 - want).abs()
+    none = engine_logprobs(path, prompts, "none")
+    plain = (none - want).abs()
+    other_rule = (fp8 - hf_fp8_logprobs(dequantised, prompts, kept, not pow2)).abs()
     assert (ours < 1e-3).float().mean() >= 0.5, ours
     assert ours.median() < 1e-4
     assert (plain < 1e-3).float().mean() <= 0.05, plain
+    assert (other_rule < 1e-3).float().mean() <= 0.05, other_rule
     # and the dequantised path is HF's plain model, to float32 noise
     exact = hf_fp8_logprobs(dequantised, prompts, set())
-    assert (engine_logprobs(path, prompts, "none") - exact).abs().max() < 1e-3
+    assert (none - exact).abs().max() < 1e-3
 
 
 def test_fp8_greedy_decoding_runs_chunked_or_not(fp8_dir: Path) -> None:
