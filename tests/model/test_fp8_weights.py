@@ -305,3 +305,22 @@ def test_fp8_greedy_decoding_runs_chunked_or_not(fp8_dir: Path) -> None:
     out = generate(chunked, prompts, params)
     assert out == generate(whole, prompts, params)
     assert [len(o) for o in out] == [NEW_TOKENS] * len(prompts)
+
+
+def test_the_quantization_flag_reaches_the_model_spec_and_launch_passes_it_on(
+    fp8_dir: Path,
+) -> None:
+    import argparse
+
+    from pdserve import launch
+    from pdserve.engine_flags import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", str(fp8_dir), "--device", "cpu", "--quantization", "none"])
+    assert engine_config(args).model.quantization == "none"
+    argv = launch.engine_flags(args)  # what `pdserve launch` gives each worker
+    assert argv[argv.index("--quantization") + 1] == "none"
+    assert engine_config(p.parse_args(["--model", str(fp8_dir)])).model.quantization == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "int4"])
