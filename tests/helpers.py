@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -57,6 +58,20 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def split_counter(backend: Any) -> list[int]:
+    """Each split step's decode count, per layer (attention/mla_backend.py `split`)."""
+    split, decodes = backend.split, []
+
+    def counted(metadata: Any) -> Any:
+        parts = split(metadata)
+        if parts is not None:
+            decodes.append(parts.decodes)
+        return parts
+
+    backend.split = counted
+    return decodes
 
 
 def join_as_member(sock: zmq.Socket[bytes], key: ClusterKey) -> zmq.Socket[bytes]:

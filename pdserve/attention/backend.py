@@ -11,7 +11,8 @@ expanded form) uses the generic pair of a `GatherBackend` instead: `store` write
 buffer's new tokens (any buffer of the layout, e.g. "latent") and `gather` hands back each
 sequence's whole causal context of that buffer, padded, with the index that says which keys
 each new token sees (`CausalContext`); the model then attends itself. A `LatentDecodeBackend`
-also attends a step of decodes over the latent buffer in MLA's absorbed form.
+also attends a step of decodes over the latent buffer in MLA's absorbed form, and splits a step
+of decodes and prompt chunks so that its decodes do too (`split`).
 
 Per step the runner calls `prepare(batch)` once; every layer then reuses its result (the
 metadata), so per-step work (page tables, masks, index arithmetic) is never repeated per
@@ -21,7 +22,7 @@ layer. A backend keeps the pool's per-layer KV views from construction on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -118,6 +119,15 @@ class CausalContext:
         return self.index.unpad(y)
 
 
+class StepSplit(NamedTuple):
+    """A step of decodes and prompt chunks, as two steps' metadata (`LatentDecodeBackend.split`).
+    The decodes lead the step (attention/batch.py), so its first `decodes` tokens are theirs."""
+
+    decodes: int  # the step's first `decodes` sequences and tokens: its decodes
+    decode: Any  # their metadata: `absorbs` holds, the latent verbs serve those rows
+    rest: Any  # the other sequences' (tokens numbered from 0): `gather` pads only them
+
+
 @runtime_checkable
 class GatherBackend(Protocol):
     """The generic pair of a backend that can serve attention a model computes itself: today
@@ -158,6 +168,13 @@ class LatentDecodeBackend(GatherBackend, Protocol):
     def absorbs(self, metadata: Any) -> bool:
         """Whether this step's latent attention runs absorbed (`attend_latent`): a step of
         decodes only. Else the model gathers and attends in the expanded form."""
+        ...
+
+    def split(self, metadata: Any) -> StepSplit | None:
+        """A step of decodes and prompt chunks in two (None for any other step): the decodes
+        attend absorbed with `decode`, the rest expanded with `rest`, so that `gather` pads
+        only the prompts' sequences. Each part's `store` writes that part's tokens only; the
+        whole step's metadata stores every token's (one call for the latents)."""
         ...
 
     def attend_latent(

@@ -105,6 +105,31 @@ class Batch:
     def host_query_len(self, b: int) -> int:
         return self.host_query_start[b + 1] - self.host_query_start[b]
 
+    def sequences_from(self, first: int) -> Batch:
+        """Sequences `first`.. as a Batch of their own (their tokens renumbered from 0), for
+        attention metadata over part of a step (attention/mla_backend.py: a mixed step's prompt
+        chunks apart from its decodes). Views and one device subtraction, no device read;
+        without samples or `extra` (attention reads neither)."""
+        if not 0 <= first < self.num_seqs:
+            raise ValueError(f"sequences from {first} of a batch of {self.num_seqs}")
+        t0 = self.host_query_start[first]
+        return Batch(
+            input_ids=self.input_ids[t0:],
+            positions=self.positions[t0:],
+            slot_mapping=self.slot_mapping[t0:],
+            query_start=self.query_start[first:] - t0,
+            query_lens=self.query_lens[first:],
+            kv_lens=self.kv_lens[first:],
+            page_table=self.page_table[first:],
+            sample_indices=self.sample_indices[:0],
+            num_decodes=max(self.num_decodes - first, 0),
+            page_size=self.page_size,
+            host_query_start=tuple(q - t0 for q in self.host_query_start[first:]),
+            host_kv_lens=self.host_kv_lens[first:],
+            host_state_slots=self.host_state_slots[first:],
+            host_state_resumes=self.host_state_resumes[first:],
+        )
+
 
 class BatchBuilder:
     """Builds each step's Batch and uploads it through one persistent `Staging`.

@@ -1,13 +1,17 @@
-"""The `triton` backend of a latent-attention pool (DeepSeek-V3's MLA): a step of decodes only
-is attended in MLA's absorbed form by a Triton kernel over the latent pages
-(attention/triton_mla_decode.py); everything else is the torch backend's (it is one): the
-generic store/gather pair, through which the model attends prefill and mixed steps in the
-expanded form (model/mla.py).
+"""The `triton` backend of a latent-attention pool (DeepSeek-V3's MLA): decodes are attended in
+MLA's absorbed form by a Triton kernel over the latent pages (attention/triton_mla_decode.py);
+everything else is the torch backend's (it is one): the generic store/gather pair, through
+which the model attends prompt chunks in the expanded form (model/mla.py).
 
 Invariants:
 - `prepare` adds to the torch backend's metadata, for a step whose sequences are all decodes,
   the rows' lengths and page table (views of the Batch's staged upload, no device read) and
   the split count, chosen once per step from the longest row and shared by every layer.
+- A mixed step (decodes, then prompt chunks) is two steps' metadata (`split`): its decodes'
+  as above, their page table narrowed to their own longest row, and the torch backend's of
+  the prompt sequences alone (`Batch.sequences_from`), so that the expanded gather pads and
+  expands only those; the whole step's keeps every token's slots (one store of the latents)
+  and no causal index, so nothing can gather every sequence of it by mistake.
 - The split-KV scratch is a per-backend float32 buffer that only grows, reused by every layer
   and step (each layer's reduce has consumed it before the next layer's decode writes it: one
   stream).
@@ -27,7 +31,7 @@ from enum import Enum
 
 import torch
 
-from pdserve.attention.backend import AttentionShape
+from pdserve.attention.backend import AttentionShape, StepSplit
 from pdserve.attention.batch import Batch
 from pdserve.attention.decode_bucket import DecodeBuffers, device_sms, fill_decode_bucket
 from pdserve.attention.torch_backend import FP8, TorchBackend, TorchMetadata, gather_pages
@@ -46,7 +50,8 @@ class LatentKernel(Enum):
 
 @dataclass(frozen=True)
 class LatentDecode:
-    """A step of decodes only: row r is sequence r and token r."""
+    """The decodes of a step (all of it, or a mixed step's first rows): row r is sequence r
+    and token r."""
 
     kv_lens: torch.Tensor  # [rows] int32
     page_table: torch.Tensor  # [rows, width] int32
@@ -59,6 +64,7 @@ class LatentDecode:
 class MLAMetadata(TorchMetadata):
     decode: LatentDecode | None = None  # set: the step's latent attention runs absorbed
     slots: torch.Tensor | None = None  # [T] int32, -1 to skip: a graph bucket's store
+    parts: StepSplit | None = None  # set: a mixed step, as its decodes' and the rest's metadata
 
 
 def latent_decode_torch(
@@ -87,6 +93,10 @@ def latent_decode_torch(
     scores = scores.masked_fill(~seen[:, None, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
     return (probs @ c).masked_fill((kv_lens == 0)[:, None, None], 0)
+
+
+def _widen(meta: TorchMetadata, decode: LatentDecode | None) -> MLAMetadata:
+    return MLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, decode=decode)
 
 
 class MLABackend(TorchBackend):
@@ -119,15 +129,36 @@ class MLABackend(TorchBackend):
         self._scratch = torch.empty(0, dtype=torch.float32, device=pool.device)
 
     def prepare(self, batch: Batch) -> MLAMetadata:
+        nd = batch.num_decodes
+        if 0 < nd < batch.num_seqs:
+            return self._mixed(batch)
         meta = super().prepare(batch)
         decode = None
-        if batch.num_decodes == batch.num_seqs:
+        if nd == batch.num_seqs:
             splits = self._splits(batch.num_seqs, max(batch.host_kv_lens))
             decode = LatentDecode(batch.kv_lens, batch.page_table, splits)
-        return MLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, decode=decode)
+        return _widen(meta, decode)
+
+    def _mixed(self, batch: Batch) -> MLAMetadata:
+        """A step's decodes (absorbed) and its prompt chunks (expanded), apart (module doc)."""
+        nd, ps = batch.num_decodes, batch.page_size
+        slots = batch.slot_mapping.long()  # [T]
+        new_slots = (slots // ps, slots % ps)
+        longest = max(batch.host_kv_lens[:nd])
+        decode = LatentDecode(
+            batch.kv_lens[:nd],
+            batch.page_table[:nd, : -(-longest // ps)],
+            self._splits(nd, longest),
+        )
+        decodes = MLAMetadata((new_slots[0][:nd], new_slots[1][:nd]), nd, [], [], decode=decode)
+        rest = _widen(super().prepare(batch.sequences_from(nd)), None)
+        return MLAMetadata(new_slots, nd, [], [], parts=StepSplit(nd, decodes, rest))
 
     def absorbs(self, metadata: MLAMetadata) -> bool:
         return metadata.decode is not None
+
+    def split(self, metadata: MLAMetadata) -> StepSplit | None:
+        return metadata.parts
 
     def attend_latent(
         self,
@@ -186,7 +217,10 @@ class MLABackend(TorchBackend):
     @staticmethod
     def _decode(metadata: MLAMetadata) -> LatentDecode:
         if metadata.decode is None:
-            raise ValueError("a latent decode verb on a step with prefill chunks (absorbs())")
+            raise ValueError(
+                "a latent decode verb on a step with prompt chunks (absorbs(); a mixed step's "
+                "decodes have metadata of their own: split())"
+            )
         return metadata.decode
 
     def store(

@@ -14,9 +14,13 @@ A step of decodes only, on a backend that can (a `LatentDecodeBackend`: the `tri
 a latent pool, attention/mla_backend.py), runs the absorbed form instead (model/mla_absorbed.py):
 `kv_b_proj`'s key half folded into the query, attention over the cached latents themselves, its
 value half applied to the result; mathematically the same, and the decode no longer expands
-every cached latent every step. Prefill and mixed steps stay expanded (compute-bound there:
+every cached latent every step. Prompt chunks stay expanded (compute-bound there:
 model/mla_absorbed.py says why), and so does every step on the `torch` backend (the CPU's), and
 V3.2's decodes attend absorbed only to the indexer's picks (model/deepseek_v32.py `absorbed`).
+A step of decodes and prompt chunks is split by the backend (`split`): its leading decode rows
+attend absorbed, the rest expanded over the prompts' sequences alone (the expansion costs
+context x heads x (nope + v) per sequence gathered, ~0.5 GB a layer for a 4K-token decode at
+V3's dims), and the two outputs are joined in token order before one o_proj.
 
 HF numerics: RoPE tables in float32 scaled by YaRN's attention factor; with `rope_interleave`
 the (even, odd) pairs are rotated and written back as two halves, exactly as HF's
@@ -140,14 +144,73 @@ class MLAttention(nn.Module):
         latent = torch.cat((kv_nope.view(t, 1, -1), k_rot), dim=-1)  # [T, 1, R + P]
         backend = cast(GatherBackend, ctx.backend)  # checked once per step: the model's forward
         backend.store(self.layer_idx, LATENT, latent, ctx.metadata)
-        # A LatentDecodeBackend's verb, looked up: isinstance of the protocol costs ~10 us a layer.
+        # A LatentDecodeBackend's verbs, looked up: isinstance of the protocol costs ~10 us a layer.
         absorbs = getattr(backend, "absorbs", None)
-        if absorbs is not None and absorbs(ctx.metadata):
+        if absorbs is None:
+            out = self.expanded(x, q_resid, q_nope, q_rot, cos, sin, backend, ctx.metadata)
+        elif absorbs(ctx.metadata):
             absorbing = cast(LatentDecodeBackend, backend)
             out = self.absorbed(x, q_resid, q_nope, q_rot, cos, sin, absorbing, ctx.metadata)
-            return self.o_proj(out.reshape(t, h * m.v_head_dim))
-        context = backend.gather(self.layer_idx, LATENT, ctx.metadata)
-        seen = self.visible(x, q_resid, cos, sin, backend, ctx.metadata, context)  # [B, Q, L]
+        else:
+            absorbing = cast(LatentDecodeBackend, backend)
+            out = self.mixed(x, q_resid, q_nope, q_rot, cos, sin, absorbing, ctx.metadata)
+        return self.o_proj(out.reshape(t, h * m.v_head_dim))
+
+    def mixed(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the layer's normed input
+        q_resid: torch.Tensor | None,  # [T, q_lora_rank]
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rot: torch.Tensor,  # [T, H, P]: rotated
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: LatentDecodeBackend,
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """A step with prompt chunks: its decodes (if the backend splits it off) absorbed,
+        everything else expanded; the decodes lead the step, so rows :n are theirs."""
+        parts = backend.split(metadata)
+        if parts is None:
+            return self.expanded(x, q_resid, q_nope, q_rot, cos, sin, backend, metadata)
+        n, r = parts.decodes, q_resid
+        decoded = self.absorbed(
+            x[:n],
+            None if r is None else r[:n],
+            q_nope[:n],
+            q_rot[:n],
+            cos[:n],
+            sin[:n],
+            backend,
+            parts.decode,
+        )
+        prompted = self.expanded(
+            x[n:],
+            None if r is None else r[n:],
+            q_nope[n:],
+            q_rot[n:],
+            cos[n:],
+            sin[n:],
+            backend,
+            parts.rest,
+        )
+        return torch.cat((decoded, prompted))
+
+    def expanded(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the layer's normed input
+        q_resid: torch.Tensor | None,  # [T, q_lora_rank]
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rot: torch.Tensor,  # [T, H, P]: rotated
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: GatherBackend,
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """HF's eager attention over each sequence's whole causal context, every cached latent
+        through kv_b_proj; this step's latents are already stored."""
+        m, h, t = self.m, self.num_heads, x.shape[0]
+        context = backend.gather(self.layer_idx, LATENT, metadata)
+        seen = self.visible(x, q_resid, cos, sin, backend, metadata, context)  # [B, Q, L]
         cached = context.values[:, :, 0]  # [B, L, R + P]: each sequence's keys, padded
         b, length = cached.shape[:2]
         c_nope, c_rot = cached.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -160,7 +223,7 @@ class MLAttention(nn.Module):
         scores = scores.masked_fill(~seen[:, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)  # [B, Q, H, Dv]
-        return self.o_proj(context.unpad(out).reshape(t, h * m.v_head_dim))
+        return context.unpad(out).reshape(t, h, m.v_head_dim)
 
     def absorbed(
         self,

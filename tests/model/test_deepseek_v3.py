@@ -15,7 +15,7 @@ import torch
 from pdserve.engine.offline import build_engine, generate
 from pdserve.kvcache.layout import KVLayout
 from pdserve.protocol.sampling import SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, split_counter
 from tests.worker.wire import Wire, ended, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -76,6 +76,24 @@ def test_the_triton_backend_decodes_absorbed_and_matches_hf(ds_dir, prompts, hf_
     batch = [prompts[i] for i in picked]
     assert [generate(e, [p], GREEDY)[0] for p in batch] == [hf_ref[i] for i in picked]
     assert generate(e, batch, GREEDY) == [hf_ref[i] for i in picked]
+
+
+def test_mixed_steps_on_the_triton_backend_match_hf(ds_dir, prompts, hf_ref) -> None:
+    """Four prompts at most 6 tokens a step: later prompts' chunks share steps with earlier
+    ones' decodes, which attend absorbed while only the chunks' sequences are gathered and
+    expanded (`split`); HF's ids."""
+    e = engine(
+        ds_dir,
+        attention_backend="triton",
+        prefix_cache=False,
+        device=TRITON_DEVICE,
+        enforce_eager=True,
+        max_batched_tokens=6,
+    )
+    mixed = split_counter(e.runner.backend)
+    picked = [LENGTHS.index(n) for n in (3, 13, 25, 37)]
+    assert generate(e, [prompts[i] for i in picked], GREEDY) == [hf_ref[i] for i in picked]
+    assert mixed  # steps of decodes beside the next prompt's chunks, split
 
 
 def test_greedy_matches_hf_alone_and_16_at_once(ds_dir, prompts, hf_ref) -> None:

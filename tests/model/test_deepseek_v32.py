@@ -26,6 +26,7 @@ from pdserve.model.dsa_indexer import (
     select,
 )
 from pdserve.protocol.sampling import SamplingParams
+from tests.helpers import split_counter
 
 transformers = pytest.importorskip("transformers")
 hf_v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
@@ -127,6 +128,23 @@ def test_fp8_index_k_on_the_triton_backend_equals_the_torch_backend(ds_dir, prom
         enforce_eager=True,
     )  # fmt: skip
     assert generate(e, batch, GREEDY) == want
+
+
+def test_mixed_steps_on_the_triton_backend_match_hf(ds_dir, prompts, hf_ref) -> None:
+    """Four prompts (past index_topk) at most 6 tokens a step: later prompts' chunks share
+    steps with earlier ones' decodes, whose indexer scores and picks over their own sequences
+    only and which attend absorbed, while the chunks are gathered and expanded (`split`)."""
+    e = engine(
+        ds_dir,
+        attention_backend="triton",
+        device=TRITON_DEVICE,
+        enforce_eager=True,
+        max_batched_tokens=6,
+    )
+    mixed = split_counter(e.runner.backend)
+    picked = [LENGTHS.index(n) for n in (5, 13, 25, 40)]
+    assert generate(e, [prompts[i] for i in picked], GREEDY) == [hf_ref[i] for i in picked]
+    assert mixed  # steps of decodes beside the next prompt's chunks, split
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
