@@ -158,12 +158,8 @@ class Engine(RoleHosting):
         tp: TpLeader | None = None,
     ) -> Engine:
         dtype = getattr(torch, cfg.model.dtype)
-        if tp is None:
-            model = load_model(Path(cfg.model.path), dtype, device, None, cfg.model.quantization)
-        else:
-            model = load_model(
-                Path(cfg.model.path), dtype, device, tp.group, cfg.model.quantization
-            )
+        group = None if tp is None else tp.group  # tensor parallel: this rank's shard
+        model = load_model(Path(cfg.model.path), dtype, device, group, cfg.model.quantization)
         arch = model.arch
         if cfg.auto:  # the limits the user left to us, now that the weights are on the device
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
