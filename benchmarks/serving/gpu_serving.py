@@ -40,6 +40,7 @@ share is the engine's own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -54,6 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.serving.launched import engine_pid, wait_healthy  # noqa: E402
+from benchmarks.serving.mps import private_mps  # noqa: E402
 from benchmarks.serving.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
 from benchmarks.serving.sim_device import HOST_ENV, SIM_ENV  # noqa: E402
 from pdserve.engine_flags import engine_process_argv  # noqa: E402
@@ -69,7 +71,9 @@ def engine_flag(name: str) -> bool | None:
     return True if "-engproc" in name else False if "-inproc" in name else None
 
 
-def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
+def launch(
+    name: str, args: argparse.Namespace, port: int, out: Path, extra_env: dict[str, str]
+) -> subprocess.Popen[bytes]:
     topology = ["--prefill", "0", "--decode", "1"]
     if not name.startswith("colocated"):
         topology = ["--prefill", "1", "--decode", "1", "--backend", args.backend]
@@ -96,7 +100,7 @@ def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subproc
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.router_processes is not None:
         cmd += ["--router-processes", str(args.router_processes)]
-    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
+    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU), **extra_env}
     if args.sim_step_ms:
         env[SIM_ENV] = str(args.sim_step_ms)
         env[HOST_ENV] = str(args.sim_host_us)
@@ -263,6 +267,32 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
+def run_cluster(
+    name: str, proc: subprocess.Popen[bytes], port: int, args: argparse.Namespace, out: Path
+) -> list[dict[str, Any]]:
+    """Every concurrency's bench against one started cluster."""
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, args.startup_timeout)
+    table = cluster_table(name, out, proc.pid)
+    where = placement(table)
+    procs = {p["name"]: int(p["pid"]) for p in table["processes"]}
+    decode_url = next(
+        p["url"] for p in table["processes"] if p["name"].startswith(("colo", "decode"))
+    )
+    # as the worker resolved it (a plain name has serve's default for the device)
+    own_engine = engine_pid(decode_url, Path(table["cluster_key_file"])) is not None
+    rows = []
+    for conc in args.concurrency:
+        row = bench(url, name, conc, args, out, procs, decode_url)
+        sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
+        row.update(
+            placement=where, engine_process=own_engine, sim=sim if args.sim_step_ms else None
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:llama3.2-1b-shape")
@@ -275,7 +305,7 @@ def main() -> int:
         help="of colocated, 1p1d, either with -plain (no overlapped scheduling), -perreq (a "
         "stream per request), -engproc (--engine-process) or -inproc (--no-engine-process; "
         "neither: serve's default), and 1p1d with -shared (--gpus none: both workers on one "
-        "GPU)",
+        "GPU); any with -mps: under a private MPS daemon (benchmarks/serving/mps.py)",
     )
     ap.add_argument("--concurrency", default="32,64,128,256,512")
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -327,30 +357,11 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for k, name in enumerate(args.clusters.split(",")):
         port = 18000 + k
-        proc = launch(name, args, port, out)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, args.startup_timeout)
-            table = cluster_table(name, out, proc.pid)
-            where = placement(table)
-            procs = {p["name"]: int(p["pid"]) for p in table["processes"]}
-            decode_url = next(
-                p["url"] for p in table["processes"] if p["name"].startswith(("colo", "decode"))
-            )
-            # as the worker resolved it (a plain name has serve's default for the device)
-            own_engine = engine_pid(decode_url, Path(table["cluster_key_file"])) is not None
-            for conc in args.concurrency:
-                row = bench(url, name, conc, args, out, procs, decode_url)
-                sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
-                row.update(
-                    placement=where,
-                    engine_process=own_engine,
-                    sim=sim if args.sim_step_ms else None,
-                )
-                rows.append(row)
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            stop(proc)
+        with contextlib.ExitStack() as stack:
+            mps = stack.enter_context(private_mps(out / name)) if "-mps" in name else {}
+            proc = launch(name, args, port, out, mps)
+            stack.callback(stop, proc)
+            rows += run_cluster(name, proc, port, args, out)
     colo = {r["concurrency"]: r for r in rows if r["cluster"] == "colocated"}
     for r in rows:
         base = colo.get(r["concurrency"])

@@ -88,8 +88,10 @@ def latent_decode_torch(
     if picked is not None:
         keys, counts = picked
         listed = torch.arange(keys.shape[1], device=c.device)[None, :] < counts[:, None]
-        chosen = torch.zeros_like(seen).scatter_(1, keys.long().clamp(0, length - 1), listed)
-        seen &= chosen
+        # the listed positions marked, the padding past each count to a spill column cut off
+        at = torch.where(listed, keys.long().clamp(0, length - 1), length)
+        chosen = torch.zeros(seen.shape[0], length + 1, dtype=torch.bool, device=c.device)
+        seen &= chosen.scatter_(1, at, True)[:, :length]
     scores = scores.masked_fill(~seen[:, None, :], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
     return (probs @ c).masked_fill((kv_lens == 0)[:, None, None], 0)

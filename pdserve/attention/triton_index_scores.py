@@ -11,7 +11,11 @@ The score of row t's key s (model/dsa_indexer.py, HF's math):
 with, for index-K in the model dtype, fw = the head weights and qk_scale = the softmax scale
 (k_scale = 1); for fp8 index-K, q the Hadamard-rotated query quantised per (token, head), fw =
 weights * q_scale * softmax_scale, qk_scale = 1 and k_scale each key's stored scale (DeepSeek's
-fp8 form). Products and sums in float32 (tl.dot "ieee"). Keys past a row's length score -inf.
+fp8 form). Products are exact and sums in float32: with float32 keys by tl.dot "ieee"; with
+16-bit keys (whose model made q in the same dtype, then upcast) and with fp8 keys (q then holds
+e4m3 values) the dot runs on tensor cores in that 16-bit dtype (bf16 for fp8), where every
+product of two such values is exact in its float32 accumulator (in the interpreter, in float32:
+attention/triton_common.py). Keys past a row's length score -inf.
 
 Grid (rows, cdiv(width, BLOCK_N)): a program scores one block of one row's keys for all its
 heads; a block past the row's length writes -inf and reads nothing.
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.attention.triton_common import block
+from pdserve.attention.triton_common import block, dot_dtype, dot_precision
 from pdserve.kernels.pdl import enter, launch
 
 BLOCK_N = 32  # keys a program scores
@@ -64,6 +68,8 @@ def _index_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    DOT: tl.constexpr,  # tl.dot's operand dtype (dot_operands)
+    PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL, False)
@@ -86,7 +92,8 @@ def _index_scores_kernel(
     page = page.to(tl.int64)
     at = keys_ptr + page * stride_kp + (tok % PAGE_SIZE) * stride_kt  # [BLOCK_N]
     k = tl.load(at[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+    # [BLOCK_H, BLOCK_N]: every product exact (the module docstring), float32 sums
+    logits = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
     s = tl.sum(tl.maximum(logits * qk_scale, 0.0) * w[:, None], 0)  # [BLOCK_N]
     if FP8:
         at_s = kscale_ptr + page * stride_sp + (tok % PAGE_SIZE) * stride_st
@@ -130,6 +137,8 @@ def paged_index_scores(
     if rows == 0 or width == 0:
         return out
     scales = key_scales if key_scales is not None else keys  # (not read without FP8)
+    # fp8 keys (q then holds e4m3 values too) multiply as bf16, where both are exact
+    dot = dot_dtype(torch.bfloat16 if key_scales is not None else keys.dtype, _index_scores_kernel)
     _index_scores_kernel[(rows, triton.cdiv(width, BLOCK_N))](
         q,
         weights,
@@ -156,6 +165,8 @@ def paged_index_scores(
         BLOCK_D=block(dim),
         BLOCK_N=BLOCK_N,
         FP8=key_scales is not None,
+        DOT=dot,
+        PRECISION=dot_precision(dot),
         **launch(q.device, _index_scores_kernel),
     )
     return out
@@ -167,7 +178,7 @@ def pick(
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([rows, min(topk, L)] int32 positions, [rows] int32)
     """Each row's `topk` best keys, ties to the lower position, in ascending position order
-    (entries past a row's count are padding), and how many it has: min(topk, kv_len)."""
+    (entries past a row's count are 0), and how many it has: min(topk, kv_len)."""
     if topk < 1:
         raise ValueError(f"index_topk must be >= 1, got {topk}")
     rows, length = scores.shape
@@ -181,7 +192,10 @@ def pick(
     tied = ranked == kth
     room = k - above.sum(-1, keepdim=True, dtype=torch.int32)  # the tied keys that still fit
     chosen = (above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))) & valid
-    # The chosen positions, lowest first: a chosen key's priority is length - position.
-    priority = torch.where(chosen, length - positions[None, :], 0)
-    keys = priority.topk(k, dim=-1).indices.to(torch.int32)
-    return keys, chosen.sum(-1, dtype=torch.int32)
+    # The chosen positions, lowest first: each goes to its rank among the row's chosen keys
+    # (a running count); the others go to a spill column k, cut off.
+    rank = chosen.cumsum(-1, dtype=torch.int32) - 1
+    slot = torch.where(chosen, rank, k).long()
+    keys = torch.zeros(rows, k + 1, dtype=torch.int32, device=scores.device)
+    keys.scatter_(1, slot, positions.expand(rows, length))
+    return keys[:, :k], chosen.sum(-1, dtype=torch.int32)

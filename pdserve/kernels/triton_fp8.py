@@ -78,15 +78,26 @@ class Config:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
 
+def narrowest(m: int, bn: int) -> int:
+    """The narrowest BLOCK_N for m rows: every program of a column of tiles reads all m rows of
+    x over K, so n / BLOCK_N programs read x that many times; at 2 * rows wide (at least 16)
+    x's reads stay at most half the weight's. At a decode of a few rows that is 16 (x is a
+    sliver); from 32 rows on 64 (split K fills the grid then). Measured on an H100 (RESULTS.md,
+    2026-12-07 (d)): with 16 at 32 and 128 rows, o_proj and the dense down ran at 0.55-0.69x
+    of bf16 cuBLAS, 1.5-1.65x at 32 rows with 64; at 128 rows, 128 (not 64) took q_b (K 1536,
+    too short to split) from 27 to 42 µs."""
+    return min(bn, max(16, 2 * triton.next_power_of_2(min(m, 32))))
+
+
 def config_for(m: int, n: int, k: int) -> Config:
     """The blocks for an [m, k] x [n, k].T product (n: the weight's outputs). Decode (m up to
     16, 32, 64) is a pass over the weight: the smallest BLOCK_M that holds the rows, so no
     tensor-core work is spent on padding, and more stages to keep loads in flight. Prefill
     (more rows) is compute: 128 x 128 tiles and 8 warps reuse each loaded tile the most.
-    BLOCK_N then halves (down to 16) until the grid has TARGET_PROGRAMS programs, since a
-    narrow weight (q_a 1536, kv_a 576 outputs) otherwise leaves most SMs idle; where even
-    16 is too few, K is split to make up the rest, each split at least MIN_SPLIT_BLOCKS K
-    blocks. These are first choices, to be replaced by what
+    BLOCK_N then halves (down to `narrowest`) until the grid has TARGET_PROGRAMS programs,
+    since a narrow weight (q_a 1536, kv_a 576 outputs) otherwise leaves most SMs idle; where
+    even that is too few, K is split to make up the rest, each split at least
+    MIN_SPLIT_BLOCKS K blocks. These are first choices, to be replaced by what
     `benchmarks/kernels/fp8_gemm.py --sweep` measures."""
     if m <= 16:
         bm, bn, warps, stages = 16, 64, 4, 5
@@ -96,7 +107,7 @@ def config_for(m: int, n: int, k: int) -> Config:
         bm, bn, warps, stages = 64, 64, 4, 4
     else:
         bm, bn, warps, stages = 128, 128, 8, 3
-    while bn > 16 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < TARGET_PROGRAMS:
+    while bn > narrowest(m, bn) and triton.cdiv(m, bm) * triton.cdiv(n, bn) < TARGET_PROGRAMS:
         bn //= 2
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     most = triton.cdiv(k, BLOCK_K) // MIN_SPLIT_BLOCKS

@@ -59,6 +59,27 @@ def test_the_paged_scores_equal_the_indexers_own(heads: int) -> None:
     torch.testing.assert_close(got[causal], want[causal], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_keys_score_as_the_indexer_does(dtype: torch.dtype) -> None:
+    """A 16-bit model's index-K, and its query made in that dtype and upcast (scoring_query):
+    the kernel's 16-bit dot has every product exact, so the scores are the indexer's up to the
+    float32 sums' order."""
+    heads, dim = 16, 32
+    keys, table, gathered, g = paged(3, dim, dtype)
+    ix = indexer(heads, dim)
+    q = torch.randn(ROWS, heads, dim, generator=g).to(dtype).float()
+    w = torch.randn(ROWS, heads, generator=g)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    causal = torch.arange(WIDTH * PAGE)[None, :] < lens[:, None]
+    want = ix.scores(q[:, None], w[:, None], gathered, causal[:, None])[:, 0]
+    got = paged_index_scores(
+        q.to(DEVICE), w.to(DEVICE), keys.to(DEVICE), None, table.to(DEVICE),
+        lens.to(DEVICE), ix.softmax_scale,
+    ).cpu()  # fmt: skip
+    assert torch.equal(torch.isinf(got), ~causal)
+    torch.testing.assert_close(got[causal], want[causal], rtol=1e-5, atol=1e-5)
+
+
 def test_the_fp8_form_equals_the_indexers_fp8_scores() -> None:
     """fp8 index-K with its per-token scales: the indexer's `scoring_query` and the kernel give
     `scores`' fp8 form (the rotated query quantised per head, the key scale outside)."""
@@ -101,6 +122,7 @@ def test_pick_chooses_what_select_chooses_ties_included(seed: int) -> None:
         listed = keys[r, : counts[r]].tolist()
         assert listed == sorted(listed)  # ascending positions
         assert listed == want[r].nonzero().flatten().tolist()
+        assert not keys[r, counts[r] :].any()  # past the count: zeros
 
 
 def test_the_latent_kernel_over_a_key_list_equals_the_reference() -> None:

@@ -210,7 +210,7 @@ def test_pow2_linear_equals_the_reference(o, k):
         assert_matches(triton_fp8.linear(*on(x, w, w_s), config, pow2=True), want)
     plain = triton_fp8.linear(*on(x, w, w_s))
     err = float((plain.cpu() - want).abs().max() / want.abs().max())
-    assert err > 100 * BOUND[torch.float32], err
+    assert err > 10 * BOUND[torch.float32], err
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
@@ -267,7 +267,8 @@ def test_block_linear_refuses_mismatched_operands_and_takes_no_rows():
 def test_config_rule():
     """Decode takes the smallest row block that holds its rows, prefill 128; a narrow weight
     narrower tiles, then split K, until the grid fills the GPU; every BLOCK_N divides the
-    scale block; a split has at least MIN_SPLIT_BLOCKS K blocks."""
+    scale block, and no narrower than twice the rows (up to 64 wide: x's reads); a split has at
+    least MIN_SPLIT_BLOCKS K blocks."""
     for m in (1, 16, 17, 32, 64, 65, 4096):
         for n in (576, 1536, 7168, 36864):
             for k in (1536, 7168, 18432):
@@ -275,7 +276,9 @@ def test_config_rule():
                 assert c.block_m == min(128, max(16, 1 << (m - 1).bit_length()))
                 assert B % c.block_n == 0
                 programs = -(-m // c.block_m) * -(-n // c.block_n)
-                assert c.block_n == 16 or programs >= triton_fp8.TARGET_PROGRAMS
+                narrowest = triton_fp8.narrowest(m, 128 if m > 64 else 64)
+                assert c.block_n >= narrowest and c.block_n >= min(narrowest, 2 * min(m, 32))
+                assert c.block_n == narrowest or programs >= triton_fp8.TARGET_PROGRAMS
                 if c.split_k > 1:
                     assert (k // B) // c.split_k >= triton_fp8.MIN_SPLIT_BLOCKS
                     assert programs * (c.split_k - 1) < triton_fp8.TARGET_PROGRAMS

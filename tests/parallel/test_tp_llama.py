@@ -143,7 +143,10 @@ def test_each_rank_s_logits_are_the_tp1_logits(tp):
                 where = f"{name} at TP {world}, rank {rank}, step {step + 1}"
                 assert g.shape == w.shape, where
                 diff = (g - w).abs().max().item()
-                assert diff < 1e-4, f"{where}: max abs diff {diff}"
+                # float32 sums over the ranks' partials in another order: 1e-4 plus 1e-5 of
+                # the largest logit (a TP-4 qwen3-tiny step measured 1.07e-4 here)
+                bound = 1e-4 + 1e-5 * w.abs().max().item()
+                assert diff < bound, f"{where}: max abs diff {diff} (bound {bound:.3g})"
                 assert torch.equal(g.argmax(-1), w.argmax(-1)), where
                 assert torch.equal(g, out[0][m]["logits"][step]), f"{where}: ranks differ"
 
