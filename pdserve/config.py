@@ -224,10 +224,18 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.engine.tp > 1 and self.role != "colocated":
-            # P writes only rank 0's KV heads into D's pages: PD between ranks is not built.
-            raise ValueError(
-                f"a {self.role} worker runs at --tp 1; --tp {self.engine.tp} serves co-located"
-            )
+            # The leader reads and writes its ranks' pools as shared host memory
+            # (kvcache/rank_pages.py); NIXL moves one registered pool.
+            if self.engine.model.device != "cpu":
+                raise ValueError(
+                    f"a {self.role} worker at --tp {self.engine.tp} runs on the CPU: its leader "
+                    "moves every rank's pages through shared host memory"
+                )
+            if self.backend == "nixl":
+                raise ValueError(
+                    f"a {self.role} worker at --tp {self.engine.tp} moves KV over shm or tcp: "
+                    "--backend nixl writes one pool into one pool"
+                )
 
 
 def resolve_device(name: str) -> str:

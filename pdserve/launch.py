@@ -112,6 +112,14 @@ def add_launch_command(sub: Any) -> None:
         default=0,
         help="torch threads per decode (or co-located) worker (0: --threads)",
     )
+    for side in ("prefill", "decode"):
+        p.add_argument(
+            f"--{side}-tp",
+            type=int,
+            default=0,
+            help=f"tensor-parallel ranks per {side} worker (0: --tp); the two sides may differ "
+            "(KV moves as the whole model's pages over shm or tcp, on the CPU)",
+        )
     p.add_argument(
         "--gpus",
         default="auto",
@@ -197,11 +205,20 @@ def router_processes(device: str, cpus: int) -> int:
     return max(1, min(CUDA_ROUTER_PROCESSES, cpus // 4))
 
 
-def default_flight_dir(args: argparse.Namespace, log_dir: Path) -> None:
-    """With --tp > 1 and no --flight-dir, every worker's ranks dump their flight recorders
-    beside the logs, in LOG_DIR/flight (for `pdserve doctor --flight`)."""
-    if args.tp > 1 and args.flight_dir is None:
-        args.flight_dir = str(log_dir.resolve() / "flight")
+def worker_tps(args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) workers' tensor parallelism: --prefill-tp / --decode-tp, else --tp."""
+    return args.prefill_tp or args.tp, args.decode_tp or args.tp
+
+
+def flight_dir(args: argparse.Namespace, log_dir: Path) -> str | None:
+    """Where workers at TP > 1 dump their ranks' flight recorders: --flight-dir, else (some
+    worker at TP > 1) LOG_DIR/flight (for `pdserve doctor --flight`). Passed to those workers
+    only: a worker at TP 1 refuses it."""
+    if max(worker_tps(args)) == 1:
+        if args.flight_dir is not None:  # as serve would, before anything starts
+            raise ValueError("a flight directory (--flight-dir) needs --tp 2 or more")
+        return None
+    return str(Path(args.flight_dir or log_dir / "flight").resolve())
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -209,8 +226,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.runtime.launcher import LaunchConfig, Launcher
     from pdserve.server.auth import load_api_key
 
-    if args.tp == 1 and args.flight_dir is not None:  # as serve would, before anything starts
-        raise ValueError("a flight directory (--flight-dir) needs --tp 2 or more")
+    if min(args.prefill_tp, args.decode_tp) < 0:
+        raise ValueError("--prefill-tp and --decode-tp must be 0 (--tp's) or more")
     backend = launch_backend(args)
     gpus = launch_gpus(args)
     if backend is None or gpus is None:
@@ -222,7 +239,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)
-    default_flight_dir(args, log_dir)
+    flights = flight_dir(args, log_dir)
+    args.flight_dir = None  # per worker (LaunchConfig.flight_dir), not one of the engine flags
+    prefill_tp, decode_tp = worker_tps(args)
     key_file = args.cluster_key_file
     if key_file is None:
         from pdserve.runtime.cluster_key import generate
@@ -272,5 +291,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         on_worker_exit=args.on_worker_exit,
         gpus=gpus,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        flight_dir=flights,
     )
     return Launcher(cfg).run()

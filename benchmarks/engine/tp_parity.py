@@ -1,5 +1,6 @@
 """Greedy texts at TP 2 and 4 against TP 1, prompt by prompt (issue 42's target): float32,
-builtin tiny, one engine in this process leading its follower ranks over gloo (the engine of
+builtin tiny (or --model, DeepSeek's tiny ones expert parallel), one engine in this process
+leading its follower ranks over gloo (the engine of
 tests/parallel/test_tp_engine.py).
 
 Every prompt's greedy tokens (ignore_eos, --output-len each) at TP N are compared with TP 1's.
@@ -14,6 +15,7 @@ Prints one line per TP (identical, near ties, real divergences, the wall time) a
 
     python benchmarks/engine/tp_parity.py                                   # TP 2 and 4, 64 x 32
     python benchmarks/engine/tp_parity.py --tp 2 --prompts 16 --output-len 16   # a quick one
+    python benchmarks/engine/tp_parity.py --model builtin:deepseek-v3-tiny --tp 2,4   # EP
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ def run(path: Path, tps: list[int], n: int, output_len: int) -> tuple[float, lis
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", default="2,4", help="tensor-parallel sizes, comma-separated")
+    p.add_argument(
+        "--model", default="builtin:tiny",
+        help="builtin:deepseek-v3-tiny / -v32-tiny: expert parallel at each TP (model/moe.py)",
+    )  # fmt: skip
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--min-identical", type=int, default=None, help="default: prompts - 1")
@@ -152,7 +158,7 @@ def main() -> int:
     args = p.parse_args()
     tps = [int(x) for x in args.tp.split(",")]
     need = args.prompts - 1 if args.min_identical is None else args.min_identical
-    ref_s, results = run(resolve_model("builtin:tiny"), tps, args.prompts, args.output_len)
+    ref_s, results = run(resolve_model(args.model), tps, args.prompts, args.output_len)
     print(f"TP 1: {args.prompts} prompts x {args.output_len} tokens in {ref_s:.1f}s")
     for r in results:
         print(

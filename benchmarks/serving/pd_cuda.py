@@ -3,6 +3,8 @@ in-process engine on the same device, 64 concurrent mixed-length greedy requests
 
     python benchmarks/serving/pd_cuda.py --model builtin:tiny --device cuda --dtype float32
     python benchmarks/serving/pd_cuda.py --no-engine-process  # each engine in its worker's process
+    python benchmarks/serving/pd_cuda.py --device cpu --backend shm --prefill-tp 2 --decode-tp 1
+        # PD between tensor-parallel layouts (CPU, shm or tcp) against the TP-1 engine
 
 Prints how many of the 64 answers match token for token (the completions' tokens as ids,
 `return_tokens_as_token_ids`: a text would differ where an answer ends inside a UTF-8
@@ -54,7 +56,10 @@ def main() -> int:
         help="both sides' (the CUDA graphs' page tables, so their split-KV counts, follow it)",
     )  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--backend", default="tcp", choices=["tcp", "nixl"])
+    ap.add_argument("--backend", default="tcp", choices=["shm", "tcp", "nixl"])
+    ap.add_argument("--prefill-tp", type=int, default=1, help="P's tensor parallelism")
+    ap.add_argument("--decode-tp", type=int, default=1, help="D's tensor parallelism")
+    ap.add_argument("--threads", type=int, default=0, help="launch --threads (0: launch's)")
     ap.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
@@ -104,6 +109,11 @@ def main() -> int:
             "1024",
             "--log-dir",
             str(log_dir),
+            "--prefill-tp",
+            str(args.prefill_tp),
+            "--decode-tp",
+            str(args.decode_tp),
+            *(["--threads", str(args.threads)] if args.threads else []),
             *engine_process_argv(args.engine_process),
         ],
         stdout=subprocess.PIPE,
@@ -164,6 +174,7 @@ def main() -> int:
                     "device": args.device,
                     "dtype": args.dtype,
                     "backend": args.backend,
+                    "tp": f"{args.prefill_tp}P+{args.decode_tp}D",
                     "engine_process": all(pid is not None for pid in engines),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",

@@ -30,6 +30,7 @@ from pdserve.engine import sizing
 from pdserve.engine.commands import AbortCommand, Command, SnapshotQuery, SubmitCommand
 from pdserve.engine.grammar_waits import GRAMMAR_POLL_S, GrammarWaits
 from pdserve.engine.metrics import EngineMetrics
+from pdserve.engine.pool_build import build_pool
 from pdserve.engine.request import Event, OutputSink, Request
 from pdserve.engine.role import Colocated, Role
 from pdserve.engine.role_host import RoleHosting
@@ -41,14 +42,13 @@ from pdserve.engine.snapshot import engine_snapshot, overdue
 from pdserve.engine.stepper import Stepper
 from pdserve.engine.tp_leader import TpLeader, build_leader
 from pdserve.kvcache.host_pool import host_tier
-from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.lease import Leases
-from pdserve.kvcache.pool import KVPool, pages_for_budget
+from pdserve.kvcache.pool import KVPool
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.parallel.lockstep import LockstepError
-from pdserve.parallel.step_record import PoolPlan
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.sampling import SamplingParams, validate_prompt
@@ -69,12 +69,16 @@ class Engine(RoleHosting):
         pool: KVPool,
         eos_token_ids: frozenset[int],
         tp: TpLeader | None = None,
+        pages: RankPages | None = None,
     ) -> None:
-        """`tp`: the followers this engine leads, as rank 0 of `cfg.tp` (None at TP 1)."""
+        """`tp`: the followers this engine leads, as rank 0 of `cfg.tp` (None at TP 1);
+        `pages`: every rank's pool as the whole model's pages, for a PD role at TP > 1."""
         self.cfg = cfg
         self.tp = tp
         self.model = model
         self.pool = pool
+        # What a PD role moves: whole pages (kvcache/rank_pages.py); None for TP > 1 co-located.
+        self.pages = RankPages.of(pool) if tp is None else pages
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.arch.vocab_size
         self.max_model_len = min(
@@ -138,14 +142,19 @@ class Engine(RoleHosting):
 
     @classmethod
     def build(
-        cls, cfg: EngineConfig, eos_token_ids: frozenset[int], shared_pool: bool = False
+        cls,
+        cfg: EngineConfig,
+        eos_token_ids: frozenset[int],
+        shared_pool: bool = False,
+        pd: bool = False,
     ) -> Engine:
         """Load the model, size and build the pool; at TP > 1 first start the followers and
-        join their group (engine/tp_leader.py), then tell them the pool."""
+        join their group (engine/tp_leader.py), then tell them the pool (`pd`: a PD role's,
+        whose pages this rank reads and writes whole: every rank's in shared memory)."""
         if cfg.tp == 1:
             return cls._build(cfg, eos_token_ids, shared_pool, torch.device(cfg.model.device))
         return build_leader(
-            cfg, lambda dev, tp: cls._build(cfg, eos_token_ids, shared_pool, dev, tp)
+            cfg, lambda dev, tp: cls._build(cfg, eos_token_ids, shared_pool, dev, tp, pd)
         )
 
     @classmethod
@@ -156,6 +165,7 @@ class Engine(RoleHosting):
         shared_pool: bool,
         device: torch.device,
         tp: TpLeader | None = None,
+        pd: bool = False,
     ) -> Engine:
         dtype = getattr(torch, cfg.model.dtype)
         group = None if tp is None else tp.group  # tensor parallel: this rank's shard
@@ -164,27 +174,8 @@ class Engine(RoleHosting):
         if cfg.auto:  # the limits the user left to us, now that the weights are on the device
             cfg, chosen = sizing.resolve(cfg, arch, sizing.device_memory(device))
             log.info("limits: %s", chosen)
-        c = cfg.cache
-        # DeepSeek-V4's page ends serve only a resume from the prefix cache.
-        layout = KVLayout.for_model(
-            arch, cfg.model.dtype, c.page_size, c.index_k_dtype, c.kv_dtype, c.prefix_cache,
-            tp_rank=0, tp_size=cfg.tp,
-        )  # fmt: skip
-        if layout.page_size != cfg.cache.page_size:
-            log.info("KV pages of %d tokens (the model's windows)", layout.page_size)
-        slots = cfg.scheduler.max_running if layout.state else 0  # one per running request
-        num_pages = pages_for_budget(layout, cfg.cache.kv_budget_bytes, slots)
-        pool = KVPool(layout, num_pages, device, shared=shared_pool, state_slots=slots)
-        log.info(
-            "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)",
-            num_pages,
-            layout.page_size,
-            pool.capacity_tokens,
-            pool.data.numel() / 2**20,
-        )
-        if tp is not None:
-            tp.setup(PoolPlan(num_pages, layout.page_size))  # every rank's pool: these pages
-        return cls(cfg, model, pool, eos_token_ids, tp)
+        pool, pages = build_pool(cfg, arch, device, shared_pool, tp, pd)
+        return cls(cfg, model, pool, eos_token_ids, tp, pages)
 
     def attach(self, role: Role, transport: Callable[[Send], None]) -> None:
         """Before the loop starts: the role, and where the messages it returns are sent."""

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from pdserve.engine.scheduler import StepPlan
     from pdserve.kvcache.lease import Lease
     from pdserve.kvcache.pool import KVPool
+    from pdserve.kvcache.rank_pages import RankPages
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.runtime.timing import Clock
 
@@ -69,6 +70,9 @@ class RoleHost(Protocol):
 
     clock: Clock
     pool: KVPool
+    # The pages a PD role moves, every rank's as the whole model's (kvcache/rank_pages.py);
+    # None only for a co-located engine at TP > 1.
+    pages: RankPages | None
     eos_token_ids: frozenset[int]
     last_tick: float  # monotonic: when the engine's current tick began
 

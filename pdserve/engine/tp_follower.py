@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from pdserve.config import INDEX_K_DTYPES
 from pdserve.engine.runner import ModelRunner
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import ref_words
 from pdserve.model.loader import load_model
 from pdserve.parallel.group import BACKENDS, RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, Tamper
@@ -77,20 +79,28 @@ def build_runner(args: argparse.Namespace, group: RankGroup, lockstep: Lockstep)
     if setup.pool is None:
         raise lockstep.fail(f"step {setup.step}: a {setup.kind.name} record before SETUP", [0])
     layout = KVLayout.for_model(
-        model.arch, args.dtype, setup.pool.page_size, tp_rank=group.rank, tp_size=group.world_size
-    )
+        model.arch, args.dtype, setup.pool.page_size, args.index_k_dtype,
+        tp_rank=group.rank, tp_size=group.world_size,
+    )  # fmt: skip
     if layout.page_size != setup.pool.page_size:
         raise lockstep.fail(
             f"step {setup.step}: rank {group.rank}'s pages hold {layout.page_size} tokens, "
             f"the leader's {setup.pool.page_size}",
             [group.rank],
         )
-    pool = KVPool(layout, setup.pool.num_pages, device)
+    pool = KVPool(layout, setup.pool.num_pages, device, shared=setup.pool.shared)
+    if setup.pool.shared:  # the leader maps it (kvcache/rank_pages.py): one all-gather
+        group.all_gather_last_dim(ref_words(pool.shm))
+    what = (
+        f"{layout.num_kv_heads} KV heads"
+        if {b.name for b in layout.buffers} == {"k", "v"}
+        else f"its experts' share, whole {', '.join(b.name for b in layout.buffers)}"
+    )
     log.info(
-        "tensor-parallel rank %d of %d: %d KV heads, %d pages of %d tokens on %s",
+        "tensor-parallel rank %d of %d: %s, %d pages of %d tokens on %s",
         group.rank,
         group.world_size,
-        layout.num_kv_heads,
+        what,
         pool.num_pages,
         pool.page_size,
         device,
@@ -151,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--backend", choices=BACKENDS, required=True)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument(
+        "--index-k-dtype",
+        default="auto",
+        choices=INDEX_K_DTYPES,
+        help="V3.2's index-K, as the leader's",
+    )
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--join-timeout", type=float, required=True)
     p.add_argument("--threads", type=int, default=1)

@@ -44,9 +44,12 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool, map_shared
+from pdserve.kvcache.rank_pages import REF_WORDS, RankPages, rank_layout, ref_of, ref_words
 from pdserve.model.config import ModelArch
 from pdserve.parallel import flight_recorder
-from pdserve.parallel.group import RankGroup
+from pdserve.parallel.group import CollectiveError, RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError
 from pdserve.parallel.step_record import Kind, PoolPlan, SeqPlan
 from pdserve.runtime.supervisor import ThreadFatal
@@ -170,6 +173,7 @@ class TpLeader:
                 "--threads", str(torch.get_num_threads()), "--log-level", level]  # fmt: skip
         if cfg.runner.attention_backend is not None:
             argv += ["--attention-backend", cfg.runner.attention_backend]
+        argv += ["--index-k-dtype", cfg.cache.index_k_dtype]
         try:
             dumps = flight_dumps(cfg)
         except OSError as e:
@@ -208,6 +212,28 @@ class TpLeader:
         leader's own load and sizing come first, longer than any collective may."""
         self.group.mark(SETUP_MARK)
         self._send(Kind.SETUP, pool=pool)
+
+    def pages(self, whole: KVLayout, own: KVPool) -> RankPages:
+        """Every rank's pool as the whole model's pages (`whole`): rank 0's `own`, then each
+        follower's, mapped from the reference it gave in the all-gather that follows a SETUP
+        with `shared` (over the group, bounded by its collective timeout; never a value that
+        anything else on the host could read or set), which must name a pool of its own."""
+        try:
+            words = self.group.all_gather_last_dim(ref_words(own.shm)).view(-1, REF_WORDS)
+        except CollectiveError as e:
+            raise TpStartFailed(f"the ranks' KV pools were not exchanged: {e}") from e
+        pools, refs = [own.data], [own.shm]
+        for f in self.followers:
+            try:
+                ref = ref_of(words[f.rank].tolist())
+                if ref.pid != f.pid:
+                    raise ValueError(f"it names pid {ref.pid}'s pool, not its own ({f.pid})")
+                layout = rank_layout(whole, self.group.world_size, f.rank)
+                pools.append(map_shared(ref, layout, own.num_rows))
+                refs.append(ref)
+            except ValueError as e:  # PoolRefused is a ValueError
+                raise TpStartFailed(f"rank {f.rank}'s KV pool cannot be mapped: {e}") from e
+        return RankPages(whole, pools, refs)
 
     def lead(self, seqs: Sequence[SeqPlan], score_rows: Sequence[int]) -> None:
         """Send a forward's plan, once every rank agreed on it (engine/runner.py Leader)."""

@@ -217,9 +217,10 @@ class KVLayout:
         compression windows (`v4_page_size`), with each page's end (`page_ends`: where a prefix
         cache may resume); else k and v. `kv` "fp8" is V4's only: other models' KV is refused
         in it. `tp_rank` of `tp_size`: a tensor-parallel rank's pool, k and v of the KV heads
-        `arch` gives it (ModelArch.for_rank); the Llama family's only."""
-        if tp_size != 1 and (arch.v4 is not None or arch.mla is not None):
-            raise ValueError(f"a KV pool of {tp_size} tensor-parallel ranks holds k and v only")
+        `arch` gives it (ModelArch.for_rank), or MLA's whole latent (and index-K: every
+        expert-parallel rank attends alike); not DeepSeek-V4's."""
+        if tp_size != 1 and arch.v4 is not None:
+            raise ValueError("DeepSeek-V4's KV runs at tensor parallelism 1 only")
         if arch.v4 is not None:
             v4 = arch.v4
             size = v4_page_size(v4, page_size)
@@ -247,11 +248,14 @@ class KVLayout:
                 tp_size,
             )
         m = arch.mla
-        layout = cls.mla(dtype, page_size, arch.num_layers, m.kv_lora_rank, m.qk_rope_head_dim)
+        layout = cls.mla(
+            dtype, page_size, arch.num_layers, m.kv_lora_rank, m.qk_rope_head_dim,
+            tp_rank, tp_size,
+        )  # fmt: skip
         if arch.dsa is None:
             return layout
         extra = index_k_buffers(index_k, arch.dsa.index_head_dim, dtype)
-        return cls(layout.buffers + extra, page_size, arch.num_layers)
+        return cls(layout.buffers + extra, page_size, arch.num_layers, tp_rank, tp_size)
 
     # -- where things are -------------------------------------------------------------------
     def buffer(self, name: str) -> BufferSpec:

@@ -76,6 +76,13 @@ def create_shared(layout: KVLayout, num_pages: int) -> tuple[torch.Tensor, ShmRe
     present (ShmRef). Returns the bytes [num_pages, page_bytes] and the ShmRef.
     """
     nbytes = num_pages * layout.page_bytes
+    st = os.statvfs(SHM_DIR)
+    if st.f_bavail * st.f_frsize < nbytes:  # tmpfs pages are taken on first touch: a SIGBUS
+        raise ValueError(
+            f"{SHM_DIR} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free, and a shared KV "
+            f"pool of {nbytes / 2**20:.0f} MiB was asked for: give less KV budget or a larger "
+            f"{SHM_DIR}"
+        )
     token = secrets.token_hex(16)
     path = SHM_DIR / f"{SHM_PREFIX}{token}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -83,18 +83,31 @@ class ModelArch:
         ranks: replicated); every other field is the whole model's. TP 1: this arch itself.
         Every rank's counts are the same; `rank` is checked, not used.
 
+        DeepSeek-V3 / V3.2 at `tp_size` ranks are expert-parallel (model/moe.py): each rank
+        holds n_routed_experts / tp_size of the routed experts and everything else whole
+        (latent attention, V3.2's indexer, the dense MLPs, the shared experts), so its arch is
+        this one.
+
         Raises ModelConfigError, naming the field, for a model that does not split over
-        `tp_size` ranks: DeepSeek's (its latent attention and experts run at TP 1 only), heads
-        or an MLP width not divisible by it, KV heads that neither split nor replicate."""
+        `tp_size` ranks: DeepSeek-V4 (TP 1 only), routed experts, heads or an MLP width not
+        divisible by it, KV heads that neither split nor replicate."""
         if tp_size < 1 or not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} is not one of {tp_size} tensor-parallel ranks")
         if tp_size == 1:
             return self
-        if self.mla is not None or self.moe is not None or self.v4 is not None:
+        if self.v4 is not None:
             raise ModelConfigError(
-                f"{self.architecture} runs at tensor parallelism 1 only, not {tp_size}: "
-                "tensor parallelism covers the Llama family"
+                f"{self.architecture} runs at tensor parallelism 1 only, not {tp_size}"
             )
+        if self.moe is not None:  # expert parallel: the routed experts split, the rest whole
+            if self.moe.num_experts % tp_size:
+                raise ModelConfigError(
+                    f"n_routed_experts {self.moe.num_experts} does not split over {tp_size} "
+                    "expert-parallel ranks"
+                )
+            return self
+        if self.mla is not None:
+            raise ModelConfigError(f"{self.architecture} has latent attention but no experts")
         for name, value in (
             ("num_attention_heads", self.num_heads),
             ("intermediate_size", self.intermediate_size),

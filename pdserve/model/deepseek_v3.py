@@ -24,17 +24,22 @@ from pdserve.model.config import ModelArch
 from pdserve.model.llama import RMSNorm
 from pdserve.model.mla import MLAttention, rope_tables
 from pdserve.model.moe import FLOAT32_PARAMS, GatedMLP, MoE
+from pdserve.parallel.group import RankGroup
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, layer_idx: int, attention: type[MLAttention] = MLAttention
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        attention: type[MLAttention] = MLAttention,
+        group: RankGroup | None = None,
     ) -> None:
         super().__init__()
         assert arch.moe is not None
         self.self_attn = attention(arch, layer_idx)
         self.mlp: nn.Module = (
-            MoE(arch.moe, arch.hidden_size)
+            MoE(arch.moe, arch.hidden_size, group)
             if arch.moe.is_moe(layer_idx)
             else GatedMLP(arch.hidden_size, arch.intermediate_size)
         )
@@ -61,11 +66,13 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch, attention: type[MLAttention]) -> None:
+    def __init__(
+        self, arch: ModelArch, attention: type[MLAttention], group: RankGroup | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, attention) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, attention, group) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -78,12 +85,14 @@ class DeepseekV3ForCausalLM(nn.Module):
     DEQUANTISED_PARAMS: tuple[str, ...] = ("self_attn.kv_b_proj.weight",)
     ATTENTION: type[MLAttention] = MLAttention  # each layer's (V3.2: with its indexer)
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, group: RankGroup | None = None) -> None:
+        """`group`: expert-parallel ranks (model/moe.py); the rest of the model is whole on
+        each (ModelArch.for_rank)."""
         super().__init__()
         if arch.mla is None or arch.moe is None:
             raise ValueError(f"{arch.architecture} is not a DeepSeek-V3 architecture")
         self.arch = arch
-        self.model = Backbone(arch, self.ATTENTION)
+        self.model = Backbone(arch, self.ATTENTION, group)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", torch.empty(arch.mla.qk_rope_head_dim // 2), False)

@@ -40,6 +40,7 @@ from pdserve.model.dsa_indexer import (
 )
 from pdserve.model.mla import MLAttention
 from pdserve.model.moe import FLOAT32_PARAMS as ROUTER_FLOAT32
+from pdserve.parallel.group import RankGroup
 
 
 def indexer_arch(arch: ModelArch) -> IndexerArch:
@@ -116,7 +117,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     FLOAT32_PARAMS = ROUTER_FLOAT32 + tuple(f"indexer.{p}" for p in INDEXER_FLOAT32)
     ATTENTION = SparseMLAttention
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, group: RankGroup | None = None) -> None:
         if arch.dsa is None:
             raise ValueError(f"{arch.architecture} has no indexer: not a DeepSeek-V3.2 model")
-        super().__init__(arch)
+        super().__init__(arch, group)

@@ -59,7 +59,7 @@ from pdserve.model.safetensors_file import (
     read_whole,
     weight_files,
 )
-from pdserve.model.weight_map import Placement, Slice, Whole, plan, rules_for
+from pdserve.model.weight_map import Index, IndexSlice, Placement, Slice, Whole, plan, rules_for
 from pdserve.parallel.group import RankGroup
 from pdserve.parallel.layers import Sharded
 
@@ -81,7 +81,7 @@ def empty_model(
     """The model with uninitialised parameters, each allocated once in `dtype` on `device`
     (tied parameters share one tensor; the model's FLOAT32_PARAMS in float32), and its derived
     buffers computed. `group`: this rank's tensor-parallel group (default: TP 1): the model
-    holds its shard (the Llama family only: ModelArch.for_rank refuses the others)."""
+    holds its shard (Llama by head, DeepSeek-V3/V3.2 by expert: ModelArch.for_rank)."""
     return allocate(meta_model(arch, dtype, group), dtype, device)
 
 
@@ -98,9 +98,9 @@ def meta_model(arch: ModelArch, dtype: torch.dtype, group: RankGroup | None = No
             if arch.v4 is not None
             else CausalLM(arch, group)
             if arch.family != "deepseek_v3"
-            else DeepseekV32ForCausalLM(arch)
+            else DeepseekV32ForCausalLM(arch, group)
             if arch.dsa is not None
-            else DeepseekV3ForCausalLM(arch)
+            else DeepseekV3ForCausalLM(arch, group)
         )
     model.tie_weights()
     return model
@@ -164,6 +164,14 @@ def load_model(
             packed[n] = f"{s.fmt.value} stored as {stored[n].dtype} {stored[n].shape}"
     placements, _ = _plan(model, shapes, arch, str(path), packed)
     fp8 = None
+    if group is not None and group.world_size > 1 and quantization != "none":
+        if quantization == "fp8":  # (auto: dequantised)
+            raise ModelConfigError(
+                f"{path}: fp8 weights stay fp8 at tensor parallelism 1 only: "
+                "--quantization none or auto dequantises them"
+            )
+        log.info("%s: fp8 weights dequantised: they stay fp8 at tensor parallelism 1 only", path)
+        quantization = "none"
     if keeps_fp8(quantization, arch, device, str(path)) and arch.quant is not None:
         fp8 = plan_fp8(model, placements, scales, quantization, str(path))
         keep_fp8(model, fp8.kept, arch.quant.scale_fmt is ScaleFormat.UE8M0)
@@ -202,6 +210,14 @@ def _shards(model: nn.Module) -> Shards:
     return out
 
 
+def _ours(p: Placement, shards: Shards) -> bool:
+    """Whether this rank loads placement `p`: not a row of a sharded stack it does not hold."""
+    if p.target not in shards or not isinstance(p.region, Index | IndexSlice):
+        return True
+    layer, name = shards[p.target]
+    return p.region.dim != 0 or layer.holds_index(name, p.region.index)
+
+
 def _fill(
     p: Placement, value: torch.Tensor, params: dict[str, nn.Parameter], shards: Shards
 ) -> None:
@@ -216,6 +232,10 @@ def _fill(
             layer.load_shard(name, value)
         case Slice(0, start, _):
             layer.load_shard(name, value, start)
+        case Index(0, index):  # one expert of a stack (expert parallel): its rank's
+            layer.load_index(name, value, index)
+        case IndexSlice(0, index, dim, start, length):
+            layer.load_index(name, value, index, (dim, start, length))
         case _:
             raise ModelConfigError(
                 f"{p.source}: tensor parallelism shards whole tensors or rows of fused ones, "
@@ -281,6 +301,8 @@ def copy_placements(
     whole."""
     scales = scales or {}
     shards = shards or {}
+    # An expert another expert-parallel rank holds is not read at all.
+    placements = [p for p in placements if _ours(p, shards)]
     by_file: dict[Path, list[Placement]] = defaultdict(list)
     for p in placements:
         by_file[stored[p.source].file].append(p)

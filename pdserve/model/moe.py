@@ -27,6 +27,8 @@ from torch import nn
 
 from pdserve.kernels import fp8_blocks, ops
 from pdserve.model.deepseek_config import MoEArch
+from pdserve.parallel.group import RankGroup
+from pdserve.parallel.layers import Run, Shard, Sharded
 
 # Parameter names (suffixes) kept in float32 whatever the model's dtype, as HF keeps them.
 FLOAT32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -75,20 +77,30 @@ class TopkRouter(nn.Module):
         return weights * m.routed_scaling_factor, ids
 
 
-class Experts(nn.Module):
+class Experts(Sharded):
     """The routed experts, stacked (HF's DeepseekV3Experts parameter names). When the loader
     keeps them fp8 (model/fp8_weights.py: both or neither), both are float8_e4m3fn with float32
     block scales beside them (`P_scale_inv` [E, rows / 128, cols / 128]) and multiply as
     kernels/fp8_blocks.py says; `fp8_pow2_scales` (set by the loader for ue8m0 checkpoints)
-    rounds the activations' group scales up to powers of two, fused or looped."""
+    rounds the activations' group scales up to powers of two, fused or looped.
+
+    Expert parallel (`group` of N ranks): this rank holds experts [first, first + E / N) of the
+    whole stack (their shards, parallel/layers.py) and adds only their outputs; MoE sums the
+    ranks' partial outputs (one all-reduce)."""
 
     FP8_PARAMS = ("gate_up_proj", "down_proj")  # what the loader may keep fp8
 
-    def __init__(self, moe: MoEArch, hidden: int) -> None:
-        super().__init__()
+    def __init__(self, moe: MoEArch, hidden: int, group: RankGroup | None = None) -> None:
+        group = group or RankGroup.single()
+        super().__init__(group)
         e, i = moe.num_experts, moe.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]
-        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
+        self.count = e // group.world_size  # (ModelArch.for_rank checked that it divides)
+        self.first = group.rank * self.count
+        if group.world_size > 1:
+            for name, rest in (("gate_up_proj", (2 * i, hidden)), ("down_proj", (hidden, i))):
+                self.shards[name] = Shard(0, (e, *rest), (Run(self.first, 0, self.count),))
+        self.gate_up_proj = nn.Parameter(torch.empty(self.count, 2 * i, hidden))  # [E/N, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(self.count, hidden, i))  # [E/N, H, I]
         self.gate_up_proj_scale_inv: nn.Parameter | None  # fp8 only
         self.down_proj_scale_inv: nn.Parameter | None
         self.register_parameter("gate_up_proj_scale_inv", None)
@@ -100,7 +112,12 @@ class Experts(nn.Module):
         x: torch.Tensor,  # [N, H]
         ids: torch.Tensor,  # [N, top_k]
         weights: torch.Tensor,  # [N, top_k] float32
-    ) -> torch.Tensor:  # [N, H]
+    ) -> torch.Tensor:  # [N, H]: the output of this rank's experts
+        if self.shards:  # expert parallel: ids as this rank's, the others' -1 (skipped)
+            ids = ids - self.first
+            # The torch loop, also on CUDA: the fused kernels take each token's ids distinct
+            # and in range (kernels/triton_moe.py); TP > 1 runs eagerly anyway.
+            return self.loop(x, torch.where((ids >= 0) & (ids < self.count), ids, -1), weights)
         if ops.fused_moe_applies(x):  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
             return ops.fused_moe(
                 x, ids, weights, self.gate_up_proj, self.down_proj,
@@ -123,6 +140,8 @@ class Experts(nn.Module):
         xq, xs = fp8_blocks.act_quant(x, pow2=pow2) if up_scale is not None else (x, x)
         # One host read per layer: which experts any token chose, in index order.
         for e in torch.unique(ids).tolist():
+            if e < 0:  # expert parallel: another rank's
+                continue
             token, slot = torch.where(ids == e)  # the tokens routed to e, and at which rank
             if up_scale is None or down_scale is None:
                 h = ops.silu_mul(nn.functional.linear(x[token], self.gate_up_proj[e]))  # [n, I]
@@ -137,16 +156,18 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, moe: MoEArch, hidden: int) -> None:
+    def __init__(self, moe: MoEArch, hidden: int, group: RankGroup | None = None) -> None:
+        """`group`: the expert-parallel ranks the routed experts are split over (Experts)."""
         super().__init__()
+        self.group = group or RankGroup.single()
         self.gate = TopkRouter(moe, hidden)
-        self.experts = Experts(moe, hidden)
+        self.experts = Experts(moe, hidden, self.group)
         width = moe.moe_intermediate_size * moe.n_shared_experts
         self.shared_experts = GatedMLP(hidden, width) if width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights)
+        weights, ids = self.gate(x)  # every rank routes every token alike
+        out = self.group.all_reduce_sum(self.experts(x, ids, weights).contiguous())
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -133,6 +133,33 @@ class Sharded(nn.Module):
         if pad:
             param.narrow(shard.dim, covered, pad).zero_()
 
+    def holds_index(self, name: str, index: int) -> bool:
+        """Whether this rank holds row `index` along dim 0 of parameter `name` (load_index)."""
+        shard = self.shards[name]
+        return shard.dim == 0 and any(r.whole <= index < r.whole + r.length for r in shard.runs)
+
+    @torch.no_grad()
+    def load_index(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        index: int,
+        part: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Copy `tensor` into row `index` along dim 0 of the whole parameter `name` (one
+        expert of a stack), or into `part` of it (dim, start, length: gate or up of a fused
+        pair), if this rank holds that row (a run along dim 0 covers it); else nothing."""
+        shard = self.shards[name]
+        if shard.dim != 0 or not 0 <= index < shard.whole_shape[0]:
+            raise ShardError(f"{name}: row {index} of the whole {shard.whole_shape} by dim 0")
+        for run in shard.runs:
+            if run.whole <= index < run.whole + run.length:
+                dst = getattr(self, name).select(0, run.local + index - run.whole)
+                if part is not None:
+                    dst = dst.narrow(*part)
+                dst.copy_(tensor)
+                return
+
 
 def _empty(*shape: int) -> nn.Parameter:
     """A parameter to be loaded (on the meta device inside the loader's `torch.device`)."""

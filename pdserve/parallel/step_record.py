@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 VERSION = 1
-_HEAD = 7  # version, kind, step, has a pool, num_pages, page_size, sequences
+_HEAD = 7  # version, kind, step, a pool (0 none, 1, 2 shared), num_pages, page_size, sequences
 _SEQ_HEAD = 4  # start, tokens, pages, samples
 
 
@@ -73,6 +73,9 @@ class PoolPlan:
 
     num_pages: int
     page_size: int
+    # In shared memory, so that the leader can read and write every rank's pages: a worker
+    # of a PD role moves whole pages assembled from its ranks' (kvcache/rank_pages.py).
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def encode(record: StepRecord) -> np.ndarray:
         VERSION,
         int(record.kind),
         record.step,
-        int(pool is not None),
+        0 if pool is None else 2 if pool.shared else 1,
         pool.num_pages if pool is not None else 0,
         pool.page_size if pool is not None else 0,
         len(record.seqs),
@@ -129,7 +132,7 @@ def decode(array: np.ndarray) -> StepRecord:
         kind = Kind(kind_word)
     except ValueError:
         raise RecordError(f"unknown record kind {kind_word}") from None
-    if num_seqs < 0 or step < 1 or has_pool not in (0, 1):
+    if num_seqs < 0 or step < 1 or has_pool not in (0, 1, 2):
         raise RecordError(f"a record head of {num_seqs} sequences, step {step}, pool {has_pool}")
     at = _HEAD
     seqs: list[SeqPlan] = []
@@ -145,7 +148,7 @@ def decode(array: np.ndarray) -> StepRecord:
         at += ntok + npages
     if at >= n or words[at] != n - at - 1:
         raise RecordError(f"the score rows at word {at} do not end the record's {n} words")
-    pool = PoolPlan(num_pages, page_size) if has_pool else None
+    pool = PoolPlan(num_pages, page_size, has_pool == 2) if has_pool else None
     try:
         return StepRecord(kind, step, seqs, words[at + 1 :], pool)
     except RecordError as e:

@@ -67,7 +67,8 @@ class HelloAck(Msg, frozen=True):
 
 
 class Register(Msg, frozen=True):
-    """D -> P: pair with me. `layout` is D's KV layout; `shm` its pool (backend shm)."""
+    """D -> P: pair with me. `layout` is D's KV layout, the whole model's (as at TP 1, whatever
+    D's `tp`); `shm` its pool (backend shm), rank 0's at TP > 1, `rank_shm` its other ranks'."""
 
     layout: LayoutDesc
     backend: str
@@ -77,6 +78,10 @@ class Register(Msg, frozen=True):
     # Per-request state slots after the pages (a layout with state: DeepSeek-V4), each of
     # whole pages: P writes a room's state into the slot's pages (PrefillRequest.state_pages).
     state_slots: int = 0
+    # D's tensor parallelism: its pages are split over `tp` ranks' pools by KV head
+    # (kvcache/rank_pages.py); with shm P writes each rank's heads into that rank's pool.
+    tp: int = 1
+    rank_shm: list[ShmPool] = msgspec.field(default_factory=list)
 
 
 class RegisterAck(Msg, frozen=True):

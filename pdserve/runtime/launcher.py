@@ -79,10 +79,19 @@ class LaunchConfig:
     # The share of each card the workers on it hold together (serve's --gpu-memory-utilization,
     # divided among the workers that share the card).
     gpu_memory_utilization: float = 0.9
+    # Tensor-parallel ranks per prefill and per decode (or co-located) worker (0: the engine
+    # flags' --tp), and where a worker at TP > 1 dumps its ranks' flight recorders.
+    prefill_tp: int = 0
+    decode_tp: int = 0
+    flight_dir: str | None = None
 
     def threads_for(self, role: str) -> int:
         per_role = self.prefill_threads if role == "prefill" else self.decode_threads
         return per_role or self.threads
+
+    def tp_for(self, role: str) -> int:
+        """A `role` worker's --tp (0: the engine flags')."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -124,6 +133,9 @@ def worker_argvs(cfg: LaunchConfig) -> list[tuple[str, list[str]]]:
         sharing = sum(g == gpus[name] for g in gpus.values()) if gpus else cfg.prefill + cfg.decode
         share = round(cfg.gpu_memory_utilization / sharing, 4)
         extra += ["--gpu-memory-utilization", str(share)]
+        tp = cfg.tp_for(role)
+        extra += ["--tp", str(tp)] if tp else []
+        extra += ["--flight-dir", cfg.flight_dir] if cfg.flight_dir and tp > 1 else []
         threads = ["--threads", str(cfg.threads_for(role))]
         argv = [*base, "--role", role, *threads, *common, *cfg.engine_flags, *extra]
         out.append((name, argv))

@@ -9,9 +9,11 @@ progress. Either way the engine computes the next chunk while the last one's pag
 * `tcp` — P copies the pages out into frames that follow a KVChunk message on the control
   socket; D's engine copies them into the pool if the room still holds those pages.
 * `nixl` — P WRITEs into D's NIXL-registered pool; notifications tell D what landed.
-A page is one contiguous run of `layout.page_bytes` bytes in the pool (every layer's typed
-buffers, kvcache/layout.py), the same on both sides because the layouts were compared at
-registration. Backends move pages as raw bytes and never look at the buffers' dtypes.
+A page is one contiguous run of `layout.page_bytes` bytes (every layer's typed buffers,
+kvcache/layout.py) of the whole model's layout, the same on both sides because the layouts were
+compared at registration: at TP > 1 a side's pages are read and written through its ranks'
+pools (kvcache/rank_pages.py), so either side's TP is its own. Backends move pages as raw
+bytes and never look at the buffers' dtypes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
+from pdserve.kvcache.rank_pages import RankPages, rank_layout
 from pdserve.protocol.messages import KVChunk
 from pdserve.runtime.gpu_wait import wait_event
 from pdserve.transfer.control import Control
@@ -86,7 +89,7 @@ class PeerWriter(Protocol):
         self,
         room: int,
         epoch: int,
-        src: KVPool,
+        src: RankPages,
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,  # monotonic: the write must be complete or cancelled by then
@@ -99,15 +102,6 @@ class PeerWriter(Protocol):
     def close(self) -> None: ...
 
 
-def source_pages(src: KVPool, pages: Sequence[int]) -> list[torch.Tensor]:
-    """The bytes of `pages` on the CPU, each uint8 [page_bytes]: views of the pool on the CPU;
-    from a CUDA pool, one gather and one device-to-host copy."""
-    if src.data.is_cuda:
-        idx = torch.tensor(list(pages), dtype=torch.long, device=src.data.device)
-        return list(src.data.index_select(0, idx).cpu())  # [n, page_bytes]
-    return [src.page(p) for p in pages]
-
-
 def post(copier: Copier | None, nbytes: int, copy: Callable[[], None], deadline: float) -> Pending:
     """Run `copy` on the data-plane worker if there is one, else here and now."""
     if copier is not None:
@@ -118,18 +112,28 @@ def post(copier: Copier | None, nbytes: int, copy: Callable[[], None], deadline:
 
 class ShmWriter:
     def __init__(
-        self, ref: ShmRef, layout: KVLayout, num_pages: int, copier: Copier | None = None
+        self,
+        refs: Sequence[ShmRef],
+        layout: KVLayout,
+        num_pages: int,
+        copier: Copier | None = None,
     ) -> None:
-        """Raises PoolRefused unless `ref` is a pdserve pool of `num_pages` pages."""
+        """`refs`: the decode worker's pool per rank (one at TP 1), `layout` the whole model's.
+        Raises PoolRefused unless each names a pdserve pool of its rank's layout and
+        `num_pages` pages."""
         self.num_pages = num_pages
-        self.dst = map_shared(ref, layout, num_pages)  # [num_pages, page_bytes] uint8
+        tp = len(refs)
+        pools = [
+            map_shared(ref, rank_layout(layout, tp, r), num_pages) for r, ref in enumerate(refs)
+        ]
+        self.dst = RankPages(layout, pools)
         self.copier = copier
 
     def write(
         self,
         room: int,
         epoch: int,
-        src: KVPool,
+        src: RankPages,
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
@@ -140,12 +144,9 @@ class ShmWriter:
         def copy() -> None:
             if ready is not None:  # on the copier thread: the engine computes on meanwhile
                 wait_event(ready, "the step that computed the pages")
-            # A page is one contiguous run on both sides: a plain copy per page is the
-            # fastest path (faster than index_copy_ into the mapping).
-            for page, d in zip(source_pages(src, src_pages), dst_pages, strict=True):
-                self.dst[d].copy_(page)
+            self.dst.write(dst_pages, src.read(src_pages))
 
-        nbytes = len(src_pages) * src.layout.page_bytes
+        nbytes = len(src_pages) * src.page_bytes
         return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
@@ -163,7 +164,7 @@ class TcpWriter:
         self,
         room: int,
         epoch: int,
-        src: KVPool,
+        src: RankPages,
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,
@@ -176,23 +177,23 @@ class TcpWriter:
                 wait_event(ready, "the step that computed the pages")
             # One frame per page, its raw bytes. The send only queues the frames on the
             # control outbox, ahead of the PrefillDone that follows this write.
-            frames = tuple(page.numpy().tobytes() for page in source_pages(src, src_pages))
+            frames = tuple(page.numpy().tobytes() for page in src.read(src_pages))
             self.control.send(
                 self.peer,
                 KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=dst_pages),
                 frames,
             )
 
-        nbytes = len(src_pages) * src.layout.page_bytes
+        nbytes = len(src_pages) * src.page_bytes
         return post(self.copier, nbytes, copy, deadline)
 
     def close(self) -> None:
         pass
 
 
-def receive_chunk(pool: KVPool, dst_pages: Sequence[int], frames: Sequence[bytes]) -> int:
+def receive_chunk(pages: RankPages, dst_pages: Sequence[int], frames: Sequence[bytes]) -> int:
     """D side of tcp: copy page frames into the pool; raises ValueError on a size mismatch."""
-    per_page = pool.layout.page_bytes
+    per_page = pages.page_bytes
     if len(frames) != len(dst_pages) or any(len(f) != per_page for f in frames):
         raise ValueError(
             f"KVChunk: {len(frames)} frames for {len(dst_pages)} pages, "
@@ -203,7 +204,6 @@ def receive_chunk(pool: KVPool, dst_pages: Sequence[int], frames: Sequence[bytes
     # One writable copy of every frame (frombuffer of bytes would be read-only), moved to the
     # pool's device at once; then a plain copy per page, as the shm writer does.
     host = torch.frombuffer(bytearray().join(frames), dtype=torch.uint8)
-    rows = host.view(len(frames), per_page).to(pool.data.device)  # [n, page_bytes]
-    for page, row in zip(dst_pages, rows, strict=True):
-        pool.page(page).copy_(row)
+    rows = host.view(len(frames), per_page).to(pages.pools[0].device)  # [n, page_bytes]
+    pages.write(dst_pages, list(rows))
     return per_page * len(frames)

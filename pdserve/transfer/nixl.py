@@ -48,6 +48,7 @@ import numpy as np
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import NixlPool
 from pdserve.runtime.timing import TRANSFER_TIMEOUT_S
 from pdserve.transfer.dataplane import StepDone
@@ -344,7 +345,7 @@ class NixlWriter:
         self,
         room: int,
         epoch: int,
-        src: KVPool,
+        src: RankPages,  # (this writer reads the pool its agent registered)
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         deadline: float,

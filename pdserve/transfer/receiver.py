@@ -3,8 +3,8 @@
 Beside the prefill side's writers (transfer/dataplane.py, transfer/nixl.py) each backend has a
 receiver on D, and the decode role talks only to this interface, never to a backend by name:
 
-* `registration()`: what D's `Register` carries so P can open a writer (the shm pool's
-  reference, the NIXL agent's descriptor, or nothing for tcp);
+* `registration()`: what D's `Register` carries so P can open a writer (the shm pools'
+  references, one per rank, the NIXL agent's descriptor, or nothing for tcp);
 * `landed()`: every `Landed(room, epoch, nbytes)` since the last call. tcp reports the frames
   that followed a `KVChunk` (handed in by `accept_frames`), nixl its WRITE notifications;
 * `counts_bytes`: whether D must see PrefillDone's `kv_bytes` land before decoding (tcp, nixl:
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import BACKENDS, NixlPool, Register, ShmPool
 from pdserve.transfer.dataplane import receive_chunk
 from pdserve.transfer.nixl import INSTALL_HINT, NixlAgent, nixl_available
@@ -40,7 +41,7 @@ class KVReceiver(Protocol):
     counts_bytes: bool
     bytes_may_trail: bool
 
-    def registration(self) -> tuple[ShmPool | None, NixlPool | None]: ...
+    def registration(self) -> tuple[list[ShmPool], NixlPool | None]: ...
 
     def accept_frames(
         self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
@@ -64,13 +65,13 @@ class ShmReceiver:
     counts_bytes = False
     bytes_may_trail = False
 
-    def __init__(self, pool: KVPool) -> None:
-        if pool.shm is None:
-            raise ValueError("backend shm needs a KV pool in shared memory")
-        self.ref = pool.shm
+    def __init__(self, pages: RankPages) -> None:
+        if any(ref is None for ref in pages.refs):
+            raise ValueError("backend shm needs every rank's KV pool in shared memory")
+        self.refs = [ref for ref in pages.refs if ref is not None]
 
-    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
-        return ShmPool(pid=self.ref.pid, fd=self.ref.fd, token=self.ref.token), None
+    def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
+        return [ShmPool(pid=r.pid, fd=r.fd, token=r.token) for r in self.refs], None
 
     def accept_frames(
         self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
@@ -90,17 +91,17 @@ class TcpReceiver:
     counts_bytes = True
     bytes_may_trail = False
 
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
+    def __init__(self, pages: RankPages) -> None:
+        self.pages = pages
         self._landed: list[Landed] = []
 
-    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
-        return None, None
+    def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
+        return [], None
 
     def accept_frames(
         self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
     ) -> int:
-        moved = receive_chunk(self.pool, dst_pages, frames)
+        moved = receive_chunk(self.pages, dst_pages, frames)
         self._landed.append(Landed(room, epoch, moved))
         return moved
 
@@ -121,8 +122,8 @@ class NixlReceiver:
     def __init__(self, identity: str, pool: KVPool) -> None:
         self.agent = NixlAgent(identity, pool)
 
-    def registration(self) -> tuple[ShmPool | None, NixlPool | None]:
-        return None, self.agent.descriptor()
+    def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
+        return [], self.agent.descriptor()
 
     def accept_frames(
         self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
@@ -175,26 +176,32 @@ def needs_shared_pool(backend: str) -> bool:
     return backend == "shm"
 
 
-def register_message(receiver: KVReceiver, pool: KVPool) -> Register:
-    """What pairs a decode worker with a prefill worker: its pool by the typed layout, the
-    backend, and where P writes (the shm segment, or the NIXL agent and descriptors)."""
-    shm, nixl = receiver.registration()
+def register_message(receiver: KVReceiver, pool: KVPool, pages: RankPages) -> Register:
+    """What pairs a decode worker with a prefill worker: its pages by the whole model's typed
+    layout, its tensor parallelism, the backend, and where P writes (the shm segments, one per
+    rank, or the NIXL agent and descriptors)."""
+    shms, nixl = receiver.registration()
     return Register(
-        layout=pool.layout.to_desc(),
+        layout=pages.layout.to_desc(),
         backend=receiver.backend,
-        shm=shm,
+        shm=shms[0] if shms else None,
         nixl=nixl,
         num_pages=pool.num_pages,
         state_slots=pool.state_slots,
+        tp=pages.tp,
+        rank_shm=shms[1:],
     )
 
 
-def open_receiver(backend: str, identity: str, pool: KVPool) -> KVReceiver:
-    """D's receiver for `backend`; raises ValueError for a name not in BACKENDS."""
+def open_receiver(backend: str, identity: str, pool: KVPool, pages: RankPages) -> KVReceiver:
+    """D's receiver for `backend` (`pool`: rank 0's, `pages`: every rank's as the whole
+    model's); raises ValueError for a name not in BACKENDS, or nixl at TP > 1."""
     if backend == "shm":
-        return ShmReceiver(pool)
+        return ShmReceiver(pages)
     if backend == "tcp":
-        return TcpReceiver(pool)
+        return TcpReceiver(pages)
     if backend == "nixl":
+        if pages.tp != 1:
+            raise ValueError("backend nixl receives into one pool: at --tp > 1 use shm or tcp")
         return NixlReceiver(identity, pool)
     raise ValueError(f"unknown KV backend {backend!r}; known: {', '.join(BACKENDS)}")

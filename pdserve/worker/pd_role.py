@@ -1,4 +1,4 @@
-"""Bits shared by the prefill and decode roles: counters and inbox events."""
+"""Bits shared by the prefill and decode roles: counters, inbox events, the pages they move."""
 
 from __future__ import annotations
 
@@ -6,8 +6,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.engine.role import RoleHost
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import Msg
 from pdserve.protocol.rooms import Outcome
+
+
+def pd_pages(engine: RoleHost) -> RankPages:
+    """The whole model's pages a PD role moves; an engine at TP > 1 has them only when built
+    for a PD role (Engine.build's `pd`)."""
+    if engine.pages is None:
+        raise ValueError("a PD role at --tp > 1 needs an engine built with pd=True")
+    return engine.pages
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ ROOT = Path(pdserve.__file__).parent
 READS = {
     "clock",
     "pool",
+    "pages",
     "eos_token_ids",
     "last_tick",
     "request_timeout_s",

@@ -35,6 +35,7 @@ FORWARD = StepRecord(
     [
         FORWARD,
         StepRecord(Kind.SETUP, 1, pool=PoolPlan(4096, 16)),
+        StepRecord(Kind.SETUP, 1, pool=PoolPlan(64, 4, shared=True)),
         StepRecord(Kind.IDLE, 2),
         StepRecord(Kind.SHUTDOWN, 3),
         StepRecord(Kind.FORWARD, 4, [SeqPlan([5], 0, [1], True)]),

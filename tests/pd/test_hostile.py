@@ -16,10 +16,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+import torch
 import zmq
 
+from pdserve.kvcache.layout import KVLayout
+from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import rank_layout
 from pdserve.protocol import messages as m
+from pdserve.protocol.layout_desc import LayoutDesc
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.timing import PEER_TIMEOUT_S, PING_EVERY_S
 from pdserve.transfer.control import Control, Inbound
@@ -101,6 +107,10 @@ def victim(tmp_path: Path) -> Iterator[tuple[Path, int]]:
         yield path, fd
     finally:
         os.close(fd)
+
+
+def shm_register(layout: dict, rank0: m.ShmPool, tp: int, others: list[m.ShmPool]) -> m.Register:
+    return m.Register(layout=layout, backend="shm", shm=rank0, num_pages=64, tp=tp, rank_shm=others)  # type: ignore[arg-type]
 
 
 def layout_of(pd: PD) -> dict:
@@ -191,6 +201,23 @@ def test_a_member_can_name_only_a_pdserve_pool(pd, baseline, victim):
                 i + 1,
             )
             assert not acks[-1].ok and str(path) not in (acks[-1].error or "")
+        # A decode worker's tensor parallelism out of range, or pools that do not match it:
+        # rank 0's a real pool of ours, of its rank's size, the other rank's not.
+        whole = KVLayout.from_desc(msgspec.convert(layout, LayoutDesc))
+        mine = KVPool(rank_layout(whole, 2, 0), 64, torch.device("cpu"), shared=True)
+        assert mine.shm is not None
+        ours = m.ShmPool(pid=mine.shm.pid, fd=mine.shm.fd, token=mine.shm.token)
+        hostile = [
+            (m.Register(layout=layout, backend="tcp", num_pages=64, tp=0), "tensor parallelism"),
+            (m.Register(layout=layout, backend="tcp", num_pages=64, tp=65), "1 to 64"),
+            (shm_register(layout, ours, 2, []), "2 ranks"),
+            (shm_register(layout, ours, 2, [ours]), "one pool twice"),
+            (shm_register(layout, ours, 3, [refs[1], refs[2]]), "neither split"),
+            (shm_register(layout, ours, 2, [refs[1]]), "pdserve KV pool"),  # last: checked below
+        ]
+        for j, (reg, why) in enumerate(hostile, start=len(refs) + 1):
+            acks = member.ask(reg, m.RegisterAck, j)
+            assert not acks[-1].ok and why in (acks[-1].error or ""), acks[-1]
         rejects = member.ask(
             m.PrefillRequest(
                 room=7,

@@ -78,17 +78,25 @@ def test_threads_per_role():
 
 
 def test_a_tp_launch_gives_its_workers_a_flight_directory(tmp_path):
-    from pdserve.launch import default_flight_dir
+    from pdserve.launch import flight_dir
 
     def flight(*argv: str) -> str | None:
         args = build_parser().parse_args(["launch", "--model", "m", *argv])
-        default_flight_dir(args, tmp_path)
-        flags = list(engine_flags(args))
-        return flags[flags.index("--flight-dir") + 1] if "--flight-dir" in flags else None
+        return flight_dir(args, tmp_path)
 
     assert flight("--tp", "2") == str(tmp_path.resolve() / "flight")
+    assert flight("--decode-tp", "2") == str(tmp_path.resolve() / "flight")
     assert flight("--tp", "2", "--flight-dir", "/x/f") == "/x/f"
     assert flight() is None  # TP 1 has no ranks to dump
+
+
+def test_each_side_gets_its_own_tp_and_only_ranks_a_flight_directory():
+    plan = dict(worker_argvs(config(prefill_tp=2, decode_tp=1, flight_dir="/x/f")))
+    last = {name: argv[len(argv) - 1 - argv[::-1].index("--tp") + 1] for name, argv in plan.items()}
+    assert last == {"prefill-0": "2", "decode-0": "1", "decode-1": "1"}  # the last --tp wins
+    assert ["--flight-dir" in argv for argv in plan.values()] == [True, False, False]
+    plain = dict(worker_argvs(config()))
+    assert not any("--tp" in argv for argv in plain.values())  # the engine flags' own
 
 
 def test_a_flight_directory_without_tp_is_refused(tiny_dir, tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.dataplane import ShmWriter, WriteError
 from tests.kvcache.layouts import dsa, fill_random
@@ -68,8 +69,8 @@ def test_shm_writer_through_the_worker_lands_the_pages():
     c = Copier()
     try:
         assert dst.shm is not None
-        w = ShmWriter(dst.shm, layout, 8, c)
-        x = w.write(1, 1, src, [5, 0], [7, 2], far())
+        w = ShmWriter([dst.shm], layout, 8, c)
+        x = w.write(1, 1, RankPages.of(src), [5, 0], [7, 2], far())
         assert not dst.data.any()  # not yet: the worker has not run
         c.tick()
         assert x.poll() and x.nbytes == 2 * layout.page_bytes

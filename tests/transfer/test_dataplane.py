@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import KVChunk, Msg
 from pdserve.transfer.dataplane import ShmWriter, TcpWriter, receive_chunk
 from tests.kvcache.layouts import NAMES, dsa, fill_random, layout
@@ -49,8 +50,8 @@ SRC, DST = [7, 0, 3, 9], [11, 2, 5, 0]  # scattered, out of order, page 0 includ
 def shm_round_trip(src: KVPool, dst: KVPool) -> None:
     try:
         assert dst.shm is not None
-        writer = ShmWriter(dst.shm, dst.layout, dst.num_pages)
-        done = writer.write(1, 1, src, SRC, DST, deadline=0.0)
+        writer = ShmWriter([dst.shm], dst.layout, dst.num_pages)
+        done = writer.write(1, 1, RankPages.of(src), SRC, DST, deadline=0.0)
         assert done.poll(), "shm completes inside write()"
         assert done.nbytes == len(SRC) * src.layout.page_bytes
         assert_landed(src, dst)
@@ -60,13 +61,13 @@ def shm_round_trip(src: KVPool, dst: KVPool) -> None:
 
 def tcp_round_trip(src: KVPool, dst: KVPool) -> None:
     ctl = CapturingControl()
-    sent = TcpWriter(ctl, "d0", "p0").write(5, 2, src, SRC, DST, 0.0)  # type: ignore[arg-type]
+    sent = TcpWriter(ctl, "d0", "p0").write(5, 2, RankPages.of(src), SRC, DST, 0.0)  # type: ignore[arg-type]
     assert sent.poll() and sent.nbytes == len(SRC) * src.layout.page_bytes
     ((peer, msg, frames),) = ctl.sent
     assert peer == "d0" and isinstance(msg, KVChunk) and msg.dst_pages == DST
     assert (msg.room, msg.epoch) == (5, 2)
     assert [len(f) for f in frames] == [src.layout.page_bytes] * len(SRC)  # a frame per page
-    assert receive_chunk(dst, msg.dst_pages, frames) == sent.nbytes
+    assert receive_chunk(RankPages.of(dst), msg.dst_pages, frames) == sent.nbytes
     assert_landed(src, dst)
 
 
@@ -93,9 +94,9 @@ def test_tcp_frames_land_in_a_cuda_pool():
     fill_random(src, seed=7)
     dst = KVPool(dsa(), 12, torch.device("cuda"))
     ctl = CapturingControl()
-    TcpWriter(ctl, "d0", "p0").write(5, 2, src, SRC, DST, 0.0)  # type: ignore[arg-type]
+    TcpWriter(ctl, "d0", "p0").write(5, 2, RankPages.of(src), SRC, DST, 0.0)  # type: ignore[arg-type]
     ((_, msg, frames),) = ctl.sent
-    receive_chunk(dst, msg.dst_pages, frames)
+    receive_chunk(RankPages.of(dst), msg.dst_pages, frames)
     for s, d in zip(SRC, DST, strict=True):
         assert torch.equal(dst.page(d).cpu(), src.page(s))
 
@@ -103,11 +104,11 @@ def test_tcp_frames_land_in_a_cuda_pool():
 def test_tcp_receiver_refuses_wrong_sizes():
     src, dst = pools("dsa", shared=False)
     with pytest.raises(ValueError, match="frames"):
-        receive_chunk(dst, [1, 2], [b"\x00" * dst.layout.page_bytes])
+        receive_chunk(RankPages.of(dst), [1, 2], [b"\x00" * dst.layout.page_bytes])
     with pytest.raises(ValueError, match="bytes each"):
-        receive_chunk(dst, [1], [b"\x00" * 3])
+        receive_chunk(RankPages.of(dst), [1], [b"\x00" * 3])
     with pytest.raises(ValueError, match="bytes each"):  # a page of another layout
-        receive_chunk(dst, [1], [b"\x00" * layout("bfloat16").page_bytes])
+        receive_chunk(RankPages.of(dst), [1], [b"\x00" * layout("bfloat16").page_bytes])
     assert not dst.data.any()
 
 
@@ -136,13 +137,15 @@ def test_a_copy_waits_for_the_step_that_computes_its_pages(backend):
     try:
         if backend == "shm":
             assert dst.shm is not None
-            ShmWriter(dst.shm, dst.layout, dst.num_pages).write(1, 1, src, SRC, DST, 0.0, step)
+            ShmWriter([dst.shm], dst.layout, dst.num_pages).write(
+                1, 1, RankPages.of(src), SRC, DST, 0.0, step
+            )
         else:
             ctl = CapturingControl()
             writer = TcpWriter(ctl, "d0", "p0")  # type: ignore[arg-type]
-            writer.write(5, 2, src, SRC, DST, 0.0, step)
+            writer.write(5, 2, RankPages.of(src), SRC, DST, 0.0, step)
             ((_, msg, frames),) = ctl.sent
-            receive_chunk(dst, msg.dst_pages, frames)
+            receive_chunk(RankPages.of(dst), msg.dst_pages, frames)
         assert step.waited
         assert_landed(src, dst)  # the bytes after the step, not before
     finally:

@@ -96,7 +96,7 @@ def test_incident_bf16_index_k_under_load_with_aborts(ds_dir, monkeypatch) -> No
     def write(self: ShmWriter, room: int, epoch: int, src: Any, src_pages: Any, dst_pages: Any,
               *args: Any, **kw: Any) -> Any:  # fmt: skip
         for s, d in zip(src_pages, dst_pages, strict=True):
-            sent[d] = (room, regions(p_layout, src.page(s), (*INDEX, "latent")))
+            sent[d] = (room, regions(p_layout, src.read([s])[0], (*INDEX, "latent")))
         return real_write(self, room, epoch, src, src_pages, dst_pages, *args, **kw)
 
     checked: list[int] = []

@@ -77,7 +77,7 @@ def watch_byte_exact(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 
     def write(self, room, epoch, src, src_pages, dst_pages, deadline, ready):  # type: ignore[no-untyped-def]
         for s, d in zip(src_pages, dst_pages, strict=True):
-            sent[d] = src.page(s).clone()
+            sent[d] = src.read([s])[0].clone()
         return real_write(self, room, epoch, src, src_pages, dst_pages, deadline, ready)
 
     checked: set[str] = set()

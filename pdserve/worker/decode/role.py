@@ -40,7 +40,7 @@ from pdserve.worker.decode.pairing import PrefillPairing
 from pdserve.worker.decode.peers import PrefillPeers
 from pdserve.worker.decode.rooms import WAIT, DRoom, HeldSubmit, blame
 from pdserve.worker.decode.snapshot import decode_snapshot
-from pdserve.worker.pd_role import RoleStats, SendFailed, enter
+from pdserve.worker.pd_role import RoleStats, SendFailed, enter, pd_pages
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ class DecodeRole(Role):
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
+        self.pages = pd_pages(engine)  # what arrives from P: the whole model's pages
         self.identity = identity
-        self.receiver: KVReceiver = open_receiver(backend, identity, self.pool)
+        self.receiver: KVReceiver = open_receiver(backend, identity, self.pool, self.pages)
         self.control = control
         self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
@@ -82,7 +83,7 @@ class DecodeRole(Role):
         self.pairing = PrefillPairing(
             PrefillPeers(timing=timing),  # at most MAX_PREFILL_PEERS, idle ones forgotten
             self._send,
-            lambda: register_message(self.receiver, self.pool),
+            lambda: register_message(self.receiver, self.pool, self.pages),
             forget or (lambda address: None),
             self.stats,
         )
@@ -167,7 +168,7 @@ class DecodeRole(Role):
 
     def _try_done(self, room: DRoom, now: float) -> None:
         """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
-        state_bytes = len(room.state_pages(self.pool)) * self.pool.layout.page_bytes
+        state_bytes = len(room.state_pages(self.pool)) * self.pages.page_bytes
         problem = room.take_done(
             self.receiver.counts_bytes, self.receiver.bytes_may_trail, state_bytes
         )

@@ -95,7 +95,7 @@ class LocalEngine:
             assert key is not None  # require_key refuses a worker without one
             self.control = Control(identity, self._to_engine, self._send_failed, key)
             if cfg.role == "prefill":
-                self.engine = Engine.build(cfg.engine, eos_token_ids)
+                self.engine = Engine.build(cfg.engine, eos_token_ids, pd=True)
                 limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
                 self.info["control"] = self.control.bind(cfg.host, cfg.control_port, limit)
                 self.copier = Copier()
@@ -109,7 +109,7 @@ class LocalEngine:
                 self.engine.attach(role, self._send)
             else:
                 shared = needs_shared_pool(cfg.backend)
-                self.engine = Engine.build(cfg.engine, eos_token_ids, shared_pool=shared)
+                self.engine = Engine.build(cfg.engine, eos_token_ids, shared_pool=shared, pd=True)
                 limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
                 self.control.limit_sends(limit)  # P's limit for the same model
                 d_role = DecodeRole(
@@ -122,7 +122,9 @@ class LocalEngine:
                 )
                 self.engine.attach(d_role, self._send)
             self.info.update(identity=identity, backend=cfg.backend)
-        self.info["layout"] = self.engine.pool.layout.to_dict()
+        # what a peer compares: the whole model's (rank 0's pool holds its heads only at TP > 1)
+        pages = self.engine.pages
+        self.info["layout"] = (pages.layout if pages else self.engine.pool.layout).to_dict()
         if self.engine.tp is not None:  # its follower ranks' processes, stopped with it
             self.info["tp"] = {"size": self.engine.cfg.tp, "pids": self.engine.tp.pids}
         sched = self.engine.cfg.scheduler  # as resolved (engine/sizing.py)

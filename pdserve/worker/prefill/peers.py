@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol import messages as m
 from pdserve.runtime.timing import PdTiming
 from pdserve.transfer.control import Control
@@ -41,14 +42,19 @@ class DecodePeers:
     def __init__(
         self,
         pool: KVPool,
+        pages: RankPages,
         identity: str,
         control: Control | None,
         copier: Copier | None,
         timing: PdTiming,
     ) -> None:
-        """`identity`: this prefill worker's; `control`: the tcp backend sends pages on it
-        (None: no tcp peer can pair)."""
+        """`pool`: rank 0's (NIXL registers it); `pages`: every rank's, as the whole model's
+        (what D's layout is compared with); `identity`: this prefill worker's;
+        `control`: the tcp backend sends pages on it (None: no tcp peer can pair)."""
         self.pool = pool
+        self.pages = pages
+        # our follower ranks' processes (their pools are shared): a peer naming one is refused
+        self.own_pids = frozenset(r.pid for r in pages.refs[1:] if r is not None)
         self.timing = timing
         self.identity = identity
         self.control = control
@@ -71,7 +77,7 @@ class DecodePeers:
 
     def register(self, identity: str, msg: m.Register, now: float) -> DecodePeer:
         """Pair with a decode worker; raises (ValueError, OSError, NIXL's errors) saying why not."""
-        ours = self.pool.layout
+        ours = self.pages.layout
         theirs = KVLayout.from_desc(msg.layout)
         diff = ours.mismatch(theirs, ours="prefill", theirs="decode")
         if diff is not None:
@@ -87,6 +93,8 @@ class DecodePeers:
             control=self.control,
             copier=self.copier,
             nixl_agent=self._nixl_agent,
+            tp=self.pages.tp,
+            own_pids=self.own_pids,
         )
         self.pairings += 1
         peer = DecodePeer(

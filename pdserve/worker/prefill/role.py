@@ -32,7 +32,7 @@ from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.copier import Copier
 from pdserve.transfer.nixl import NixlAgent
-from pdserve.worker.pd_role import RoleStats, SendFailed
+from pdserve.worker.pd_role import RoleStats, SendFailed, pd_pages
 from pdserve.worker.prefill.metrics import PrefillMetrics
 from pdserve.worker.prefill.peers import DecodePeer, DecodePeers
 from pdserve.worker.prefill.room_machine import PrefillRoomMachine
@@ -73,11 +73,12 @@ class PrefillRole(PrefillRoomMachine):
         self.engine = engine
         self.timing = timing
         self.pool = engine.pool
+        self.pages = pd_pages(engine)  # what crosses to D: the whole model's pages
         self.identity = identity
         self.address = address if address is not None else (control.address if control else "")
         self.control = control
         self.copier = copier
-        self.peers = DecodePeers(self.pool, identity, control, copier, timing)
+        self.peers = DecodePeers(self.pool, self.pages, identity, control, copier, timing)
         self.by_room: dict[tuple[str, int], PRoom] = {}
         self.by_request: dict[str, PRoom] = {}
         self.stats = RoleStats()
@@ -92,6 +93,7 @@ class PrefillRole(PrefillRoomMachine):
         self.outbox: list[m.Send] = []
         self.writes = PrefillWrites(
             self.pool,
+            self.pages,
             self.peers,
             self.stats,
             self._apply,
@@ -144,7 +146,7 @@ class PrefillRole(PrefillRoomMachine):
                 why = f"bad request: {msg.detail}"
                 self._reply(cmd.peer, m.PrefillReject(room=msg.room, epoch=msg.epoch, reason=why))
             case m.Unreadable(of="Register"):
-                ours = self.pool.layout.to_desc()
+                ours = self.pages.layout.to_desc()
                 error = f"unreadable Register: {msg.detail}"
                 self._reply(cmd.peer, m.RegisterAck(ok=False, error=error, layout=ours))
             case _:
@@ -207,7 +209,7 @@ class PrefillRole(PrefillRoomMachine):
         return m.Send(inbound.peer, pong)
 
     def _register(self, peer: str, msg: m.Register, now: float) -> None:
-        ours = self.pool.layout.to_desc()
+        ours = self.pages.layout.to_desc()
         try:
             self.peers.register(peer, msg, now)
         except Exception as e:  # noqa: BLE001 - ValueError, OSError, NIXL errors: refuse, say why

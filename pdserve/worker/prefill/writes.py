@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import StepPlan
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.rooms import PEvent, PState
 from pdserve.runtime.faults import FAULTS
 from pdserve.transfer.dataplane import PeerGone, WriteError, step_done
@@ -36,14 +37,18 @@ class PrefillWrites:
     def __init__(
         self,
         pool: KVPool,
+        pages: RankPages,
         peers: DecodePeers,
         stats: RoleStats,
         apply: Callable[[PRoom, PEvent, float, str], None],
         drop_peer: Callable[[DecodePeer, str, float], None],
     ) -> None:
-        """`apply(room, event, now, reason)`: a room event (WRITE_FAILED, WRITES_DONE) for the
-        role's room machine; `drop_peer(peer, why, now)`: its transfer layer disconnected."""
+        """`pool`: rank 0's (its pages and sizes); `pages`: what is written, every rank's
+        as the whole model's; `apply(room, event, now, reason)`: a room event (WRITE_FAILED,
+        WRITES_DONE) for the role's room machine; `drop_peer(peer, why, now)`: its transfer
+        layer disconnected."""
         self.pool = pool
+        self.pages = pages
         self.peers = peers
         self.stats = stats
         self.apply = apply
@@ -81,7 +86,7 @@ class PrefillWrites:
                 xfer = peer.writer.write(
                     room.room,
                     room.epoch,
-                    self.pool,
+                    self.pages,
                     [*req.pages[sl], *state],
                     [*room.dst_pages[sl], *(room.state_pages if state else ())],
                     room.write_deadline_mono(now, wall),
@@ -89,7 +94,7 @@ class PrefillWrites:
                 )
                 room.inflight.append(xfer)
                 room.bytes_written += xfer.nbytes
-                room.state_bytes += len(state) * self.pool.layout.page_bytes
+                room.state_bytes += len(state) * self.pages.page_bytes
                 room.pages_written = target
             except PeerGone as e:
                 assert peer is not None  # PeerGone comes from peer.writer; not input-dependent
