@@ -23,6 +23,10 @@ padding. Every program reads all A ids twice: nothing for a decode step (A = bat
 and still a small cost beside the GEMMs for a long prefill; in exchange it is one launch with
 no atomics and no second pass.
 
+An assignment whose id is `num_experts` or more is nobody's (expert parallel: another rank's
+expert, model/moe.py): it is counted for no expert, so it is in no block and no GEMM reads its
+token for it, and `_sum_kernel` (kernels/triton_moe.py) skips its slot.
+
 `block_of` is the GEMMs' side of the layout: a program's assignments and expert.
 """
 
@@ -59,6 +63,7 @@ def _align_kernel(
     block_expert_ptr,  # [capacity // BLOCK_M] int32
     total_ptr,  # [1] int32
     A,
+    E,  # the experts: an id past them is nobody's (the module docstring)
     BINS: tl.constexpr,  # a power of two >= the number of experts
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -71,7 +76,7 @@ def _align_kernel(
     for a0 in range(0, A, CHUNK):
         m = a0 + chunk < A
         ids = tl.load(ids_ptr + a0 + chunk, mask=m, other=0).to(tl.int32)
-        counts += tl.histogram(ids, BINS, mask=m)
+        counts += tl.histogram(ids, BINS, mask=m & (ids < E))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, 0) - padded
     bins = tl.arange(0, BINS)
@@ -110,9 +115,10 @@ def block_of(sorted_ptr, block_expert_ptr, A, BLOCK_M: tl.constexpr):
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 1024) -> Alignment:
-    """`ids` [N, top_k] (each token's experts, distinct per token, in [0, num_experts)) ->
-    the assignments sorted by expert and padded per expert to `block_m`, on ids' device, with
-    no host synchronisation. `chunk`: how many ids a program reads at a time."""
+    """`ids` [N, top_k] (each token's experts, distinct per token, in [0, num_experts); or
+    num_experts and more: nobody's, left out) -> the assignments sorted by expert and padded
+    per expert to `block_m`, on ids' device, with no host synchronisation. `chunk`: how many
+    ids a program reads at a time."""
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"align: ids must be [N, top_k] int32/int64, got {tuple(ids.shape)} {ids.dtype}"
@@ -137,6 +143,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 1024) 
         out.block_expert,
         out.total,
         n,
+        num_experts,
         BINS=triton.next_power_of_2(num_experts),
         BLOCK_M=block_m,
         CHUNK=min(chunk, triton.next_power_of_2(n)),

@@ -146,9 +146,10 @@ def _down_kernel(
 @triton.jit
 def _sum_kernel(
     per_slot_ptr,  # [N * TOP_K, H]
-    ids_ptr,  # [N, TOP_K]: each token's experts, distinct
+    ids_ptr,  # [N, TOP_K]: each token's experts, distinct; E or more: nobody's, skipped
     out_ptr,  # [N, H]
     H,
+    E,
     stride_pm,
     stride_on,
     TOP_K: tl.constexpr,
@@ -160,15 +161,21 @@ def _sum_kernel(
     t = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, SLOTS)
     ids = tl.load(ids_ptr + t * TOP_K + slots, mask=slots < TOP_K, other=2**30).to(tl.int32)
-    # each slot's place in expert order (the unused slots come last: their id is the largest)
-    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)
+    # each slot's place in expert order (the unused slots come last: their id is the largest;
+    # equal ids, nobody's, in slot order)
+    before = (ids[None, :] < ids[:, None]) | (
+        (ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None])
+    )
+    rank = tl.sum(before.to(tl.int32), axis=1)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < H
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         slot = tl.sum(tl.where(rank == j, slots, 0))
-        row = tl.load(per_slot_ptr + (t * TOP_K + slot) * stride_pm + cols, mask=cmask, other=0.0)
+        ours = tl.sum(tl.where(rank == j, ids, 0)) < E  # (a skipped slot's row was never written)
+        at = per_slot_ptr + (t * TOP_K + slot) * stride_pm + cols
+        row = tl.load(at, mask=cmask & ours, other=0.0)  # adding 0 leaves acc as it was
         acc = (acc + row.to(tl.float32)).to(dt).to(tl.float32)  # each add rounded, as index_add_
     tl.store(out_ptr + t * stride_on + cols, acc.to(dt), mask=cmask)
 
@@ -182,7 +189,7 @@ def _dot(dtype: torch.dtype, kernel: object) -> tuple[tl.dtype, str]:
 
 def fused_moe(
     x: torch.Tensor,  # [N, H]
-    ids: torch.Tensor,  # [N, top_k] int: each token's experts, distinct
+    ids: torch.Tensor,  # [N, top_k] int: each token's experts, distinct (E or more: skipped)
     weights: torch.Tensor,  # [N, top_k] float32: their routing weights
     gate_up_proj: torch.Tensor,  # [E, 2I, H]: x's dtype, or e4m3 with gate_up_scale
     down_proj: torch.Tensor,  # [E, H, I]: x's dtype, or e4m3 with down_scale
@@ -241,7 +248,7 @@ def fused_moe(
         )  # fmt: skip
     else:
         per_slot = _routed(x, flat_weights, layout, top_k, gate_up_proj, down_proj, cfg)
-    return _sum(per_slot, ids)
+    return _sum(per_slot, ids, e)
 
 
 def _routed(
@@ -307,8 +314,9 @@ def _routed(
     return per_slot
 
 
-def _sum(per_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """per_slot [N * top_k, H] -> [N, H]: each token's rows added in expert order (step 4)."""
+def _sum(per_slot: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """per_slot [N * top_k, H] -> [N, H]: each token's rows added in expert order (step 4),
+    slots of ids `experts` or more (nobody's) left out."""
     n, top_k = ids.shape
     hidden = per_slot.shape[1]
     out = torch.empty((n, hidden), dtype=per_slot.dtype, device=per_slot.device)
@@ -318,6 +326,7 @@ def _sum(per_slot: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ids,
         out,
         hidden,
+        experts,
         per_slot.stride(0),
         out.stride(0),
         TOP_K=top_k,

@@ -113,12 +113,13 @@ class Experts(Sharded):
         ids: torch.Tensor,  # [N, top_k]
         weights: torch.Tensor,  # [N, top_k] float32
     ) -> torch.Tensor:  # [N, H]: the output of this rank's experts
-        if self.shards:  # expert parallel: ids as this rank's, the others' -1 (skipped)
+        fused = ops.fused_moe_applies(x)
+        if self.shards:  # expert parallel: ids as this rank's, the others' skipped
             ids = ids - self.first
-            # The torch loop, also on CUDA: the fused kernels take each token's ids distinct
-            # and in range (kernels/triton_moe.py); TP > 1 runs eagerly anyway.
-            return self.loop(x, torch.where((ids >= 0) & (ids < self.count), ids, -1), weights)
-        if ops.fused_moe_applies(x):  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
+            mine = (ids >= 0) & (ids < self.count)
+            # fused: an id past the experts is nobody's (kernels/moe_align.py); the loop: -1
+            ids = torch.where(mine, ids, self.count if fused else -1)
+        if fused:  # CUDA: grouped GEMMs, no host sync (kernels/triton_moe.py)
             return ops.fused_moe(
                 x, ids, weights, self.gate_up_proj, self.down_proj,
                 self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_pow2_scales,

@@ -4,12 +4,14 @@ skipped), and adds only its experts' outputs; the ranks' outputs sum to the whol
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from pdserve.kernels.ops import FUSED_MOE_ENV
 from pdserve.model.deepseek_config import MoEArch
 from pdserve.model.moe import Experts, TopkRouter
 
@@ -57,3 +59,29 @@ def test_the_ranks_outputs_sum_to_the_whole_layers(world: int) -> None:
         ]
         total += part(x, ids, weights)
     torch.testing.assert_close(total, want, rtol=1e-6, atol=1e-6)  # sums in another order
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_fused_kernels_skip_the_other_ranks_assignments(monkeypatch) -> None:
+    """kernels/triton_moe.py on an expert-parallel rank (Triton's interpreter on the CPU): the
+    other ranks' assignments, id E (nobody's), are in no block and no token's sum; several
+    per token, so their slots tie. Equal to the torch loop over this rank's experts."""
+    whole = whole_layer(3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(13, H, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(13)])  # distinct
+    weights = torch.rand(13, 3, generator=g)
+    # the kernels compile on a GPU and run in the interpreter on the CPU
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, ids, weights = x.to(device), ids.to(device), weights.to(device)
+    for r in range(2):
+        part = Experts(MOE, H, fake(r, 2))
+        part.load_shard("gate_up_proj", whole.gate_up_proj.detach())
+        part.load_shard("down_proj", whole.down_proj.detach())
+        part.to(device)
+        monkeypatch.setenv(FUSED_MOE_ENV, "0")
+        want = part(x, ids, weights)
+        monkeypatch.setenv(FUSED_MOE_ENV, "1")
+        got = part(x, ids, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert want.abs().sum() > 0
