@@ -23,8 +23,18 @@ def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen2-tiny", "qwen3-tiny"])
-@pytest.mark.parametrize("page_size,chunk", [(16, 32), (8, 20)])
+@pytest.mark.parametrize(
+    "name, page_size, chunk",
+    [
+        ("tiny", 16, 32),
+        ("tiny", 8, 20),
+        ("qwen3-tiny", 16, 32),
+        ("qwen3-tiny", 8, 20),
+        # qwen2-tiny (its q/k/v biases) at one geometry: the paging boundaries are the same
+        # code for every model, and at (8, 20) it was the suite's second-slowest test (60-80 s)
+        ("qwen2-tiny", 16, 32),
+    ],
+)
 def test_greedy_matches_hf(builtin_dir, name, page_size, chunk):
     path = builtin_dir(name)
     lengths = sorted(
