@@ -172,27 +172,19 @@ class MLAttention(nn.Module):
         parts = backend.split(metadata)
         if parts is None:
             return self.expanded(x, q_resid, q_nope, q_rot, cos, sin, backend, metadata)
-        n, r = parts.decodes, q_resid
-        decoded = self.absorbed(
-            x[:n],
-            None if r is None else r[:n],
-            q_nope[:n],
-            q_rot[:n],
-            cos[:n],
-            sin[:n],
-            backend,
-            parts.decode,
-        )
-        prompted = self.expanded(
-            x[n:],
-            None if r is None else r[n:],
-            q_nope[n:],
-            q_rot[n:],
-            cos[n:],
-            sin[n:],
-            backend,
-            parts.rest,
-        )
+        n = parts.decodes
+
+        Rows = tuple[
+            torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
+            torch.Tensor,
+        ]  # fmt: skip
+
+        def rows(s: slice) -> Rows:  # the step's per-token inputs, rows `s`
+            r = None if q_resid is None else q_resid[s]
+            return x[s], r, q_nope[s], q_rot[s], cos[s], sin[s]
+
+        decoded = self.absorbed(*rows(slice(None, n)), backend, parts.decode)
+        prompted = self.expanded(*rows(slice(n, None)), backend, parts.rest)
         return torch.cat((decoded, prompted))
 
     def expanded(
