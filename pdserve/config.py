@@ -138,6 +138,10 @@ class EngineConfig:
     # Tensor-parallel ranks (--tp): the engine is rank 0 and starts ranks 1..tp-1 as processes
     # of their own (engine/tp_leader.py); the Llama family only.
     tp: int = 1
+    # Data-parallel attention (--dp N --ep, DeepSeek-V3/V3.2): each of the tp ranks attends its
+    # own requests and holds 1/tp of the experts (engine/dp_step.py); else every rank attends
+    # every request.
+    dp_attention: bool = False
     # Where the ranks write their flight recorders if the group fails (--flight-dir;
     # parallel/flight_recorder.py); None: to the log only.
     flight_dir: str | None = None
@@ -155,6 +159,8 @@ class EngineConfig:
         if self.tp == 1 and self.flight_dir is not None:
             # Only the ranks of a tensor-parallel group keep a flight recorder to dump.
             raise ValueError("a flight directory (--flight-dir) needs --tp 2 or more")
+        if self.dp_attention and self.tp == 1:
+            raise ValueError("data-parallel attention (--dp) needs 2 or more ranks")
         if self.tp > 1 and self.runner.overlap_schedule:
             # A step's record carries every input id, so none may be still on the device.
             raise ValueError("overlapped scheduling (--overlap-schedule) needs --tp 1")
@@ -223,6 +229,14 @@ class ServerConfig:
             raise ValueError(f"backend must be shm, tcp or nixl, got {self.backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.engine.dp_attention and self.role != "colocated":
+            # A request's pages are in its rank's pool; the PD data planes move pages of
+            # rank 0's pool, or pages assembled by head (kvcache/rank_pages.py).
+            raise ValueError(
+                f"a {self.role} worker with data-parallel attention (--dp): its requests' pages "
+                "are spread over its ranks' pools, which the PD data planes do not read yet; "
+                "serve it co-located"
+            )
         if self.engine.tp > 1 and self.role != "colocated":
             # The leader reads and writes its ranks' pools as shared host memory
             # (kvcache/rank_pages.py); NIXL moves one registered pool.

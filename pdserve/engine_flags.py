@@ -153,6 +153,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "family, co-located, without overlapped scheduling or CUDA graphs",
     )
     g.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel attention over this many ranks (with --ep; DeepSeek-V3/V3.2, "
+        "co-located): each rank attends its own requests and holds 1/N of the experts, the "
+        "MoE layers exchanging tokens; --tp, if given, must be the same",
+    )
+    g.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallel, with --dp: the routed experts are split over the ranks (at "
+        "--tp N a DeepSeek model's experts are split already)",
+    )
+    g.add_argument(
         "--flight-dir",
         default=None,
         metavar="DIR",
@@ -209,6 +223,31 @@ def given(value: T | None, placeholder: T) -> T:
     return placeholder if value is None else value
 
 
+def ranks(args: argparse.Namespace) -> int:
+    """The worker's ranks: --tp, or --dp's with data-parallel attention (whose --ep it needs;
+    a --tp beside it must agree: tensor-parallel attention within each data-parallel rank is
+    not built)."""
+    if args.dp < 1:
+        raise ValueError(f"--dp must be 1 or more, got {args.dp}")
+    if args.dp == 1:
+        if args.ep:
+            raise ValueError(
+                "--ep goes with --dp N (at --tp N a DeepSeek model's experts are split already)"
+            )
+        return int(args.tp)
+    if not args.ep:
+        raise ValueError(
+            f"--dp {args.dp} shards the experts over the ranks: add --ep (data-parallel "
+            "attention with every expert on every rank is not built)"
+        )
+    if args.tp not in (1, args.dp):
+        raise ValueError(
+            f"--dp {args.dp} with --tp {args.tp}: each data-parallel rank attends whole "
+            f"(tensor-parallel attention within it is not built); give --tp {args.dp} or none"
+        )
+    return int(args.dp)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pdserve.model.builtin import resolve_model
     from pdserve.model.config import ModelArch
@@ -250,7 +289,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         ),
         request_timeout_s=args.request_timeout,
-        tp=args.tp,
+        tp=ranks(args),
+        dp_attention=args.dp > 1,
         flight_dir=str(Path(args.flight_dir).resolve()) if args.flight_dir else None,
         auto=frozenset(
             name

@@ -16,6 +16,8 @@ Prints one line per TP (identical, near ties, real divergences, the wall time) a
     python benchmarks/engine/tp_parity.py                                   # TP 2 and 4, 64 x 32
     python benchmarks/engine/tp_parity.py --tp 2 --prompts 16 --output-len 16   # a quick one
     python benchmarks/engine/tp_parity.py --model builtin:deepseek-v3-tiny --tp 2,4   # EP
+    python benchmarks/engine/tp_parity.py --model builtin:deepseek-v3-tiny --tp 2,4 --dp
+        # --dp N --ep: data-parallel attention over the N ranks (its pool N times TP 1's)
 """
 
 from __future__ import annotations
@@ -75,14 +77,17 @@ def prompts_for(vocab: int, n: int, seed: int = 64) -> list[list[int]]:
     return [torch.randint(vocab, (k,), generator=gen).tolist() for k in lens]
 
 
-def greedy(path: Path, tp: int, prompts: list[list[int]], output_len: int) -> list[Run]:
-    """Every prompt's greedy run at `tp`, all submitted at once; the followers stopped and
-    gone (by pid) before it returns."""
+def greedy(
+    path: Path, tp: int, prompts: list[list[int]], output_len: int, dp: bool = False
+) -> list[Run]:
+    """Every prompt's greedy run at `tp` (`dp`: data-parallel attention over its ranks), all
+    submitted at once; the followers stopped and gone (by pid) before it returns."""
     torch.set_num_threads(1)  # its ranks share the machine's cores
     # A rank's page holds its share of the KV heads: PAGES pages at every TP.
     arch = ModelArch.from_dir(path)
     layout = KVLayout.for_model(arch.for_rank(tp, 0), "float32", PAGE, tp_rank=0, tp_size=tp)
-    engine = build_engine(path, tp=tp, kv_budget_mb=PAGES * layout.page_bytes / 2**20, **ENGINE)
+    engine = build_engine(path, tp=tp, kv_budget_mb=PAGES * layout.page_bytes / 2**20,
+                          dp_attention=dp and tp > 1, **ENGINE)  # fmt: skip
     pids = engine.tp.pids if engine.tp is not None else []
     try:
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
@@ -128,7 +133,9 @@ def compare(tp: int, ref: list[Run], got: list[Run]) -> Parity:
     return out
 
 
-def run(path: Path, tps: list[int], n: int, output_len: int) -> tuple[float, list[Parity]]:
+def run(
+    path: Path, tps: list[int], n: int, output_len: int, dp: bool = False
+) -> tuple[float, list[Parity]]:
     """TP 1's wall time, then each TP's parity against it."""
     prompts = prompts_for(ModelArch.from_dir(path).vocab_size, n)
     t0 = time.monotonic()
@@ -137,7 +144,7 @@ def run(path: Path, tps: list[int], n: int, output_len: int) -> tuple[float, lis
     out = []
     for tp in tps:
         t0 = time.monotonic()
-        got = greedy(path, tp, prompts, output_len)
+        got = greedy(path, tp, prompts, output_len, dp)
         parity = compare(tp, ref, got)
         parity.wall_s = round(time.monotonic() - t0, 2)
         out.append(parity)
@@ -151,6 +158,10 @@ def main() -> int:
         "--model", default="builtin:tiny",
         help="builtin:deepseek-v3-tiny / -v32-tiny: expert parallel at each TP (model/moe.py)",
     )  # fmt: skip
+    p.add_argument(
+        "--dp", action="store_true",
+        help="data-parallel attention over each TP's ranks (--dp N --ep; DeepSeek's tiny ones)",
+    )  # fmt: skip
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--min-identical", type=int, default=None, help="default: prompts - 1")
@@ -158,11 +169,12 @@ def main() -> int:
     args = p.parse_args()
     tps = [int(x) for x in args.tp.split(",")]
     need = args.prompts - 1 if args.min_identical is None else args.min_identical
-    ref_s, results = run(resolve_model(args.model), tps, args.prompts, args.output_len)
+    ref_s, results = run(resolve_model(args.model), tps, args.prompts, args.output_len, args.dp)
+    what = "DP" if args.dp else "TP"
     print(f"TP 1: {args.prompts} prompts x {args.output_len} tokens in {ref_s:.1f}s")
     for r in results:
         print(
-            f"TP {r.tp}: identical {r.identical}/{r.prompts}, near ties {len(r.near_ties)}, "
+            f"{what} {r.tp}: identical {r.identical}/{r.prompts}, near ties {len(r.near_ties)}, "
             f"diverged {len(r.diverged)} in {r.wall_s:.1f}s: "
             + ("meets the target" if r.meets(need) else "MISSES the target")
             + "".join(f"\n  {d}" for d in r.near_ties + r.diverged)

@@ -48,6 +48,7 @@ from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.kvcache.rank_pages import RankPages
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.lockstep import LockstepError
 from pdserve.protocol.messages import Send
 from pdserve.protocol.outputs import DEADLINE_ERROR
@@ -109,6 +110,7 @@ class Engine(RoleHosting):
             else min(runner.cuda_graph_max_tokens, cfg.scheduler.max_batched_tokens),
             max_model_len=self.max_model_len,
             leader=tp,
+            dp=DpTokens(tp.group) if tp is not None and cfg.dp_attention else None,
         )
         # Structured output: the vocabulary is read from the model's tokenizer on first use.
         self.grammars = Grammars(
@@ -119,7 +121,7 @@ class Engine(RoleHosting):
         # The penalties' device state, and the grammars' masks.
         self.sampler = Sampler(cfg.scheduler.max_running, self.grammars)
         self.metrics = EngineMetrics()
-        self.metrics.pages_total.set(pool.num_pages)
+        self.metrics.pages_total.set(pool.allocator.num_pages)  # every data-parallel rank's
         # Overlapped scheduling (engine/inflight.py): the stepper keeps the step in flight.
         # At TP > 1 off: a step's record carries every input id (parallel/step_record.py).
         overlap = runner.overlap_schedule

@@ -42,10 +42,12 @@ def build_engine(
     quantization: str = ModelSpec.quantization,
     tp: int = 1,
     flight_dir: str | None = None,
+    dp_attention: bool = False,
 ) -> Engine:
     """An engine for this thread to tick; `tp` > 1 starts its follower ranks, which the
     caller stops with `engine.tp.close()` (engine/tp_leader.py); `flight_dir`: where they
-    write their flight recorders if they fail."""
+    write their flight recorders if they fail; `dp_attention`: each rank attends its own
+    requests (`--dp tp --ep`)."""
     cfg = EngineConfig(
         ModelSpec(str(path), str(path), dtype=dtype, device=device, quantization=quantization),
         CacheConfig(
@@ -69,6 +71,7 @@ def build_engine(
         ),
         tp=tp,
         flight_dir=flight_dir,
+        dp_attention=dp_attention,
     )
     return Engine.build(cfg, eos_token_ids, shared_pool=shared_pool)
 

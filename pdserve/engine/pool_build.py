@@ -43,13 +43,15 @@ def build_pool(
         log.info("KV pages of %d tokens (the model's windows)", layout.page_size)
     slots = cfg.scheduler.max_running if layout.state else 0  # one per running request
     num_pages = pages_for_budget(layout, c.kv_budget_bytes, slots)
-    pool = KVPool(layout, num_pages, device, shared=shared, state_slots=slots)
+    dp = cfg.tp if cfg.dp_attention else 1  # the allocator hands out every rank's pages
+    pool = KVPool(layout, num_pages, device, shared=shared, state_slots=slots, dp_ranks=dp)
     log.info(
-        "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)",
+        "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)%s",
         num_pages,
         layout.page_size,
         pool.capacity_tokens,
         pool.data.numel() / 2**20,
+        f" on each of {dp} data-parallel ranks" if dp > 1 else "",
     )
     if tp is None:
         return pool, None

@@ -11,11 +11,8 @@ included (engine/prefill_graphs.py); a step that a captured bucket does not hold
 Either way the forward yields hidden states [T, hidden] for the step's tokens, and the LM head
 and prompt scoring read the rows they need.
 
-Prompt logprobs (params.prompt_logprobs): for the chunks of requests that ask, and only for
-those rows, the forward also scores each prompt position against the next prompt token, in
-float32 log_softmax, a bounded number of rows at a time, and appends the scores to the request
-(Request.prompt_logprobs) after the whole step's scoring succeeded: a step that raises leaves
-none behind, and a recomputed chunk (preemption) adds none twice.
+Prompt logprobs (params.prompt_logprobs): for the chunks of requests that ask, the forward also
+scores those rows (engine/prompt_scoring.py).
 
 Tensor parallelism (`leader`, engine/tp_leader.py): every forward is a chain of collectives
 (the LM head's all-gather included, prompt scoring's too), so rank 0's runner hands the
@@ -26,34 +23,45 @@ forward, the same LM head calls. A build that raises has sent nothing, so the st
 still run one by one (engine/isolation.py), each its own record; once a record is sent, a raise
 is the group's end (`Leader.lost`), never a retry. At TP 1 there is no leader and nothing here
 touches torch.distributed.
+
+Data-parallel attention (`dp`, `--dp N`, engine/dp_step.py): each rank runs only the chunks of
+the requests whose pages are in its pool, with its own Batch; a rank with none runs the model's
+`idle` forward, which joins the MoE layers' exchanges all the same. The final hidden states are
+gathered rank by rank to every rank, and only the leader runs the LM head, for sampling and
+scoring, on those rows; a follower runs no head at all.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.attention.backend import AttentionBackend, AttentionContext
 from pdserve.attention.batch import Batch, BatchBuilder, Decodes, SeqSpan
 from pdserve.attention.registry import default_backend, make_backend
+from pdserve.engine import dp_step
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphableBackend
 from pdserve.engine.inflight import Feed
 from pdserve.engine.prefill_graphs import PrefillGraphableBackend, PrefillGraphs
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.prompt_scoring import (
+    PROMPT_LOGPROB_ROWS,
+    prompt_rows,
+    row_logprobs,
+    score_prompts,
+)
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.pool import KVPool
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import LoadedModel
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.lockstep import LockstepError
 from pdserve.parallel.step_record import SeqPlan, StepRecord
 
 log = logging.getLogger(__name__)
-
-# Prompt rows scored at once: bounds the [rows, vocab] float32 buffer of a long prompt chunk.
-PROMPT_LOGPROB_ROWS = 512
 
 
 class Leader(Protocol):
@@ -65,15 +73,6 @@ class Leader(Protocol):
     def lost(self, error: Exception) -> LockstepError:
         """The group's end, naming the step and the rank at fault: `error` was raised after
         the step's record was sent."""
-
-
-class PromptRows(NamedTuple):
-    """A step's prompt rows to score: rows of the hidden states, the next prompt token of
-    each, and whose they are (request, its rows, its top count), in order."""
-
-    rows: list[int]
-    targets: list[int]
-    owners: list[tuple[Request, int, int]]
 
 
 def _finished(owner: object) -> bool:
@@ -99,15 +98,26 @@ class ModelRunner:
         cuda_graph_max_tokens: int = 0,
         max_model_len: int | None = None,
         leader: Leader | None = None,
+        dp: DpTokens | None = None,
     ) -> None:
         """`backend`: an attention backend's name (None: the device's default).
         `cuda_graph_max_bs`: capture decode graphs up to this batch (0: run eagerly; CUDA and a
         graph-capable backend only); `cuda_graph_max_tokens`: capture prefill graphs for steps
         of up to this many tokens that carry prefill chunks (0: none; only with decode
         graphs); `max_model_len` bounds their page tables. `leader`: this is rank 0 of a
-        tensor-parallel group, whose steps it leads (no CUDA graphs then)."""
+        tensor-parallel group, whose steps it leads (no CUDA graphs then). `dp`: the group
+        runs attention data-parallel (`--dp`), this rank's requests only."""
         self.model = model
         self.leader = leader
+        self.dp = dp
+        if dp is not None:
+            enable = getattr(model, "data_parallel", None)
+            if enable is None:
+                raise ValueError(
+                    f"{model.arch.family} has no data-parallel attention (--dp): it is built "
+                    "for DeepSeek-V3 and V3.2, whose experts are sharded over the ranks"
+                )
+            enable(dp)
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
@@ -256,10 +266,12 @@ class ModelRunner:
             undo()
 
     def _forward(self, chunks: Sequence[Chunk], feed: Feed | None) -> torch.Tensor:
+        if self.dp is not None:
+            return self._forward_dp(chunks)
         batch = self.build(chunks, feed)
         if self.leader is None:
             return self._run(chunks, batch)
-        self.leader.lead(self._plan(chunks), self._prompt_rows(chunks, batch).rows)
+        self.leader.lead(self._plan(chunks), prompt_rows(chunks, batch.host_query_start).rows)
         try:
             return self._run(chunks, batch)
         except Exception as e:  # noqa: BLE001 - every rank runs this step: none may rerun it
@@ -267,8 +279,44 @@ class ModelRunner:
 
     def _run(self, chunks: Sequence[Chunk], batch: Batch) -> torch.Tensor:
         hidden = self._hidden(batch)
-        self._score_prompts(chunks, batch, hidden)
+        self._score_prompts(chunks, batch.host_query_start, hidden)
         return self._logits(batch, hidden)
+
+    def _score_prompts(
+        self, chunks: Sequence[Chunk], bases: Sequence[int], hidden: torch.Tensor
+    ) -> None:
+        score_prompts(self.model, prompt_rows(chunks, bases), hidden)
+
+    def _forward_dp(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """The leader's data-parallel step: rank 0's chunks here, every rank's rows gathered,
+        then the LM head on the rows that sample and score."""
+        assert self.dp is not None and self.leader is not None
+        split = dp_step.split(chunks, self.dp.group.world_size)
+        own = split.of(chunks, 0)
+        batch = self.build(own) if own else None
+        plan = dp_step.local_pages(self._plan(chunks), split.ranks, self.pool.num_pages)
+        self.leader.lead(plan, [])
+        try:
+            hidden = self._dp_hidden(batch, split.counts)  # [every rank's tokens, hidden]
+            self._score_prompts(chunks, split.bases, hidden)
+            rows = dp_step.sample_rows(chunks, split.bases)
+            if not rows:
+                return hidden.new_empty(0, self.model.arch.vocab_size)
+            idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            return self.model.compute_logits(hidden.index_select(0, idx))
+        except Exception as e:  # noqa: BLE001 - every rank runs this step: none may rerun it
+            raise self.leader.lost(e) from e
+
+    def _dp_hidden(self, batch: Batch | None, counts: Sequence[int]) -> torch.Tensor:
+        """Every rank's final hidden states, rank by rank, from this rank's `batch` (None: it
+        has no tokens this step and joins the exchanges idle)."""
+        assert self.dp is not None
+        self.dp.begin(counts)
+        idle = getattr(self.model, "idle", None)
+        own = self._hidden(batch) if batch is not None else idle() if idle else None
+        if own is None:
+            raise RuntimeError(f"{self.model.arch.family} has no idle forward")
+        return self.dp.gather(own)
 
     def _hidden(self, batch: Batch) -> torch.Tensor:
         """The step's hidden states [T, hidden]: a graph's, else an eager forward."""
@@ -308,12 +356,18 @@ class ModelRunner:
         """A follower rank runs the leader's step (`record`): the Batch its spans make, the
         forward, the prompt rows' LM head and the sampling rows', the same collectives in the
         same order as the leader's `forward`; the results are the leader's to use."""
+        if self.dp is not None:  # its own sequences, then the gather; the head is the leader's
+            seqs = [s for s in record.seqs if s.rank == self.dp.group.rank]
+            own = [SeqSpan(s.token_ids, s.start, s.pages, s.samples) for s in seqs]
+            counts = dp_step.rank_counts(record.seqs, self.dp.group.world_size)
+            self._dp_hidden(self.builder.build(own) if own else None, counts)
+            return
         spans = [SeqSpan(s.token_ids, s.start, s.pages, s.samples) for s in record.seqs]
         batch = self.builder.build(spans)
         hidden = self._hidden(batch)
         rows = list(record.score_rows)
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            self._row_logprobs(hidden, rows[s : s + PROMPT_LOGPROB_ROWS])
+            row_logprobs(self.model, hidden, rows[s : s + PROMPT_LOGPROB_ROWS])
         self._logits(batch, hidden)
 
     def _replay(self, batch: Batch) -> torch.Tensor | None:
@@ -326,70 +380,3 @@ class ModelRunner:
         if graphs is None or not graphs.fits(batch):
             return None
         return graphs.run(batch)
-
-    def _prompt_rows(self, chunks: Sequence[Chunk], batch: Batch) -> PromptRows:
-        """The rows of the step's hidden states whose prompt tokens are scored: hidden row of
-        position p -> prompt token p + 1, for each asking request, the positions it has no
-        score of yet."""
-        rows: list[int] = []  # rows of `hidden`
-        targets: list[int] = []  # the next prompt token of each row
-        owners: list[tuple[Request, int, int]] = []  # (request, its rows, its top count)
-        for i, c in enumerate(chunks):
-            req, top_n = c.request, c.request.params.prompt_logprobs
-            if top_n is None:
-                continue
-            first = max(c.start, len(req.prompt_logprobs))  # positions before are scored
-            end = min(c.start + c.length, len(req.prompt_ids) - 1)
-            if first >= end:
-                continue
-            base = batch.host_query_start[i] - c.start
-            rows.extend(range(base + first, base + end))
-            targets.extend(req.prompt_ids[first + 1 : end + 1])
-            owners.append((req, end - first, top_n))
-        return PromptRows(rows, targets, owners)
-
-    def _score_prompts(self, chunks: Sequence[Chunk], batch: Batch, hidden: torch.Tensor) -> None:
-        """Append to each asking request the scores of the prompt tokens its chunk predicts:
-        the logprob of the next prompt token and the top alternatives."""
-        rows, targets, owners = self._prompt_rows(chunks, batch)
-        if not rows:
-            return
-        k = max(n for _, _, n in owners)
-        scored: list[TokenLogprob] = []
-        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            scored += self._score_rows(
-                hidden, rows[s : s + PROMPT_LOGPROB_ROWS], targets[s : s + PROMPT_LOGPROB_ROWS], k
-            )
-        at = 0
-        for req, count, top_n in owners:
-            for x in scored[at : at + count]:
-                req.prompt_logprobs.append(TokenLogprob(x.token_id, x.logprob, x.top[:top_n]))
-            at += count
-
-    def _score_rows(
-        self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int
-    ) -> list[TokenLogprob]:
-        """One slice of rows, in one device->host copy (float64: ids below 2**53 are exact)."""
-        tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
-        lp = self._row_logprobs(hidden, rows)
-        parts = [lp.gather(1, tgt[:, None]).double().flatten()]
-        if k:
-            top = lp.topk(k, dim=-1)  # [R, k] descending
-            parts += [top.values.double().flatten(), top.indices.double().flatten()]
-        flat = torch.cat(parts).tolist()
-        r = len(rows)
-        values, indices = flat[r : r + r * k], flat[r + r * k :]
-        return [
-            TokenLogprob(
-                targets[j],
-                flat[j],
-                tuple((int(indices[j * k + c]), values[j * k + c]) for c in range(k)),
-            )
-            for j in range(r)
-        ]
-
-    def _row_logprobs(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """float32 log_softmax [R, vocab] of `rows` of `hidden` (the LM head: a collective at
-        TP > 1, so a follower runs it on the leader's rows too)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, idx)).float().log_softmax(dim=-1)

@@ -28,6 +28,12 @@ out, it prefills from where the device match ended. A request that leaves while 
 its load's pages back only once the copy ended. A loading request is not running, so it is
 never preempted. A request whose grammar is still compiling (`grammar_wait`) is passed over
 the same way.
+
+Data-parallel attention (`--dp N`: the pool in N parts, one per rank, kvcache/allocator.py):
+a request's pages are all in one part, its rank, chosen when it first gets pages: the part of
+its longest cached prefix, else the part running the fewest requests (then the one with the
+most pages to give). Page checks and preemption look at its part only: a victim in another
+part frees nothing it can use.
 """
 
 from __future__ import annotations
@@ -186,7 +192,15 @@ class Scheduler:
                 continue
             n = min(req.num_uncomputed, budget)
             need = self._pages_for(req.num_computed + n) - req.num_pages
-            if not self.allocator.can_allocate(need) or not self._slot_for(req):
+            part = self._place(req, need)
+            if part is None and req.lease is not None and self.allocator.parts > 1:
+                # Its cached prefix's part is full: it computes the prefix in one with room.
+                self._release(req, cache=False)
+                req.num_computed = 0
+                n = min(req.num_uncomputed, budget)
+                need = self._pages_for(n)
+                part = self._place(req, need)
+            if part is None or not self._slot_for(req):
                 self._release(req, cache=False)  # a waiting request holds no pages
                 req.num_computed = 0
                 self._lookups.pop(req.request_id, None)
@@ -195,7 +209,7 @@ class Scheduler:
             queried, loaded = self._lookups.pop(req.request_id, (0, 0))
             if self.cache is not None and queried:
                 self.cache.record(queried, req.num_computed, loaded)
-            self._grow(req, need)
+            self._grow(req, need, part)
             if self.leases.slots is not None and req.lease is not None and req.lease.slot is None:
                 req.lease.take_slot()  # its per-request state (DeepSeek-V4), with its pages
                 req.resumes_state = req.num_computed > 0  # a cached prefix: rebuilt from it
@@ -212,17 +226,23 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Give `req` pages for `n` more tokens, preempting from the tail; False if it got none."""
         need = self._pages_for(req.num_computed + n) - req.num_pages
-        while not self.allocator.can_allocate(need):
+        part = self._part_of(req)
+        if part is None:  # running without pages (it came back with nothing to compute)
+            part = self._place(req, need)
+            part = self._parts_by_load()[0] if part is None else part
+        while not self.allocator.can_allocate(need, part):
             # Never a request already planned this step (those before `req`): its chunk would
             # run on released pages.
             later = self.running[self.running.index(req) :]
+            if self.allocator.parts > 1:  # only its own part's pages are of use to it
+                later = [r for r in later if r is req or self._part_of(r) == part]
             victim = next((r for r in reversed(later) if not self.pinned(r)), None)
             if victim is None:
                 return False
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        self._grow(req, need)
+        self._grow(req, need, part)
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
@@ -242,13 +262,40 @@ class Scheduler:
             return True
         return slots.num_free > 0
 
-    def _grow(self, req: Request, need: int) -> None:
+    def _grow(self, req: Request, need: int, part: int) -> None:
         if need <= 0:
             return
         if req.lease is None:
-            req.lease = self.leases.open(req.request_id, need)
+            req.lease = self.leases.open(req.request_id, need, part)
         else:
             req.lease.extend(need)
+
+    @staticmethod
+    def _part_of(req: Request) -> int | None:
+        """The pool part (data-parallel rank) of `req`'s pages; None while it holds none."""
+        return req.lease.part if req.lease is not None else None
+
+    def _parts_by_load(self) -> list[int]:
+        """The pool's parts, the one running the fewest requests first (then the one with
+        the most pages to give): where a request without pages goes."""
+        a = self.allocator
+        running = [0] * a.parts
+        for r in self.running:
+            part = self._part_of(r)
+            if part is not None:
+                running[part] += 1
+        return sorted(range(a.parts), key=lambda p: (running[p], -a.available(p), p))
+
+    def _place(self, req: Request, need: int) -> int | None:
+        """The part where `req` gets its `need` more pages: its lease's, else the least loaded
+        with room for them; None if that part (or every part) lacks them."""
+        part = self._part_of(req)
+        if part is not None or self.allocator.parts == 1:
+            part = 0 if part is None else part
+            return part if self.allocator.can_allocate(need, part) else None
+        return next(
+            (p for p in self._parts_by_load() if self.allocator.can_allocate(need, p)), None
+        )
 
     def _release(self, req: Request, cache: bool) -> None:
         """The one place a request's pages go back: finish and preemption; with `cache`, its
@@ -268,9 +315,15 @@ class Scheduler:
         if self.loads is not None and self.loads.loading(req.request_id):
             return
         tokens = req.all_ids[: req.num_tokens - 1]  # its last token is computed: it samples
-        pages = self.cache.match(tokens)
+        if self.allocator.parts == 1:
+            pages = self.cache.match(tokens)
+        else:  # the longest hit of any part's (of equal ones, the least loaded part's)
+            hits = [self.cache.match(tokens, p, touch=False) for p in self._parts_by_load()]
+            pages = max(hits, key=len)
+            if pages:  # only the hit it takes is used, so only its pages are touched
+                pages = self.cache.match(tokens, self.allocator.part_of(pages[0]))
         if pages:
-            req.lease = self.leases.open(req.request_id)
+            req.lease = self.leases.open(req.request_id, part=self.allocator.part_of(pages[0]))
             req.lease.share(pages)
             req.num_computed = len(pages) * self.page_size
         self._lookups[req.request_id] = (len(tokens), 0)

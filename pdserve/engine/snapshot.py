@@ -52,7 +52,7 @@ def engine_snapshot(
         "steps": steps,
         "max_model_len": max_model_len,
         "pool": {
-            "pages_total": pool.num_pages,
+            "pages_total": pool.allocator.num_pages,  # every data-parallel rank's
             "page_size": pool.page_size,
             "pages_free": pool.allocator.num_free,
             "pages_used": pool.allocator.num_used,

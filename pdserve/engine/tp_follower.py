@@ -40,6 +40,7 @@ from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.kvcache.rank_pages import ref_words
 from pdserve.model.loader import load_model
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.group import BACKENDS, RankGroup
 from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, Tamper
 from pdserve.parallel.step_record import Kind, StepRecord
@@ -105,7 +106,8 @@ def build_runner(args: argparse.Namespace, group: RankGroup, lockstep: Lockstep)
         pool.page_size,
         device,
     )
-    return ModelRunner(model, pool, args.attention_backend)
+    dp = DpTokens(group) if args.dp_attention else None  # its own requests' attention only
+    return ModelRunner(model, pool, args.attention_backend, dp=dp)
 
 
 def follow(runner: ModelRunner, lockstep: Lockstep) -> None:
@@ -166,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=INDEX_K_DTYPES,
         help="V3.2's index-K, as the leader's",
+    )
+    p.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="each rank attends the requests the plan gives it (engine/dp_step.py)",
     )
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--join-timeout", type=float, required=True)

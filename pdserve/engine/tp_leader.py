@@ -81,7 +81,13 @@ def build_leader(cfg: EngineConfig, build: Callable[[torch.device, TpLeader], T]
     """Rank 0 of a `cfg.tp` > 1 engine (Engine.build): the model is checked for `cfg.tp`
     ranks before any starts, the followers are started and joined, then `build(device,
     leader)` builds rank 0 on its device; if it fails, the followers are stopped."""
-    ModelArch.from_dir(Path(cfg.model.path)).for_rank(cfg.tp, 0)  # refused before any rank
+    arch = ModelArch.from_dir(Path(cfg.model.path))
+    arch.for_rank(cfg.tp, 0)  # refused before any rank starts
+    if cfg.dp_attention and arch.moe is None:
+        raise ValueError(
+            f"{arch.family} has no data-parallel attention (--dp): it is built for the "
+            "DeepSeek-V3 family, whose experts are split over the ranks (--ep)"
+        )
     device = rank_device(torch.device(cfg.model.device), 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
@@ -174,6 +180,7 @@ class TpLeader:
         if cfg.runner.attention_backend is not None:
             argv += ["--attention-backend", cfg.runner.attention_backend]
         argv += ["--index-k-dtype", cfg.cache.index_k_dtype]
+        argv += ["--dp-attention"] if cfg.dp_attention else []
         try:
             dumps = flight_dumps(cfg)
         except OSError as e:

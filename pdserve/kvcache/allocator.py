@@ -18,6 +18,12 @@ run, always on a quiet pool, and fall into a few runs under churn (benchmarks/tr
 churn: 128 pages in a median of 22 runs; a FIFO list, which queues freed pages at the back,
 gave 128). Pages consecutive on both sides of a KV transfer move as one NIXL descriptor
 instead of one per page (transfer/nixl.py).
+
+Parts (data-parallel attention, `--dp N`): the pages may be split into `parts` equal ranges, part
+r being rank r's pool (pages r * part_pages ..). Each part has its own free list and evictable
+count; `allocate` and `can_allocate` take the part, and `evict` is asked for that part's pages.
+A request's pages are all in one part (kvcache/lease.py `Lease.part`). One part, the default, is
+the whole pool, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -32,52 +38,72 @@ class PageAllocError(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, parts: int = 1) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if parts < 1 or num_pages % parts:
+            raise ValueError(f"{num_pages} pages do not split into {parts} equal parts")
         self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages))  # a heap; sorted is a heap
+        self.parts = parts
+        self.part_pages = num_pages // parts
+        pp = self.part_pages
+        # Each part's free pages, a heap (sorted is a heap).
+        self._free: list[list[int]] = [list(range(r * pp, (r + 1) * pp)) for r in range(parts)]
         self._refs: list[int] = [0] * num_pages
         self._cached: set[int] = set()  # pages the prefix cache holds a reference on
-        self._evictable = 0  # cached pages whose count is 1: only the cache holds them
-        # Frees at least `n` evictable pages (PrefixCache.evict); None: nothing is cached.
-        self.evict: Callable[[int], object] | None = None
+        # Per part, cached pages whose count is 1: only the cache holds them.
+        self._evictable = [0] * parts
+        # Frees at least `n` evictable pages of a part (PrefixCache.evict); None: no cache.
+        self.evict: Callable[[int, int], object] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
     @property
     def num_used(self) -> int:
         """Pages with at least one reference (a shared page counts once)."""
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
 
     @property
     def num_evictable(self) -> int:
         """Pages only the prefix cache holds: in use, but `allocate` can have them."""
-        return self._evictable
+        return sum(self._evictable)
+
+    def part_of(self, page: int) -> int:
+        """The part (data-parallel rank) whose pool holds `page`."""
+        self._check_range(page, "placed")
+        return page // self.part_pages
+
+    def available(self, part: int = 0) -> int:
+        """Pages `allocate` can hand out in `part`: free, or only cached."""
+        self._check_part(part)
+        return len(self._free[part]) + self._evictable[part]
 
     @property
     def num_held(self) -> int:
         """Pages a request or room holds (in use and not only cached): 0 when quiet."""
-        return self.num_used - self._evictable
+        return self.num_used - self.num_evictable
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free) + self._evictable
+    def can_allocate(self, n: int, part: int = 0) -> bool:
+        return n <= self.available(part)
 
     def refcount(self, page: int) -> int:
         self._check_range(page, "read")
         return self._refs[page]
 
-    def allocate(self, n: int) -> list[int]:
-        """The `n` lowest free pages, ascending, each with reference count 1."""
+    def allocate(self, n: int, part: int = 0) -> list[int]:
+        """The `n` lowest free pages of `part`, ascending, each with reference count 1."""
         if n < 0:
             raise PageAllocError(f"asked for {n} pages")
-        if n > len(self._free) and self.evict is not None and self.can_allocate(n):
-            self.evict(n - len(self._free))
-        if n > len(self._free):
-            raise PageAllocError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [heapq.heappop(self._free) for _ in range(n)]
+        self._check_part(part)
+        free = self._free[part]
+        if n > len(free) and self.evict is not None and self.can_allocate(n, part):
+            self.evict(n - len(free), part)
+        if n > len(free):
+            where = f" in part {part}" if self.parts > 1 else ""
+            raise PageAllocError(f"asked for {n} pages, {len(free)} free{where}")
+        pages = [heapq.heappop(free) for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -91,7 +117,7 @@ class PageAllocator:
         for p in pages:
             self._refs[p] += 1
             if self._refs[p] == 2 and p in self._cached:
-                self._evictable -= 1
+                self._evictable[p // self.part_pages] -= 1
 
     def release(self, pages: Sequence[int]) -> None:
         """One reference less on each page (a page listed twice loses two); a page left with
@@ -107,9 +133,9 @@ class PageAllocator:
         for p in pages:
             self._refs[p] -= 1
             if p in self._cached and self._refs[p] < 2:
-                self._evictable += 1 if self._refs[p] == 1 else -1
+                self._evictable[p // self.part_pages] += 1 if self._refs[p] == 1 else -1
             if self._refs[p] == 0:
-                heapq.heappush(self._free, p)
+                heapq.heappush(self._free[p // self.part_pages], p)
 
     def mark_cached(self, pages: Sequence[int], cached: bool) -> None:
         """The prefix cache took (True, after its reference) or dropped (False, after its
@@ -126,21 +152,32 @@ class PageAllocator:
             else:
                 self._cached.discard(p)
             if self._refs[p] == 1:
-                self._evictable += 1 if cached else -1
+                self._evictable[p // self.part_pages] += 1 if cached else -1
 
     def violations(self) -> list[str]:
         """The allocator's own consistency (for /debug/invariants): the free list holds each
         page with count 0 exactly once, and nothing else. O(num_pages)."""
         out = []
-        in_free = Counter(self._free)
+        in_free = Counter(p for free in self._free for p in free)
+        for r, free in enumerate(self._free):
+            strays = [p for p in free if p // self.part_pages != r]
+            if strays:
+                out.append(f"part {r}'s free list holds other parts' pages {strays[:5]}")
         for p in range(self.num_pages):
             listed, refs = in_free.get(p, 0), self._refs[p]
             if refs < 0 or listed != (1 if refs == 0 else 0):
                 out.append(f"page {p}: refcount {refs}, in the free list {listed} times")
-        evictable = sum(1 for p in self._cached if self._refs[p] == 1)
+        evictable = [0] * self.parts
+        for p in self._cached:
+            if self._refs[p] == 1:
+                evictable[p // self.part_pages] += 1
         if evictable != self._evictable:
-            out.append(f"evictable pages: counted {self._evictable}, found {evictable}")
+            out.append(f"evictable pages by part: counted {self._evictable}, found {evictable}")
         return out
+
+    def _check_part(self, part: int) -> None:
+        if not 0 <= part < self.parts:
+            raise PageAllocError(f"part {part} of a pool in {self.parts} part(s)")
 
     def _check_range(self, page: int, verb: str) -> None:
         if not 0 <= page < self.num_pages:

@@ -12,6 +12,11 @@ counts unchanged, to a new lease (a room that outlives its request, a request th
 its room's pages). A lease used after it ended raises LeaseError, so a double release is a
 loud error, never a second decrement.
 
+A lease is in one part of a pool split for data-parallel attention (kvcache/allocator.py):
+`Lease.part`, the rank whose pool its pages are in; `extend` allocates there, and `share`
+refuses a page of another part. The prefix cache's lease, whose pages are in every part, has
+part None and never extends. An unsplit pool has one part, 0.
+
 A lease may also hold one per-request state slot (kvcache/state_pool.py, DeepSeek-V4): `take_slot`
 gives it one, and it goes wherever the pages go, back to the state pool on `release` or to the
 heir on `hand_over`, so a request's state lives and dies with its pages.
@@ -46,10 +51,16 @@ class Lease:
     """One owner's references on pages. Open it with `Leases.open`."""
 
     def __init__(
-        self, registry: Leases, owner: Hashable, pages: list[int], slot: int | None = None
+        self,
+        registry: Leases,
+        owner: Hashable,
+        pages: list[int],
+        slot: int | None = None,
+        part: int | None = 0,
     ) -> None:
         self.owner = owner
         self.slot = slot  # its state slot, if it holds one
+        self.part = part  # the pool part its pages are in (None: any, the prefix cache's)
         self.state = LeaseState.LIVE
         self.heir: Hashable | None = None  # whom it was handed over to
         self._registry = registry
@@ -77,7 +88,9 @@ class Lease:
         """`n` fresh pages (count 1) appended; PageAllocError, and nothing taken, if fewer are
         free."""
         self._check_live("extend")
-        new = self._registry.allocator.allocate(n)
+        if self.part is None:
+            raise LeaseError(f"lease of {self.owner!r} holds pages of every part: it never extends")
+        new = self._registry.allocator.allocate(n, self.part)
         self._append(new)
         return new
 
@@ -101,7 +114,15 @@ class Lease:
                 why = "it holds it already" if p in self._held else "it is listed twice"
                 raise LeaseError(f"lease of {self.owner!r} cannot share page {p}: {why}")
             seen.add(p)
-        self._registry.allocator.retain(pages)  # refuses a free page, changing nothing
+        allocator = self._registry.allocator
+        if self.part is not None and allocator.parts > 1:
+            other = next((p for p in pages if allocator.part_of(p) != self.part), None)
+            if other is not None:
+                raise LeaseError(
+                    f"lease of {self.owner!r} in part {self.part} cannot share page {other} "
+                    f"of part {allocator.part_of(other)}"
+                )
+        allocator.retain(pages)  # refuses a free page, changing nothing
         self._append(pages)
 
     def _append(self, pages: Sequence[int]) -> None:
@@ -143,7 +164,7 @@ class Lease:
     def hand_over(self, owner: Hashable) -> Lease:
         """End this lease and give its references, counts unchanged, to a new one for `owner`."""
         self._check_live("hand over")
-        heir = Lease(self._registry, owner, self._pages, self.slot)
+        heir = Lease(self._registry, owner, self._pages, self.slot, self.part)
         self._registry._add(heir)
         self.heir = owner
         self._end(LeaseState.HANDED_OVER)
@@ -180,10 +201,12 @@ class Leases:
     def live(self) -> list[Lease]:
         return list(self._live)
 
-    def open(self, owner: Hashable, n: int = 0) -> Lease:
-        """A lease for `owner` holding `n` fresh pages; PageAllocError, nothing held, if fewer
-        are free."""
-        lease = Lease(self, owner, self.allocator.allocate(n))
+    def open(self, owner: Hashable, n: int = 0, part: int | None = 0) -> Lease:
+        """A lease for `owner` holding `n` fresh pages of `part`; PageAllocError, nothing held,
+        if fewer are free. `part` None: a lease that only shares, pages of any part."""
+        if part is None and n:
+            raise LeaseError(f"lease of {owner!r}: fresh pages are taken in a part")
+        lease = Lease(self, owner, self.allocator.allocate(n, part or 0), part=part)
         self._add(lease)
         return lease
 

@@ -143,9 +143,13 @@ class KVPool:
         device: torch.device,
         shared: bool = False,
         state_slots: int = 0,
+        dp_ranks: int = 1,
     ) -> None:
         """`shared`: place the pool in /dev/shm so a prefill peer can write pages into it.
-        `state_slots`: per-request state slots, for a layout that has state (DeepSeek-V4)."""
+        `state_slots`: per-request state slots, for a layout that has state (DeepSeek-V4).
+        `dp_ranks`: data-parallel attention's ranks, each with a pool like this one; the
+        allocator hands out all their pages, rank r's being part r (kvcache/allocator.py),
+        and this pool is part 0."""
         if num_pages < 1:
             if layout.state:
                 each = pages_per_slot(layout.state, layout.page_bytes) * layout.page_bytes
@@ -168,7 +172,7 @@ class KVPool:
             self.data, self.shm = create_shared(layout, rows)  # [rows, page_bytes] uint8
         else:
             self.data = torch.zeros((rows, layout.page_bytes), dtype=torch.uint8, device=device)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages * dp_ranks, parts=dp_ranks)
         self.state: StatePool | None = None  # per-request state (kvcache/state_pool.py)
         if layout.state:
             slots = self.data[num_pages:].view(state_slots, each * layout.page_bytes)

@@ -14,6 +14,10 @@ free list is short), least recently used first; a lookup or an insert makes its 
 recently used, the first page of a prefix last, so a chain is evicted from its tail.
 Sans-I/O, engine-thread only, like the allocator under it.
 
+In a pool split into parts (data-parallel attention: kvcache/allocator.py), a page is reused
+only by a request in its part, the rank whose pool holds it: an entry is keyed by (part, key),
+`match` looks in one part, and `evict` frees the part that needs pages.
+
 With a host tier (kvcache/host_pool.py, --host-cache-mb), an evicted page is first copied to
 the host pool under the same key, and `match_host` continues a device match there: the
 scheduler loads those pages back (kvcache/host_loads.py) before the request prefills the rest.
@@ -75,10 +79,11 @@ class PrefixCache:
         # Loads from the host tier in flight (the scheduler starts and finishes them).
         self.loads = HostLoads(host, leases) if host is not None else None
         self.allocator = leases.allocator
-        self.lease = leases.open(OWNER)
+        self.lease = leases.open(OWNER, part=None)  # pages of every part
         self.stats = CacheStats()
-        self._entries: OrderedDict[int, Entry] = OrderedDict()  # by key, least recent first
-        self._key_of: dict[int, int] = {}  # page -> key
+        # By (part, key), least recent first.
+        self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()
+        self._key_of: dict[int, tuple[int, int]] = {}  # page -> (part, key)
         if self.allocator.evict is not None:
             raise ValueError("the allocator already has a cache evicting its pages")
         self.allocator.evict = self.evict
@@ -91,25 +96,27 @@ class PrefixCache:
         """The key, parent and tokens of each of the first `num_pages` full pages."""
         return chain(token_ids, self.page_size, num_pages)
 
-    def _lookup(self, want: ChainPage) -> Entry | None:
-        got = self._entries.get(want.key)
+    def _lookup(self, want: ChainPage, part: int) -> Entry | None:
+        got = self._entries.get((part, want.key))
         if got is None or got.parent != want.parent or got.tokens != want.tokens:
             return None  # absent, or a hash collision
         return got
 
-    def match(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached pages of the longest run of full pages of `token_ids` from its start, in
-        order (no reference is taken: share them into a lease before anything can evict).
-        Counted in the stats by `record`, once the lookup is used."""
+    def match(self, token_ids: Sequence[int], part: int = 0, touch: bool = True) -> list[int]:
+        """The cached pages in `part` of the longest run of full pages of `token_ids` from its
+        start, in order (no reference is taken: share them into a lease before anything can
+        evict), made the most recently used unless `touch` is False (a lookup whose hit may
+        go unused). Counted in the stats by `record`, once the lookup is used."""
         pages: list[int] = []
-        keys: list[int] = []
+        keys: list[tuple[int, int]] = []
         for want in self._keys(token_ids, len(token_ids) // self.page_size):
-            got = self._lookup(want)
+            got = self._lookup(want, part)
             if got is None:
                 break
             pages.append(got.page)
-            keys.append(want.key)
-        self._touch(keys)
+            keys.append((part, want.key))
+        if touch:
+            self._touch(keys)
         return pages
 
     def match_host(self, token_ids: Sequence[int], start: int, most: int) -> HostMatch:
@@ -152,10 +159,11 @@ class PrefixCache:
         full = min(num_computed, len(token_ids)) // self.page_size
         if full > len(pages):
             raise ValueError(f"{full} full pages computed but a page table of {len(pages)}")
+        part = self.allocator.part_of(pages[0]) if full else 0  # a lease's pages share one
         added: list[int] = []
-        keys: list[int] = []
+        keys: list[tuple[int, int]] = []
         for i, want in enumerate(self._keys(token_ids, full)):
-            key = want.key
+            key = (part, want.key)
             got = self._entries.get(key)
             if got is None:
                 page = pages[i]
@@ -174,25 +182,28 @@ class PrefixCache:
         self.stats.inserted_pages += len(added)
         return len(added)
 
-    def _touch(self, keys: list[int]) -> None:
+    def _touch(self, keys: list[tuple[int, int]]) -> None:
         """Most recently used: the prefix's first page last, so eviction takes tails first."""
         for key in reversed(keys):
             self._entries.move_to_end(key)
 
-    def evict(self, n: int) -> int:
-        """Free at least `n` pages only the cache holds, least recently used first (fewer if
-        fewer are evictable). Returns how many were freed."""
-        gone: list[int] = []
+    def evict(self, n: int, part: int | None = None) -> int:
+        """Free at least `n` pages only the cache holds (in `part`; None: any), least recently
+        used first (fewer if fewer are evictable). Returns how many were freed."""
+        gone: list[tuple[int, int]] = []
         for key, entry in self._entries.items():
             if len(gone) >= n:
                 break
-            if self.allocator.refcount(entry.page) == 1:
+            if (part is None or key[0] == part) and self.allocator.refcount(entry.page) == 1:
                 gone.append(key)
         pages = [self._entries[k].page for k in gone]
         if self.host is not None and gone:  # copied out before the pages can be reused
             leaving = [self._entries[k] for k in gone]
             stored = self.host.store(
-                [Evicted(k, e.page, e.parent, e.tokens) for k, e in zip(gone, leaving, strict=True)]
+                [
+                    Evicted(k[1], e.page, e.parent, e.tokens)
+                    for k, e in zip(gone, leaving, strict=True)
+                ]
             )
             self.stats.host_written_pages += stored.written
             self.stats.host_evicted_pages += stored.dropped

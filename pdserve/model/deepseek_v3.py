@@ -24,6 +24,7 @@ from pdserve.model.config import ModelArch
 from pdserve.model.llama import RMSNorm
 from pdserve.model.mla import MLAttention, rope_tables
 from pdserve.model.moe import FLOAT32_PARAMS, GatedMLP, MoE
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.group import RankGroup
 
 
@@ -135,6 +136,23 @@ class DeepseekV3ForCausalLM(nn.Module):
         if residual is None:  # a model with no layers
             return self.model.norm(x)
         return self.model.norm.add(x, residual)[0]
+
+    def data_parallel(self, dp: DpTokens) -> None:
+        """Data-parallel attention (`--dp`): this rank attends only its own requests, and each
+        MoE layer exchanges tokens with the other ranks through `dp` (parallel/dp_tokens.py)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.dp = dp
+
+    def idle(self) -> torch.Tensor:  # [0, hidden]
+        """A data-parallel rank with no tokens this step: it joins every MoE layer's exchange
+        with none of its own, as a forward would, and computes nothing else."""
+        weight = self.model.embed_tokens.weight
+        x = weight.new_empty(0, self.arch.hidden_size)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         """The sampler widens to float32 only the rows that need more than an argmax."""

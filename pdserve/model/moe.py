@@ -27,6 +27,7 @@ from torch import nn
 
 from pdserve.kernels import fp8_blocks, ops
 from pdserve.model.deepseek_config import MoEArch
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.group import RankGroup
 from pdserve.parallel.layers import Run, Shard, Sharded
 
@@ -158,17 +159,23 @@ class Experts(Sharded):
 
 class MoE(nn.Module):
     def __init__(self, moe: MoEArch, hidden: int, group: RankGroup | None = None) -> None:
-        """`group`: the expert-parallel ranks the routed experts are split over (Experts)."""
+        """`group`: the expert-parallel ranks the routed experts are split over (Experts).
+        With data-parallel attention (`dp`, set by the model's `data_parallel`) each rank
+        brings only its own tokens: they are gathered before the gate and each rank keeps its
+        own rows of the sum (parallel/dp_tokens.py); else every rank has every token."""
         super().__init__()
         self.group = group or RankGroup.single()
+        self.dp: DpTokens | None = None
         self.gate = TopkRouter(moe, hidden)
         self.experts = Experts(moe, hidden, self.group)
         width = moe.moe_intermediate_size * moe.n_shared_experts
         self.shared_experts = GatedMLP(hidden, width) if width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        weights, ids = self.gate(x)  # every rank routes every token alike
-        out = self.group.all_reduce_sum(self.experts(x, ids, weights).contiguous())
+        every = x if self.dp is None else self.dp.gather(x)  # [sum over ranks, H]
+        weights, ids = self.gate(every)  # every rank routes every token alike
+        part = self.experts(every, ids, weights).contiguous()  # this rank's experts' share
+        out = self.group.all_reduce_sum(part) if self.dp is None else self.dp.own_sum(part)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -153,12 +153,19 @@ class RankGroup:
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d] on each rank -> [..., world_size * d], rank 0's columns first."""
+        return self._all_gather(x, -1, "all_gather_last_dim")
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on each rank (the same n) -> [world_size * n, ...], rank 0's rows first."""
+        return self._all_gather(x, 0, "all_gather_rows")
+
+    def _all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         if self.world_size == 1:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._bounded("all_gather_last_dim", x, lambda: dist.all_gather(parts, x, group=self.group))
-        return torch.cat(parts, dim=-1)
+        self._bounded(what, x, lambda: dist.all_gather(parts, x, group=self.group))
+        return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x of rank `src` on every rank, in place (the others' x: a buffer of the same shape

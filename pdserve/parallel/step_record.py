@@ -12,8 +12,10 @@ follower does exactly what it says (LESSONS #12). What gates a collective travel
   * `step`: the leader's count of records, 1, 2, ...; a follower checks it is the next one.
   * `seqs`: each sequence of the step as plain data: the token ids of its span, its start
     (tokens already in its pages), its pages (as many as start + span needs), whether its last
-    row samples. In the leader's order (decodes first), so a follower's `BatchBuilder.build`
-    makes the same Batch, bit for bit, as the leader's runner did from its Requests.
+    row samples, and its rank: with data-parallel attention (`--dp`) the rank whose pool holds
+    its pages, which alone attends it (its page ids are that pool's); else 0, and every rank
+    runs it. In the leader's order (decodes first), so a follower's `BatchBuilder.build` makes
+    the same Batch, bit for bit, as the leader's runner did from its Requests.
   * `score_rows`: the rows of the step's hidden states whose prompt logprobs the leader
     scores; scoring runs the LM head (a collective) on them, PROMPT_LOGPROB_ROWS at a time,
     and which rows are still unscored is the leader's Request state, not the follower's.
@@ -41,9 +43,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 _HEAD = 7  # version, kind, step, a pool (0 none, 1, 2 shared), num_pages, page_size, sequences
-_SEQ_HEAD = 4  # start, tokens, pages, samples
+_SEQ_HEAD = 5  # start, tokens, pages, samples, rank
 
 
 class RecordError(ValueError):
@@ -65,6 +67,7 @@ class SeqPlan:
     start: int  # tokens already in its pages
     pages: Sequence[int]  # its pages in token order, exactly those start + span needs
     samples: bool  # its last token's logits are wanted
+    rank: int = 0  # data-parallel attention: the rank that attends it, in whose pool `pages` are
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def encode(record: StepRecord) -> np.ndarray:
         len(record.seqs),
     ]
     for s in record.seqs:
-        words += (s.start, len(s.token_ids), len(s.pages), int(s.samples))
+        words += (s.start, len(s.token_ids), len(s.pages), int(s.samples), s.rank)
         words += s.token_ids
         words += s.pages
     words.append(len(record.score_rows))
@@ -139,12 +142,14 @@ def decode(array: np.ndarray) -> StepRecord:
     for i in range(num_seqs):
         if at + _SEQ_HEAD > n:
             raise RecordError(f"sequence {i} of {num_seqs} is cut off at word {at}")
-        start, ntok, npages, samples = words[at : at + _SEQ_HEAD]
+        start, ntok, npages, samples, rank = words[at : at + _SEQ_HEAD]
         at += _SEQ_HEAD
-        if min(start, ntok, npages) < 0 or samples not in (0, 1) or at + ntok + npages > n:
-            raise RecordError(f"sequence {i}: start {start}, {ntok} tokens, {npages} pages")
+        if min(start, ntok, npages, rank) < 0 or samples not in (0, 1) or at + ntok + npages > n:
+            raise RecordError(
+                f"sequence {i}: start {start}, {ntok} tokens, {npages} pages, rank {rank}"
+            )
         seqs.append(SeqPlan(words[at : at + ntok], start, words[at + ntok : at + ntok + npages],
-                            bool(samples)))  # fmt: skip
+                            bool(samples), rank))  # fmt: skip
         at += ntok + npages
     if at >= n or words[at] != n - at - 1:
         raise RecordError(f"the score rows at word {at} do not end the record's {n} words")

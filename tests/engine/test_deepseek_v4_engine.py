@@ -123,14 +123,14 @@ def test_a_failed_step_puts_the_state_back_for_the_rerun(v4_dir, monkeypatch):  
     poisoned = f"r{POISONED}"
     failed = []
 
-    def score(chunks, batch, hidden):  # type: ignore[no-untyped-def]
+    def score(chunks, bases, hidden):  # type: ignore[no-untyped-def]
         # Fail the batch when the poisoned request's decode closes a CSA window (its state
         # rewritten most: tail, overlap and ring), every time it runs with others.
         mine = [c for c in chunks if c.request.request_id == poisoned]
         if len(chunks) > 1 and mine and (mine[0].start + 1) % 4 == 0 and mine[0].start > 8:
             failed.append(len(chunks))
             raise RuntimeError("a chunk the model cannot finish")
-        return real(chunks, batch, hidden)
+        return real(chunks, bases, hidden)
 
     monkeypatch.setattr(engine.runner, "_score_prompts", score)
     dirty = run_isolation(engine, ISOLATION_GREEDY)

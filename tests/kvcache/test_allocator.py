@@ -79,7 +79,7 @@ def test_violations_name_a_corrupted_page():
     a = PageAllocator(3)
     a.allocate(1)
     a._refs[0] = 0  # a bug that dropped a count without freeing the page
-    a._free.append(2)  # and one that listed a free page twice
+    a._free[0].append(2)  # and one that listed a free page twice
     assert a.violations() == [
         "page 0: refcount 0, in the free list 0 times",
         "page 2: refcount 0, in the free list 2 times",
@@ -138,3 +138,41 @@ def test_a_quiet_pool_hands_out_one_run_after_churn():
     for pages in live:
         a.release(pages)
     assert a.allocate(30) == list(range(30))  # the old FIFO list returned a shuffled mix
+
+
+def test_parts_allocate_each_from_its_own_range():
+    a = PageAllocator(8, parts=2)
+    assert a.allocate(3, part=1) == [4, 5, 6]
+    assert a.allocate(2) == [0, 1]  # part 0
+    assert [a.part_of(p) for p in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    assert a.available(0) == 2 and a.available(1) == 1 and a.num_free == 3
+    assert a.can_allocate(2, 0) and not a.can_allocate(2, 1)
+    with pytest.raises(PageAllocError, match="2 pages, 1 free in part 1"):
+        a.allocate(2, part=1)
+    with pytest.raises(PageAllocError, match="part 2 of a pool in 2 part"):
+        a.allocate(1, part=2)
+    a.release([5, 0])
+    assert a.allocate(1, part=1) == [5] and a.violations() == []
+
+
+def test_parts_must_split_the_pool_evenly():
+    with pytest.raises(ValueError, match="do not split into 3 equal parts"):
+        PageAllocator(8, parts=3)
+
+
+def test_a_part_short_of_pages_evicts_only_its_own():
+    a = PageAllocator(4, parts=2)
+    asked: list[tuple[int, int]] = []
+    pages = a.allocate(2, part=1)  # [2, 3], cached, then only the cache holds them
+    a.mark_cached(pages, True)
+    assert a.available(1) == 2 and a.available(0) == 2 and a.num_evictable == 2
+
+    def evict(n: int, part: int) -> None:
+        asked.append((n, part))
+        a.mark_cached(pages[:n], False)
+        a.release(pages[:n])
+
+    a.evict = evict
+    assert a.allocate(2, part=0) == [0, 1] and asked == []  # part 0 had free pages
+    assert a.allocate(1, part=1) == [2] and asked == [(1, 1)]
+    assert a.violations() == []

@@ -24,7 +24,7 @@ FORWARD = StepRecord(
     [
         SeqPlan([42], 33, [3, 9, 4], True),  # a decode
         SeqPlan(list(range(100, 124)), 16, [5, 6, 8], False),  # a chunk that does not sample
-        SeqPlan([1, 2, 3], 0, [11], True),
+        SeqPlan([1, 2, 3], 0, [11], True, rank=1),  # data-parallel attention: rank 1's
     ],
     [1, 2, 3, 30, 31],
 )
@@ -47,8 +47,8 @@ def test_what_the_leader_encodes_a_follower_decodes(record):
     back = decode(words)
     assert (back.kind, back.step, back.pool) == (record.kind, record.step, record.pool)
     assert list(back.score_rows) == list(record.score_rows)
-    assert [(list(s.token_ids), s.start, list(s.pages), s.samples) for s in back.seqs] == [
-        (list(s.token_ids), s.start, list(s.pages), s.samples) for s in record.seqs
+    assert [(list(s.token_ids), s.start, list(s.pages), s.samples, s.rank) for s in back.seqs] == [
+        (list(s.token_ids), s.start, list(s.pages), s.samples, s.rank) for s in record.seqs
     ]
     assert np.array_equal(encode(back), words)  # what a follower digests is the leader's
 
@@ -70,6 +70,9 @@ def test_the_digest_sees_any_change_of_the_plan():
             Kind.FORWARD, 7, [SeqPlan([42], 33, [3, 9, 4], False), *seqs[1:]], FORWARD.score_rows
         ),  # whether it samples  # fmt: skip
         StepRecord(Kind.FORWARD, 7, seqs[::-1], FORWARD.score_rows),  # the order
+        StepRecord(
+            Kind.FORWARD, 7, [*seqs[:2], SeqPlan([1, 2, 3], 0, [11], True)], FORWARD.score_rows
+        ),  # the rank that attends it  # fmt: skip
     ]
     assert len({digest(encode(r)) for r in changes} | {base}) == len(changes) + 1
 
@@ -78,7 +81,7 @@ def test_a_broken_record_is_refused_whole():
     words = encode(FORWARD)
     cases = {
         "shorter than a record's head": words[:3],
-        "record version 2": np.concatenate([[2], words[1:]]),
+        "record version 1": np.concatenate([[1], words[1:]]),
         "unknown record kind 9": np.concatenate([words[:1], [9], words[2:]]),
         "is cut off": words[:8],
         "do not end the record": words[:-1],

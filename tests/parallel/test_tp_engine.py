@@ -258,6 +258,19 @@ def texts(answer: dict[str, Any]) -> list[str]:
     return [c["message"]["content"] if "message" in c else c["text"] for c in answer["choices"]]
 
 
+def assert_same_answers(servers: dict[int, ServerProcess]) -> None:
+    """Every ask of ASKS, greedy, gets the same texts from each server."""
+    for path, body in ASKS:
+        body = {"model": "tiny", "max_tokens": 12, "temperature": 0, **body}
+        answers = {}
+        for n, s in servers.items():
+            status, answer = http("POST", s.url + path, body)
+            assert status == 200, answer
+            answers[n] = texts(answer)
+        first = next(iter(answers.values()))
+        assert all(a == first for a in answers.values()) and all(first), (path, answers)
+
+
 def test_serve_tp2_answers_as_serve_tp1_does(tiny_dir, tmp_path):
     servers = {tp: ServerProcess(serve_args(tiny_dir, tp), tmp_path / f"{tp}.log") for tp in (1, 2)}
     try:
@@ -268,14 +281,7 @@ def test_serve_tp2_answers_as_serve_tp1_does(tiny_dir, tmp_path):
         info = http("GET", servers[2].url + "/info")[1]
         pids = info["tp"]["pids"]
         assert info["tp"]["size"] == 2 and len(pids) == 1
-        for path, body in ASKS:
-            body = {"model": "tiny", "max_tokens": 12, "temperature": 0, **body}
-            answers = {}
-            for tp, s in servers.items():
-                status, answer = http("POST", s.url + path, body)
-                assert status == 200, answer
-                answers[tp] = texts(answer)
-            assert answers[1] == answers[2] and all(answers[1]), (path, answers)
+        assert_same_answers(servers)
         assert http("GET", servers[2].url + "/health")[0] == 200
         assert servers[2].stop() == 0
         assert wait_gone(pids, 10.0) == [], "the follower outlived its worker"

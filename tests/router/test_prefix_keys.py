@@ -35,7 +35,7 @@ def test_the_routers_keys_are_the_worker_caches_keys_for_the_same_tokens() -> No
     tokens = [5, 17, 17, 3, 900, 2**40, 0, 1, 8, 8, 8, 8, 42]  # 3 full pages and a partial one
     cache_prompt(leases, cache, tokens, "r")
     # The worker's keys in page order: follow the chain of its entries from the root.
-    child = {entry.parent: key for key, entry in cache._entries.items()}
+    child = {entry.parent: key for (_part, key), entry in cache._entries.items()}
     worker_keys = [child[ROOT]]
     while worker_keys[-1] in child:
         worker_keys.append(child[worker_keys[-1]])

@@ -126,7 +126,11 @@ class LocalEngine:
         pages = self.engine.pages
         self.info["layout"] = (pages.layout if pages else self.engine.pool.layout).to_dict()
         if self.engine.tp is not None:  # its follower ranks' processes, stopped with it
-            self.info["tp"] = {"size": self.engine.cfg.tp, "pids": self.engine.tp.pids}
+            self.info["tp"] = {
+                "size": self.engine.cfg.tp,
+                "pids": self.engine.tp.pids,
+                "data_parallel_attention": self.engine.cfg.dp_attention,
+            }
         sched = self.engine.cfg.scheduler  # as resolved (engine/sizing.py)
         self.info["limits"] = {
             "max_model_len": self.engine.max_model_len,

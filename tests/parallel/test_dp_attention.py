@@ -1,0 +1,86 @@
+"""DeepSeek-V3 and V3.2 with data-parallel attention and expert parallel (`--dp 2 --ep`):
+each rank attends only the requests whose pages are in its pool, a rank with none that step
+joins the MoE layers' exchanges idle, and only the leader runs the LM head, on every rank's
+gathered rows (engine/dp_step.py, parallel/dp_tokens.py). Greedy tokens, logprobs and prompt
+logprobs equal TP 1's on the TP tests' workload (18 prompts, chunked), with both ranks given
+work and some steps where one is idle; V3 runs it twice with the prefix cache on, the second
+round served from each rank's own cached pages. Through HTTP: `serve --dp 2 --ep` answers as
+`serve` does, and its follower is gone when it stops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine import dp_step
+from pdserve.model.config import ModelArch
+from pdserve.runtime.pids import wait_gone
+from tests.parallel.test_tp_engine import (
+    assert_same_answers,
+    run,
+    serve_args,
+    tp_engine,
+    workload,
+)
+from tests.procs import ServerProcess, http
+
+pytestmark = pytest.mark.process  # follower ranks are processes
+
+
+def same(one: list, two: list, what: str) -> None:  # type: ignore[type-arg]
+    for i, (a, b) in enumerate(zip(one, two, strict=True)):
+        assert a[0] == b[0], f"request {i}: {what}'s tokens differ"
+        for x, y in zip(a[1] + a[2], b[1] + b[2], strict=True):
+            bound = 1e-4 * max(1.0, abs(x.logprob))  # float32 sums in another order
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < bound, (what, i)
+        assert a[3] == b[3] == "length", i
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-tiny", "deepseek-v32-tiny"])
+def test_dp_attention_generates_what_tp1_generates(builtin_dir, name: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    path = builtin_dir(name)
+    prompts, params = workload(ModelArch.from_dir(path).vocab_size)
+    with tp_engine(path, 1) as engine:
+        want = run(engine, prompts, params)
+    counts: list[list[int]] = []
+    real = dp_step.split
+
+    def spy(chunks, world):  # type: ignore[no-untyped-def]
+        split = real(chunks, world)
+        counts.append(split.counts)
+        return split
+
+    monkeypatch.setattr(dp_step, "split", spy)
+    cache = name == "deepseek-v3-tiny"
+    with tp_engine(path, 2, dp_attention=True, prefix_cache=cache) as engine:
+        assert engine.pool.allocator.parts == 2
+        assert engine.pool.allocator.num_pages == 2 * engine.pool.num_pages
+        same(want, run(engine, prompts, params), "--dp 2")
+        assert all(sum(c[r] for c in counts) > 0 for r in (0, 1)), "a rank was never given work"
+        assert any(0 in c for c in counts), "no step left a rank idle"
+        if cache:  # again: each request's prefix is in the part it ran in
+            same(want, run(engine, prompts, params), "--dp 2, cached")
+            assert engine.prefix_cache is not None
+            assert engine.prefix_cache.stats.hit_tokens > 0
+        assert engine.leases.violations() == []
+
+
+def test_serve_dp2_answers_as_serve_does(builtin_dir, tmp_path: Path) -> None:
+    path = builtin_dir("deepseek-v3-tiny")
+    args = {1: serve_args(path, 1), 2: [*serve_args(path, 1), "--dp", "2", "--ep"]}
+    servers = {n: ServerProcess(a, tmp_path / f"{n}.log") for n, a in args.items()}
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready()
+        tp = http("GET", servers[2].url + "/info")[1]["tp"]
+        assert tp["size"] == 2 and tp["data_parallel_attention"] is True and len(tp["pids"]) == 1
+        assert_same_answers(servers)
+        assert servers[2].stop() == 0
+        assert wait_gone(tp["pids"], 10.0) == [], "the follower outlived its worker"
+    finally:
+        for s in servers.values():
+            s.stop()
