@@ -8,13 +8,11 @@ rows (`gather`: [sum(counts), H], rank 0's first), routes them all and runs this
 of the experts on them; the ranks' partial outputs are then summed and each keeps its own rows
 (`own_sum`). Together an all-gather and a reduce-scatter, each rank's experts see each token
 once, and which experts a token goes to is the same decision on every rank (the same gate on
-the same rows). The sum is an all-reduce of every row, sliced: gloo has no reduce-scatter, and
-it is one code path for both backends; on NCCL a reduce-scatter would move 1/N of it (for the
-multi-GPU issue, where it can be measured).
+the same rows).
 
 A rank with no tokens this step still joins each exchange, with none of its own (the model's
 `idle` forward): every rank enters the same collectives, by construction. Rows are padded to the
-step's largest count for the gather, whose collective needs one shape on every rank.
+step's largest count for both collectives, which need one shape on every rank.
 
 `begin` is called with the step's counts before each forward, by the runner, on every rank
 (engine/dp_step.py). Nothing here decides anything: the counts are the leader's plan.
@@ -66,11 +64,15 @@ class DpTokens:
         """Every rank's partial result for every row [sum(counts), H] -> their sum, this
         rank's rows only [own, H]."""
         self._check(x, sum(self.counts))
-        if max(self.counts) == 0 or self.group.world_size == 1:
+        most = max(self.counts)
+        if most == 0 or self.group.world_size == 1:
             return x
-        summed = self.group.all_reduce_sum(x.contiguous())
-        first = sum(self.counts[: self.group.rank])
-        return summed[first : first + self.own]
+        padded = x.new_zeros(self.group.world_size * most, *x.shape[1:])  # rank r's at r * most
+        at = 0
+        for r, n in enumerate(self.counts):
+            padded[r * most : r * most + n] = x[at : at + n]
+            at += n
+        return self.group.reduce_scatter_rows(padded)[: self.own]
 
     def _check(self, x: torch.Tensor, rows: int) -> None:
         if not self.counts:

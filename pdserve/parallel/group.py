@@ -2,8 +2,9 @@
 
 A worker with `--tp N` runs N ranks; each holds a shard of every layer's weights and they
 combine partial results with two collectives: a sum (a row-parallel product, the vocab-parallel
-embedding) and a gather along the last dim (the vocab-parallel LM head's logits). `RankGroup`
-is those two verbs over a `torch.distributed` process group, and nothing else: which step runs
+embedding) and a gather along the last dim (the vocab-parallel LM head's logits); data-parallel
+attention adds a gather of rows and a reduce-scatter of rows (parallel/dp_tokens.py). `RankGroup`
+is those verbs over a `torch.distributed` process group, and nothing else: which step runs
 is the leader's decision, broadcast to the others, never made here (LESSONS #12).
 
 At TP 1 (`RankGroup.single()`) there is no process group at all and both verbs return their
@@ -158,6 +159,19 @@ class RankGroup:
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] on each rank (the same n) -> [world_size * n, ...], rank 0's rows first."""
         return self._all_gather(x, 0, "all_gather_rows")
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[world_size * n, ...] on each rank -> rows [rank * n, (rank + 1) * n) summed over
+        the ranks, [n, ...] (x must be contiguous)."""
+        if self.world_size == 1:
+            return x
+        if x.shape[0] % self.world_size:
+            raise ValueError(f"{x.shape[0]} rows do not split over {self.world_size} ranks")
+        out = x.new_empty(x.shape[0] // self.world_size, *x.shape[1:])
+        self._bounded(
+            "reduce_scatter_rows", x, lambda: dist.reduce_scatter_tensor(out, x, group=self.group)
+        )
+        return out
 
     def _all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         if self.world_size == 1:

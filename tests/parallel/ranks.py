@@ -27,6 +27,7 @@ from pdserve.engine.scheduler import Chunk
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool
 from pdserve.model.loader import load_model
+from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.group import RankGroup
 from pdserve.parallel.layers import (
     ColumnParallelLinear,
@@ -218,6 +219,27 @@ def layers(group: RankGroup) -> dict[str, torch.Tensor]:
         }
 
 
+def dp_counts(world: int) -> list[int]:
+    """Data-parallel rows per rank: uneven, and rank 1 idle."""
+    return [0 if r == 1 else r + 2 for r in range(world)]
+
+
+def dp_rows(rank: int, n: int, salt: int) -> torch.Tensor:
+    """Rank `rank`'s n rows of width 3, different for every rank and salt."""
+    return torch.arange(n * 3, dtype=torch.float32).view(n, 3) + 100 * rank + salt
+
+
+def dp_exchange(group: RankGroup) -> dict[str, torch.Tensor]:
+    """parallel/dp_tokens.py: every rank's rows gathered, then each rank's partial results of
+    every row summed, this rank's rows kept."""
+    dp = DpTokens(group)
+    counts = dp_counts(group.world_size)
+    dp.begin(counts)
+    every = dp.gather(dp_rows(group.rank, counts[group.rank], 0))
+    partial = dp_rows(group.rank, sum(counts), 7)  # this rank's share of every row's result
+    return {"gathered": every, "own": dp.own_sum(partial)}
+
+
 def stall(group: RankGroup, stall_s: float) -> list[Any]:
     """Rank 0 sums; the others never join: rank 0's error and how long it waited."""
     if group.rank != 0:
@@ -235,4 +257,5 @@ JOBS: dict[str, Callable[..., Any]] = {
     "forward": lambda group, path: forward_steps(Path(path), group),
     "layers": layers,
     "stall": stall,
+    "dp_exchange": dp_exchange,
 }

@@ -128,6 +128,7 @@ def tp(request, builtin_dir, tmp_path_factory) -> tuple[int, list[list[Any]], di
     dirs = {name: builtin_dir(name) for name in MODELS[world]}
     jobs: list[tuple[str, tuple[Any, ...]]] = [("layers", ())]
     jobs += [("forward", (str(d),)) for d in dirs.values()]
+    jobs += [("dp_exchange", ())]
     out = spawn(world, jobs, tmp_path_factory.mktemp(f"tp{world}"), timeout_s=180.0)
     single = {name: forward_steps(d, RankGroup.single()) for name, d in dirs.items()}
     return world, out, single
@@ -189,3 +190,16 @@ def test_a_collective_a_peer_skips_raises_at_the_group_timeout(tmp_path):
     assert kind == "CollectiveError"
     assert message.startswith("rank 0 of 2: all_reduce_sum of (3,) failed (bound 5.0 s")
     assert bound * 0.9 <= waited < bound + 10.0
+
+
+def test_data_parallel_rows_are_gathered_and_each_rank_keeps_its_sum(tp):
+    """parallel/dp_tokens.py over real ranks: uneven counts, one rank with none."""
+    world, out, _ = tp
+    counts = ranks.dp_counts(world)
+    every = torch.cat([ranks.dp_rows(r, n, 0) for r, n in enumerate(counts)])
+    summed = sum(ranks.dp_rows(r, sum(counts), 7) for r in range(world))
+    for rank in range(world):
+        got = out[rank][-1]
+        assert torch.equal(got["gathered"], every), rank
+        first = sum(counts[:rank])
+        assert torch.equal(got["own"], summed[first : first + counts[rank]]), rank
