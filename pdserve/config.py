@@ -229,14 +229,6 @@ class ServerConfig:
             raise ValueError(f"backend must be shm, tcp or nixl, got {self.backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.engine.dp_attention and self.role != "colocated":
-            # A request's pages are in its rank's pool; the PD data planes move pages of
-            # rank 0's pool, or pages assembled by head (kvcache/rank_pages.py).
-            raise ValueError(
-                f"a {self.role} worker with data-parallel attention (--dp): its requests' pages "
-                "are spread over its ranks' pools, which the PD data planes do not read yet; "
-                "serve it co-located"
-            )
         if self.engine.tp > 1 and self.role != "colocated":
             # The leader reads and writes its ranks' pools as shared host memory
             # (kvcache/rank_pages.py); NIXL moves one registered pool.

@@ -156,9 +156,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dp",
         type=int,
         default=1,
-        help="data-parallel attention over this many ranks (with --ep; DeepSeek-V3/V3.2, "
-        "co-located): each rank attends its own requests and holds 1/N of the experts, the "
-        "MoE layers exchanging tokens; --tp, if given, must be the same",
+        help="data-parallel attention over this many ranks (with --ep; DeepSeek-V3/V3.2; a "
+        "PD worker on the CPU over shm or tcp): each rank attends its own requests and holds "
+        "1/N of the experts, the MoE layers exchanging tokens; --tp, if given, must be the same",
     )
     g.add_argument(
         "--ep",

@@ -209,12 +209,6 @@ def worker_tps(args: argparse.Namespace) -> tuple[int, int]:
     """(prefill, decode) workers' ranks: --prefill-tp / --decode-tp, else --tp (or --dp's)."""
     from pdserve.engine_flags import ranks
 
-    if args.dp > 1 and args.prefill:
-        raise ValueError(
-            "data-parallel attention (--dp) serves co-located workers only: a PD worker's "
-            "requests' pages would be spread over its ranks' pools, which the data planes do "
-            "not read yet"
-        )
     every = ranks(args)
     return args.prefill_tp or every, args.decode_tp or every
 

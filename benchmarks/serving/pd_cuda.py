@@ -5,6 +5,8 @@ in-process engine on the same device, 64 concurrent mixed-length greedy requests
     python benchmarks/serving/pd_cuda.py --no-engine-process  # each engine in its worker's process
     python benchmarks/serving/pd_cuda.py --device cpu --backend shm --prefill-tp 2 --decode-tp 1
         # PD between tensor-parallel layouts (CPU, shm or tcp) against the TP-1 engine
+    python benchmarks/serving/pd_cuda.py --device cpu --backend shm --model \
+        builtin:deepseek-v3-tiny --dp 2    # both sides attention data-parallel (--dp 2 --ep)
 
 Prints how many of the 64 answers match token for token (the completions' tokens as ids,
 `return_tokens_as_token_ids`: a text would differ where an answer ends inside a UTF-8
@@ -59,6 +61,11 @@ def main() -> int:
     ap.add_argument("--backend", default="tcp", choices=["shm", "tcp", "nixl"])
     ap.add_argument("--prefill-tp", type=int, default=1, help="P's tensor parallelism")
     ap.add_argument("--decode-tp", type=int, default=1, help="D's tensor parallelism")
+    ap.add_argument(
+        "--dp", type=int, default=1,
+        help="data-parallel attention over this many ranks on both sides (launch --dp N --ep; "
+        "DeepSeek-V3/V3.2)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="launch --threads (0: launch's)")
     ap.add_argument(
         "--engine-process",
@@ -114,6 +121,7 @@ def main() -> int:
             "--decode-tp",
             str(args.decode_tp),
             *(["--threads", str(args.threads)] if args.threads else []),
+            *(["--dp", str(args.dp), "--ep"] if args.dp > 1 else []),
             *engine_process_argv(args.engine_process),
         ],
         stdout=subprocess.PIPE,
@@ -174,7 +182,10 @@ def main() -> int:
                     "device": args.device,
                     "dtype": args.dtype,
                     "backend": args.backend,
-                    "tp": f"{args.prefill_tp}P+{args.decode_tp}D",
+                    "tp": f"{args.prefill_tp}P+{args.decode_tp}D"
+                    if args.dp == 1
+                    else f"{args.dp}P+{args.dp}D",
+                    "dp": args.dp,
                     "engine_process": all(pid is not None for pid in engines),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "exact": f"{same}/64",

@@ -62,4 +62,4 @@ def build_pool(
         ModelArch.from_dir(Path(cfg.model.path)), cfg.model.dtype, c.page_size,
         c.index_k_dtype, c.kv_dtype, c.prefix_cache,
     )  # fmt: skip
-    return pool, tp.pages(whole, pool)
+    return pool, tp.pages(whole, pool, dp=cfg.dp_attention)

@@ -41,7 +41,10 @@ class RoleHosting(RequestEnds):
         return self.cfg.request_timeout_s
 
     def open_lease(self, owner: str, num_pages: int) -> Lease:
-        lease = self.leases.open(owner, num_pages)
+        """`num_pages` pages for `owner`, in the pool part with the most to give (data-parallel
+        attention: the rank its request will run on); PageAllocError if none has them."""
+        part = self.leases.allocator.roomiest(num_pages)
+        lease = self.leases.open(owner, num_pages, 0 if part is None else part)
         if self.leases.slots is not None:
             try:
                 lease.take_slot()

@@ -57,6 +57,11 @@ def engine_snapshot(
             "pages_free": pool.allocator.num_free,
             "pages_used": pool.allocator.num_used,
             "pages_cached": pool.allocator.num_evictable,
+            # Data-parallel attention: each rank's pages in use (cached ones included).
+            "pages_used_by_rank": [
+                pool.allocator.part_pages - pool.allocator.free_in(p)
+                for p in range(pool.allocator.parts)
+            ],
             # Per-request state slots (DeepSeek-V4; kvcache/state_pool.py), 0 without.
             "state_slots": pool.state.num_slots if pool.state is not None else 0,
             "state_slots_free": pool.state.num_free if pool.state is not None else 0,

@@ -220,7 +220,7 @@ class TpLeader:
         self.group.mark(SETUP_MARK)
         self._send(Kind.SETUP, pool=pool)
 
-    def pages(self, whole: KVLayout, own: KVPool) -> RankPages:
+    def pages(self, whole: KVLayout, own: KVPool, dp: bool = False) -> RankPages:
         """Every rank's pool as the whole model's pages (`whole`): rank 0's `own`, then each
         follower's, mapped from the reference it gave in the all-gather that follows a SETUP
         with `shared` (over the group, bounded by its collective timeout; never a value that
@@ -240,7 +240,7 @@ class TpLeader:
                 refs.append(ref)
             except ValueError as e:  # PoolRefused is a ValueError
                 raise TpStartFailed(f"rank {f.rank}'s KV pool cannot be mapped: {e}") from e
-        return RankPages(whole, pools, refs)
+        return RankPages(whole, pools, refs, dp=dp)
 
     def lead(self, seqs: Sequence[SeqPlan], score_rows: Sequence[int]) -> None:
         """Send a forward's plan, once every rank agreed on it (engine/runner.py Leader)."""

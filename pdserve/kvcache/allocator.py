@@ -75,6 +75,11 @@ class PageAllocator:
         self._check_range(page, "placed")
         return page // self.part_pages
 
+    def free_in(self, part: int) -> int:
+        """Free pages of `part`."""
+        self._check_part(part)
+        return len(self._free[part])
+
     def available(self, part: int = 0) -> int:
         """Pages `allocate` can hand out in `part`: free, or only cached."""
         self._check_part(part)
@@ -87,6 +92,12 @@ class PageAllocator:
 
     def can_allocate(self, n: int, part: int = 0) -> bool:
         return n <= self.available(part)
+
+    def roomiest(self, n: int) -> int | None:
+        """The part with the most pages to give, if it can give `n` (the lowest of equals);
+        None if none can: where a holder that is not a scheduled request (a decode room) goes."""
+        part = max(range(self.parts), key=lambda p: (self.available(p), -p))
+        return part if self.can_allocate(n, part) else None
 
     def refcount(self, page: int) -> int:
         self._check_range(page, "read")

@@ -16,6 +16,11 @@ it with `pool.map_shared`, which accepts only a pdserve pool of the right size, 
 follower); a peer P maps a D's rank pools the same way from its Register. Pools on a GPU are
 not shared this way: PD at TP > 1 runs on the CPU (config.py refuses it on CUDA).
 
+With data-parallel attention (`--dp`, `dp`) the ranks' pools hold different pages: a worker's
+pages are numbered over its ranks' pools, rank r's following rank r - 1's (its allocator's parts,
+kvcache/allocator.py), each page whole (MLA) in the one pool that holds it; `read` and `write`
+go to that pool, and a D's Register says `dp` so that its P numbers them alike.
+
 At TP 1 `RankPages` is the one pool: `read` gives the pool's pages and `write` copies per page,
 as the data planes did before ranks.
 """
@@ -93,16 +98,19 @@ def rank_layout(whole: KVLayout, tp_size: int, rank: int) -> KVLayout:
 
 class RankPages:
     """The pages of `pools` (each rank's bytes [rows, its page_bytes], rank 0's first) as the
-    whole model's `layout`. Pages are numbered as in every rank's pool (the same pages)."""
+    whole model's `layout`. Pages are numbered as in every rank's pool (the same pages), or with
+    `dp` over the pools in turn (each rank's own pages)."""
 
     def __init__(
         self,
         whole: KVLayout,
         pools: Sequence[torch.Tensor],
         refs: Sequence[ShmRef | None] = (),
+        dp: bool = False,
     ) -> None:
         """`refs`: each pool's shared-memory reference where it has one (what a D's Register
-        offers its P for backend shm), rank 0's first."""
+        offers its P for backend shm), rank 0's first. `dp`: data-parallel attention's pools,
+        page g being page g % rows of rank g // rows's pool."""
         self.refs = list(refs) or [None] * len(pools)
         if len(self.refs) != len(pools):
             raise ValueError(f"{len(self.refs)} shm references for {len(pools)} pools")
@@ -124,7 +132,10 @@ class RankPages:
         if len(rows) != 1:
             raise ValueError(f"the ranks' pools differ in pages: {sorted(rows)}")
         self.num_rows = rows.pop()
-        self.by_head = self.tp > 1 and split_by_head(whole)
+        self.dp = dp and self.tp > 1
+        if self.dp and (split_by_head(whole) or whole.state):
+            raise ValueError("data-parallel attention's pages are whole, without state (MLA)")
+        self.by_head = self.tp > 1 and not self.dp and split_by_head(whole)
         if self.by_head:
             self._heads = [kv_heads_of(whole.num_kv_heads, self.tp, r) for r in range(self.tp)]
             # each whole head read from the first rank that holds it
@@ -139,9 +150,23 @@ class RankPages:
     def page_bytes(self) -> int:
         return self.layout.page_bytes
 
+    @property
+    def num_pages(self) -> int:
+        """Pages by this numbering: every rank's with `dp`, else one pool's rows."""
+        return self.num_rows * self.tp if self.dp else self.num_rows
+
+    def _owner(self, page: int) -> tuple[torch.Tensor, int]:
+        """With `dp`: the pool that holds `page`, and its row there."""
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is not one of {self.num_pages}")
+        rank, row = divmod(page, self.num_rows)
+        return self.pools[rank], row
+
     def read(self, pages: Sequence[int]) -> list[torch.Tensor]:
         """The whole model's bytes of each of `pages` (uint8 [page_bytes]) on the CPU: at TP 1
         on the CPU views of the pool; from a CUDA pool one gather and one copy to the host."""
+        if self.dp:
+            return [pool[row].cpu() for pool, row in map(self._owner, pages)]
         first = self.pools[0]  # (without heads to split, every rank's pages are the same)
         if not self.by_head and not first.is_cuda:
             return [first[p] for p in pages]
@@ -165,6 +190,11 @@ class RankPages:
         if len(data) != len(pages) or any(d.shape != (self.page_bytes,) for d in data):
             raise ValueError(f"{len(data)} rows for {len(pages)} pages of {self.page_bytes} bytes")
         if not pages:
+            return
+        if self.dp:  # each page whole in the one pool that holds it
+            for page, row in zip(pages, data, strict=True):
+                pool, at = self._owner(page)
+                pool[at].copy_(row)
             return
         if not self.by_head:  # each rank's pages whole
             for dst in self.pools:

@@ -82,6 +82,9 @@ class Register(Msg, frozen=True):
     # (kvcache/rank_pages.py); with shm P writes each rank's heads into that rank's pool.
     tp: int = 1
     rank_shm: list[ShmPool] = msgspec.field(default_factory=list)
+    # D runs attention data-parallel (`--dp`): its pages are numbered over its ranks' pools,
+    # rank r's `num_pages` following rank r - 1's, each whole in its own rank's pool.
+    dp: bool = False
 
 
 class RegisterAck(Msg, frozen=True):

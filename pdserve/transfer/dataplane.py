@@ -117,16 +117,18 @@ class ShmWriter:
         layout: KVLayout,
         num_pages: int,
         copier: Copier | None = None,
+        dp: bool = False,
     ) -> None:
-        """`refs`: the decode worker's pool per rank (one at TP 1), `layout` the whole model's.
-        Raises PoolRefused unless each names a pdserve pool of its rank's layout and
-        `num_pages` pages."""
+        """`refs`: the decode worker's pool per rank (one at TP 1), `layout` the whole model's;
+        `dp`: its pages numbered over the pools in turn (data-parallel attention). Raises
+        PoolRefused unless each names a pdserve pool of its rank's layout and `num_pages`
+        pages."""
         self.num_pages = num_pages
         tp = len(refs)
         pools = [
             map_shared(ref, rank_layout(layout, tp, r), num_pages) for r, ref in enumerate(refs)
         ]
-        self.dst = RankPages(layout, pools)
+        self.dst = RankPages(layout, pools, dp=dp)
         self.copier = copier
 
     def write(

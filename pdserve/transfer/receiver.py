@@ -190,6 +190,7 @@ def register_message(receiver: KVReceiver, pool: KVPool, pages: RankPages) -> Re
         state_slots=pool.state_slots,
         tp=pages.tp,
         rank_shm=shms[1:],
+        dp=pages.dp,
     )
 
 

@@ -39,6 +39,11 @@ def open_writer(
     rows = pool_rows(layout, msg.num_pages, msg.state_slots)  # its pages, then its slots'
     if not 1 <= msg.tp <= MAX_TP:
         raise ValueError(f"a decode worker of tensor parallelism {msg.tp} (1 to {MAX_TP})")
+    if msg.dp and (msg.tp == 1 or msg.state_slots):
+        raise ValueError(
+            f"a decode worker with data-parallel attention over {msg.tp} rank(s) and "
+            f"{msg.state_slots} state slots: it needs 2 or more ranks and no per-request state"
+        )
     if msg.backend == "shm":
         shms = [msg.shm, *msg.rank_shm] if msg.shm is not None else []
         if len(shms) != msg.tp:
@@ -51,7 +56,7 @@ def open_writer(
             raise ValueError("backend shm: the decode worker's ranks name one pool twice")
         if any(r.pid in own_pids for r in refs):
             raise ValueError("backend shm: the shm pool reference does not name a pdserve KV pool")
-        return ShmWriter(refs, layout, rows, copier)
+        return ShmWriter(refs, layout, rows, copier, dp=msg.dp)
     if msg.backend == "tcp":
         if control is None:
             raise ValueError("backend tcp is not available on this prefill worker")

@@ -184,14 +184,14 @@ def test_dp_is_refused_where_it_cannot_run(tiny_dir, tmp_path, capsys):  # type:
         ("serve", "--dp", "2"): "add --ep",
         ("serve", "--ep"): "--ep goes with --dp N",
         ("serve", "--dp", "2", "--ep", "--tp", "4"): "--dp 2 with --tp 4",
-        ("launch", "--prefill", "1", "--dp", "2", "--ep"): "serves co-located workers only",
     }
     for argv, why in refusals.items():
         assert main([*argv, "--model", str(tiny_dir)]) == 2, argv
         assert why in capsys.readouterr().err, argv
     spec = ModelSpec(str(tiny_dir), "tiny")
-    with pytest.raises(ValueError, match="data-planes do not read yet|PD data planes"):
-        ServerConfig(EngineConfig(spec, tp=2, dp_attention=True), role="decode")
+    cuda = ModelSpec(str(tiny_dir), "tiny", device="cuda")
+    with pytest.raises(ValueError, match="a decode worker at --tp 2 runs on the CPU"):
+        ServerConfig(EngineConfig(cuda, tp=2, dp_attention=True), role="decode")
     with pytest.raises(ValueError, match="needs 2 or more ranks"):
         EngineConfig(spec, dp_attention=True)
     with pytest.raises(ValueError, match="llama has no data-parallel attention"):

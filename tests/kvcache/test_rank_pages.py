@@ -118,3 +118,23 @@ def test_a_latent_page_is_read_from_rank_0_and_written_to_every_rank() -> None:
         assert torch.equal(pool.data[[4, 1]], torch.stack(rows))
     ranks[1].data[4] = 0  # a rank's copy is not read: rank 0's is
     assert torch.equal(torch.stack(pages.read([4, 1])), torch.stack(rows))
+
+
+def test_data_parallel_pages_live_whole_in_one_ranks_pool() -> None:
+    """`dp`: page g is row g % PAGES of rank g // PAGES's pool, and only there."""
+    latent = KVLayout.mla("bfloat16", PAGE, LAYERS, 8, 4)
+    ranks = [KVPool(rank_layout(latent, 2, r), PAGES, torch.device("cpu")) for r in range(2)]
+    pages = RankPages(latent, [p.data for p in ranks], dp=True)
+    assert pages.num_pages == 2 * PAGES
+    rows = [torch.full((latent.page_bytes,), 9 + i, dtype=torch.uint8) for i in range(3)]
+    pages.write([PAGES + 4, 1, PAGES], rows)
+    assert torch.equal(ranks[1].data[4], rows[0]) and torch.equal(ranks[0].data[1], rows[1])
+    assert torch.equal(ranks[1].data[0], rows[2])
+    assert not ranks[0].data[4].any() and not ranks[1].data[1].any()  # nowhere else
+    assert torch.equal(torch.stack(pages.read([1, PAGES + 4])), torch.stack([rows[1], rows[0]]))
+    with pytest.raises(ValueError, match=f"page {2 * PAGES} is not one of {2 * PAGES}"):
+        pages.read([2 * PAGES])
+    heads = KVLayout.llama("float32", PAGE, LAYERS, 4, DIM)
+    with pytest.raises(ValueError, match="pages are whole, without state"):
+        RankPages(heads, [KVPool(rank_layout(heads, 2, r), PAGES, torch.device("cpu")).data
+                          for r in range(2)], dp=True)  # fmt: skip

@@ -5,17 +5,22 @@ gathered rows (engine/dp_step.py, parallel/dp_tokens.py). Greedy tokens, logprob
 logprobs equal TP 1's on the TP tests' workload (18 prompts, chunked), with both ranks given
 work and some steps where one is idle; V3 runs it twice with the prefix cache on, the second
 round served from each rank's own cached pages. Through HTTP: `serve --dp 2 --ep` answers as
-`serve` does, and its follower is gone when it stops.
+`serve` does, and its follower is gone when it stops; `launch --prefill 1 --decode 1 --dp 2
+--ep` over shm and tcp gives the TP-1 engine's ids, with pages used on both ranks of each side.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.engine import dp_step
+from pdserve.engine.offline import build_engine, generate
 from pdserve.model.config import ModelArch
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.pids import wait_gone
 from tests.parallel.test_tp_engine import (
     assert_same_answers,
@@ -24,7 +29,7 @@ from tests.parallel.test_tp_engine import (
     tp_engine,
     workload,
 )
-from tests.procs import ServerProcess, http
+from tests.procs import LaunchedCluster, ServerProcess, http
 
 pytestmark = pytest.mark.process  # follower ranks are processes
 
@@ -84,3 +89,41 @@ def test_serve_dp2_answers_as_serve_does(builtin_dir, tmp_path: Path) -> None:
     finally:
         for s in servers.values():
             s.stop()
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_pd_between_data_parallel_workers_equals_tp1(builtin_dir, tmp_path: Path, backend) -> None:  # type: ignore[no-untyped-def]
+    """`launch --dp 2 --ep`: P's requests run on both its ranks, it reads each page from the
+    rank that holds it; D's rooms take pages in both ranks' pools, where P writes each whole
+    (kvcache/rank_pages.py `dp`). Ids equal the TP-1 engine's."""
+    path = builtin_dir("deepseek-v3-tiny")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (3, 17, 40, 95, 60)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = generate(build_engine(path, kv_budget_mb=16, max_model_len=1024), prompts, params)
+    flags = ["--model", str(path), "--served-model-name", "tiny", "--kv-budget-mb", "16",
+             "--max-model-len", "1024", "--threads", "1", "--backend", backend]  # fmt: skip
+    topology = ["--prefill", "1", "--decode", "1", "--dp", "2", "--ep"]
+    with LaunchedCluster(["launch", *topology, *flags], tmp_path / "logs") as c:
+        got: list[list[int] | None] = [None] * len(prompts)
+
+        def ask(i: int) -> None:
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 10, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            status, resp = http("POST", c.url + "/v1/completions", body)
+            assert status == 200, resp
+            tokens = resp["choices"][0]["logprobs"]["tokens"]
+            got[i] = [int(t.removeprefix("token_id:")) for t in tokens]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:  # at once, so that both ranks of each side get requests
+            t.start()
+        for t in threads:
+            t.join(120.0)
+        assert got == want
+        status, doc = http("GET", c.url + "/debug/cluster")
+        assert status == 200, doc
+        for w in doc["workers"].values():  # the prefix cache keeps pages on both ranks
+            used = w["state"]["engine"]["pool"]["pages_used_by_rank"]
+            assert len(used) == 2 and min(used) > 0, (w["role"], used)

@@ -210,6 +210,7 @@ def test_a_member_can_name_only_a_pdserve_pool(pd, baseline, victim):
         hostile = [
             (m.Register(layout=layout, backend="tcp", num_pages=64, tp=0), "tensor parallelism"),
             (m.Register(layout=layout, backend="tcp", num_pages=64, tp=65), "1 to 64"),
+            (m.Register(layout=layout, backend="tcp", num_pages=64, dp=True), "2 or more ranks"),
             (shm_register(layout, ours, 2, []), "2 ranks"),
             (shm_register(layout, ours, 2, [ours]), "one pool twice"),
             (shm_register(layout, ours, 3, [refs[1], refs[2]]), "neither split"),

@@ -219,7 +219,7 @@ class DecodeRole(Role):
             sub = self.admitting[0]
             req = sub.request
             need = self.pool.pages_needed(len(req.prompt_ids))
-            if not self.pool.allocator.can_allocate(need):
+            if self.pool.allocator.roomiest(need) is None:  # no part (rank) has them
                 return
             if self.pool.state is not None and not self.pool.state.num_free:
                 return  # a room takes a state slot too (DeepSeek-V4)

@@ -97,9 +97,8 @@ class DecodePeers:
             own_pids=self.own_pids,
         )
         self.pairings += 1
-        peer = DecodePeer(
-            identity, writer, msg.num_pages, self.pairings, now, state_slots=msg.state_slots
-        )
+        pages = msg.num_pages * (msg.tp if msg.dp else 1)  # what dst_pages may name
+        peer = DecodePeer(identity, writer, pages, self.pairings, now, state_slots=msg.state_slots)
         self.by_id[identity] = peer
         return peer
 
