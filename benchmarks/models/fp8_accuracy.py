@@ -4,10 +4,12 @@ how far the fp8 path's tokens and log-probabilities move, and what it gains in s
     python benchmarks/models/fp8_accuracy.py [--device cuda --dtype bfloat16]
         [--models deepseek-v3-fp8-tiny large-v3] [--prompts 32 --prompt-tokens 64 --new-tokens 64]
 
-Models: `deepseek-v3-fp8-tiny` (built in: DeepSeek's fp8 format, peaked logits) and `large-v3` /
-`large-v32` (benchmarks/models/deepseek.py's HF random init, hidden 1024, written here in
-DeepSeek's fp8 format: every projection e4m3 with 128 x 128 float32 block scales, by
-model/builtin_weights.py `fp8_checkpoint`). For each, with `--prompts` random prompts:
+Models: `deepseek-v3-fp8-tiny` (built in: DeepSeek's fp8 format, peaked logits), `large-v3` /
+`large-v32` (benchmarks/models/deepseek.py's HF random init, hidden 1024) and `trained-v3`
+(benchmarks/models/trained_tiny.py: the fp8-tiny architecture trained here for --train-steps
+on the built-in corpus; its prompts are cut from held-out corpus text, the others' are random
+ids), each written here in DeepSeek's fp8 format (every projection e4m3 with 128 x 128 float32
+block scales, by model/builtin_weights.py `fp8_checkpoint`). For each, with `--prompts` prompts:
   * reference: the engine with `--quantization none` (weights dequantised to --dtype) decodes
     `--new-tokens` greedy tokens C per prompt;
   * teacher-forced: both paths score prompt + C (prompt_logprobs): at each of C's positions,
@@ -39,6 +41,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.models.deepseek import large_model  # noqa: E402
+from benchmarks.models.trained_tiny import held_out_prompts, train  # noqa: E402
 from pdserve.engine.offline import build_engine, generate  # noqa: E402
 from pdserve.model.builtin import resolve_model  # noqa: E402
 from pdserve.model.builtin_weights import FP8_QUANTIZATION_CONFIG, fp8_checkpoint  # noqa: E402
@@ -134,9 +137,13 @@ def compare(
     }
 
 
-def measure(path: Path, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 4000, (args.prompts, args.prompt_tokens), generator=g).tolist()
+def measure(
+    path: Path, args: argparse.Namespace, prompts: list[list[int]] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """Both paths of `path` on `prompts` (None: `--prompts` random ones)."""
+    if prompts is None:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, 4000, (args.prompts, args.prompt_tokens), generator=g).tolist()
     n = args.new_tokens
     ref_engine = engine(path, args, "none", args.dtype)
     ref, ref_tps = decode(ref_engine, prompts, n)
@@ -177,8 +184,9 @@ def main() -> None:
         "--models",
         nargs="+",
         default=["deepseek-v3-fp8-tiny", "large-v3"],
-        choices=["deepseek-v3-fp8-tiny", "large-v3", "large-v32"],
+        choices=["deepseek-v3-fp8-tiny", "large-v3", "large-v32", "trained-v3"],
     )
+    p.add_argument("--train-steps", type=int, default=600, help="trained-v3's training")
     args = p.parse_args()
     print(
         f"device {args.device}, {args.dtype}, {args.prompts} prompts x {args.prompt_tokens} "
@@ -191,12 +199,17 @@ def main() -> None:
     table = []
     with tempfile.TemporaryDirectory(prefix="pdserve-fp8-") as tmp:
         for name in args.models:
+            prompts = None
             if name.startswith("large-"):
                 plain = large_model(name.removeprefix("large-"), Path(tmp))
                 path = fp8_copy(plain, Path(tmp) / f"{name}-fp8")
+            elif name == "trained-v3":
+                plain = train(Path(tmp) / name, args.train_steps, 16, 128, 3e-3)
+                path = fp8_copy(plain, Path(tmp) / f"{name}-fp8")
+                prompts = held_out_prompts(plain, args.prompts, args.prompt_tokens)
             else:
                 path = resolve_model(f"builtin:{name}")
-            for what, row in measure(path, args):
+            for what, row in measure(path, args, prompts):
                 table.append((name, what, row))
                 print(f"{name}, {what}: {row}", flush=True)
     print("\n| model | comparison | " + " | ".join(cols) + " |\n|---|---|" + "---:|" * len(cols))
