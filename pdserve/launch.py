@@ -210,6 +210,11 @@ def worker_tps(args: argparse.Namespace) -> tuple[int, int]:
     from pdserve.engine_flags import ranks
 
     every = ranks(args)
+    if args.dp > 1 and {args.prefill_tp, args.decode_tp} - {0, args.dp}:
+        raise ValueError(
+            f"--dp {args.dp} runs every worker on {args.dp} ranks: --prefill-tp and "
+            f"--decode-tp must be {args.dp} or unset"
+        )
     return args.prefill_tp or every, args.decode_tp or every
 
 

@@ -57,7 +57,8 @@ def engine_snapshot(
             "pages_free": pool.allocator.num_free,
             "pages_used": pool.allocator.num_used,
             "pages_cached": pool.allocator.num_evictable,
-            # Data-parallel attention: each rank's pages in use (cached ones included).
+            # Pages in use (cached ones included) per pool part: each data-parallel rank's
+            # with --dp, else one entry.
             "pages_used_by_rank": [
                 pool.allocator.part_pages - pool.allocator.free_in(p)
                 for p in range(pool.allocator.parts)

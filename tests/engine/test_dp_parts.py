@@ -184,6 +184,7 @@ def test_dp_is_refused_where_it_cannot_run(tiny_dir, tmp_path, capsys):  # type:
         ("serve", "--dp", "2"): "add --ep",
         ("serve", "--ep"): "--ep goes with --dp N",
         ("serve", "--dp", "2", "--ep", "--tp", "4"): "--dp 2 with --tp 4",
+        ("launch", "--prefill", "1", "--dp", "2", "--ep", "--decode-tp", "1"): "must be 2 or unset",
     }
     for argv, why in refusals.items():
         assert main([*argv, "--model", str(tiny_dir)]) == 2, argv

@@ -32,10 +32,12 @@ from pdserve.transfer.writers import open_writer
 class DecodePeer:
     identity: str
     writer: PeerWriter
-    num_pages: int
+    num_pages: int  # its pool's KV pages (Register.num_pages): its state slots' pages follow
     generation: int  # which pairing: the same D may register again
     last_seen: float  # monotonic: when it last sent anything
     state_slots: int = 0  # per-request state slots after its pages (Register.state_slots)
+    # The pages a PrefillRequest's dst_pages may name: num_pages, or every rank's with `dp`.
+    dst_limit: int = 0
 
 
 class DecodePeers:
@@ -97,8 +99,10 @@ class DecodePeers:
             own_pids=self.own_pids,
         )
         self.pairings += 1
-        pages = msg.num_pages * (msg.tp if msg.dp else 1)  # what dst_pages may name
-        peer = DecodePeer(identity, writer, pages, self.pairings, now, state_slots=msg.state_slots)
+        peer = DecodePeer(
+            identity, writer, msg.num_pages, self.pairings, now, msg.state_slots,
+            dst_limit=msg.num_pages * (msg.tp if msg.dp else 1),
+        )  # fmt: skip
         self.by_id[identity] = peer
         return peer
 

@@ -244,7 +244,7 @@ class PrefillRole(PrefillRoomMachine):
             each = self.pool.state.pages_each
             state = (range(peer.num_pages, peer.num_pages + peer.state_slots * each), each)
         checked = check_prefill_request(
-            msg, peer.num_pages, need, self.engine.validate, wall, state
+            msg, peer.dst_limit, need, self.engine.validate, wall, state
         )
         if isinstance(checked, str):
             return reject(checked)
