@@ -168,9 +168,9 @@ class RankGroup:
         if x.shape[0] % self.world_size:
             raise ValueError(f"{x.shape[0]} rows do not split over {self.world_size} ranks")
         out = x.new_empty(x.shape[0] // self.world_size, *x.shape[1:])
-        self._bounded(
-            "reduce_scatter_rows", x, lambda: dist.reduce_scatter_tensor(out, x, group=self.group)
-        )
+        # (reduce_scatter_tensor's newer name, where this torch has it)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._bounded("reduce_scatter_rows", x, lambda: scatter(out, x, group=self.group))
         return out
 
     def _all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
