@@ -15,11 +15,11 @@ q_rope [T, H, 64]), causal over the chunk, bfloat16, random weights:
     every head), W_UV applied to the result.
 Each is timed between CUDA events after a warm-up (the median of --iters), and its FLOPs counted
 (attention 2·T²/2·H·(d_qk + d_v), the projections 2·T·H·...); the outputs are compared (max
-relative difference: the two forms are one computation). Expanded attention runs
-FlashAttention (head dim ≤ 256); absorbed attention's head dim 576 has no flash kernel in torch,
-and its FLOPs per token pair are 3.4× expanded's: the prompt chunks stay expanded, where
-attention is compute-bound, and decodes, bound by reading the cache, read the 576-byte latent
-row once for every head instead.
+relative difference: the two forms are one computation). Expanded attention pads v to 192 so
+that it runs FlashAttention (head dim ≤ 256); absorbed attention's head dim 576 has no flash
+kernel in torch, and its FLOPs per token pair are 3.4× expanded's: the prompt chunks stay
+expanded, where attention is compute-bound, and decodes, bound by reading the cache, read the
+576-byte latent row once for every head instead.
 """
 
 from __future__ import annotations
@@ -79,19 +79,21 @@ def case(t: int, h: int, device: torch.device, dtype: torch.dtype, iters: int) -
         kv = F.linear(c_kv, w_kv_b).view(t, h, NOPE + V)
         k = torch.cat([kv[..., :NOPE], k_rope[:, None].expand(t, h, ROPE)], -1)
         q = torch.cat([q_nope, q_rope], -1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), kv[..., NOPE:].transpose(0, 1),
+        # v padded to q's 192 so that FlashAttention takes it (as vLLM's MLA prefill does)
+        v = F.pad(kv[..., NOPE:], (0, NOPE + ROPE - V))
+        out = F.scaled_dot_product_attention(  # [1, H, T, 192]: batch, heads, tokens, dim
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=scale,
         )  # fmt: skip
-        return out.transpose(0, 1)  # [T, H, 128]
+        return out[0].transpose(0, 1)[..., :V]  # [T, H, 128]
 
     def absorbed() -> torch.Tensor:
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, 512]
         q = torch.cat([q_lat, q_rope], -1).transpose(0, 1)  # [H, T, 576]
         k = torch.cat([c_kv, k_rope], -1)[None].expand(h, t, LORA + ROPE)
         v = c_kv[None].expand(h, t, LORA)
-        lat = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return torch.einsum("htl,hvl->thv", lat, w_uv)  # [T, H, 128]
+        lat = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+        return torch.einsum("htl,hvl->thv", lat[0], w_uv)  # [T, H, 128]
 
     pairs = t * (t + 1) / 2 * h
     flops = {
@@ -113,7 +115,7 @@ def case(t: int, h: int, device: torch.device, dtype: torch.dtype, iters: int) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tokens", default="128,512,2048,8192", help="prompt chunk sizes")
+    p.add_argument("--tokens", default="512,2048,4096", help="prompt chunk sizes")
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
