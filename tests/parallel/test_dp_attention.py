@@ -7,25 +7,35 @@ work and some steps where one is idle; V3 runs it twice with the prefix cache on
 round served from each rank's own cached pages. Through HTTP: `serve --dp 2 --ep` answers as
 `serve` does, and its follower is gone when it stops; `launch --prefill 1 --decode 1 --dp 2
 --ep` over shm and tcp gives the TP-1 engine's ids, with pages used on both ranks of each side.
+A rank killed while it only joins the exchanges idle fails the engine within the collective
+bound, naming it; a rank reading another plan is named by the digests.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.engine import dp_step
+from pdserve.engine import dp_step, tp_leader
 from pdserve.engine.offline import build_engine, generate
 from pdserve.model.config import ModelArch
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.pids import wait_gone
+from pdserve.runtime.supervisor import ThreadFatal
 from tests.parallel.test_tp_engine import (
+    GREEDY,
     assert_same_answers,
+    failing,
     run,
     serve_args,
+    submit_all,
     tp_engine,
     workload,
 )
@@ -127,3 +137,29 @@ def test_pd_between_data_parallel_workers_equals_tp1(builtin_dir, tmp_path: Path
         for w in doc["workers"].values():  # the prefix cache keeps pages on both ranks
             used = w["state"]["engine"]["pool"]["pages_used_by_rank"]
             assert len(used) == 2 and min(used) > 0, (w["role"], used)
+
+
+def test_a_dp_rank_that_dies_or_reads_another_plan_fails_the_engine(builtin_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """One request, so rank 1 only joins the exchanges idle: killed, the leader's next
+    exchange fails within the collective bound, naming it; a rank whose plan differs
+    (fault point tp.recv.1) is named by the digests before any exchange."""
+    path = builtin_dir("deepseek-v3-tiny")
+    monkeypatch.setattr(tp_leader, "TP_COLLECTIVE_TIMEOUT_S", 3.0)
+    with tp_engine(path, 2, dp_attention=True) as engine:
+        assert engine.tp is not None
+        outs = submit_all(engine, [[5, 6, 7, 8]], [GREEDY])
+        while len(outs[0]) < 3:  # generating, on rank 0; rank 1 idle in every exchange
+            engine.tick()
+        os.kill(engine.tp.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ThreadFatal, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            while time.monotonic() - t0 < 20.0:
+                engine.tick()
+        assert time.monotonic() - t0 < 3.0 + 5.0
+        assert outs[0][-1].finish_reason == "error"
+    monkeypatch.setenv("PDSERVE_FAULTS", "tp.recv.1=malformed@0.2#1")
+    monkeypatch.setenv("PDSERVE_FAULT_SEED", "5")
+    with tp_engine(path, 2, dp_attention=True) as engine:
+        why, outs, _ = failing(engine, [[5, 6, 7, 8]] * 3, within_s=20.0)
+        assert re.search(r"step \d+: the plan digests differ: .* rank 1 digested", why), why
+        assert all(o[-1].finish_reason == "error" for o in outs.values())
