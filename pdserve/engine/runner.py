@@ -34,7 +34,7 @@ scoring, on those rows; a follower runs no head at all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -110,14 +110,17 @@ class ModelRunner:
         self.model = model
         self.leader = leader
         self.dp = dp
+        # A data-parallel rank's forward when it has no tokens (the model's `idle`).
+        self._idle: Callable[[], torch.Tensor] = lambda: torch.empty(0)
         if dp is not None:
-            enable = getattr(model, "data_parallel", None)
-            if enable is None:
+            enable, idle = getattr(model, "data_parallel", None), getattr(model, "idle", None)
+            if enable is None or idle is None:
                 raise ValueError(
                     f"{model.arch.family} has no data-parallel attention (--dp): it is built "
                     "for DeepSeek-V3 and V3.2, whose experts are sharded over the ranks"
                 )
             enable(dp)
+            self._idle = idle
         self.pool = pool
         self.device = pool.device
         name = backend or default_backend(self.device)
@@ -312,10 +315,7 @@ class ModelRunner:
         has no tokens this step and joins the exchanges idle)."""
         assert self.dp is not None
         self.dp.begin(counts)
-        idle = getattr(self.model, "idle", None)
-        own = self._hidden(batch) if batch is not None else idle() if idle else None
-        if own is None:
-            raise RuntimeError(f"{self.model.arch.family} has no idle forward")
+        own = self._hidden(batch) if batch is not None else self._idle()
         return self.dp.gather(own)
 
     def _hidden(self, batch: Batch) -> torch.Tensor:
