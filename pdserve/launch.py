@@ -127,6 +127,13 @@ def add_launch_command(sub: Any) -> None:
         help="GPUs to spread the workers over, round-robin, prefill first: each sees only its "
         "own (CUDA_VISIBLE_DEVICES); auto: every visible GPU when there are several",
     )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="run the workers under the cluster's own CUDA MPS daemon (nvidia-cuda-mps-control, "
+        "its pipe in the log dir): workers sharing a GPU run their kernels side by side rather "
+        "than in time slices (1P+1D on one GPU)",
+    )
     p.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     add_front_end_args(p)
     p.add_argument(
@@ -242,6 +249,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
     if gpus and args.device == "auto":  # a placed worker must not fall back to the CPU
         args.device = "cuda"
+    if args.mps and not (args.device.startswith("cuda") or args.device == "auto"):
+        why = f"--mps needs the workers on CUDA, not {args.device}"
+        print(f"pdserve launch: {why}", file=sys.stderr)
+        return 2
     workers = args.prefill + args.decode
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
@@ -302,5 +313,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         flight_dir=flights,
+        mps=args.mps,
     )
     return Launcher(cfg).run()

@@ -20,7 +20,12 @@ cores each process used at that rate (CPU per token, from /proc, times the token
 main thread (the asyncio loop: HTTP and streaming) apart from its other threads (the engine's
 and torch's), and the bench client's: a main thread near 1.0 is a process whose loop sets the
 pace; a worker whose two sides together pass ~1.0 shares one GIL between them. The client's
-figure includes its own start (interpreter, imports): high on short runs. Writes every
+figure includes its own start (interpreter, imports): high on short runs. Where a TTFT goes,
+from the workers' /metrics (means over the run): the engine's own (`engine_ttft_mean_ms`:
+arrival in D's or the co-located engine to its first token; the rest of the client's figure is
+HTTP, the router and streaming) and, for PD, D's wait for the KV (`kv_wait_mean_ms`: room
+opened to decoding) and its part from the PrefillRequest on (`kv_transfer_mean_ms`: P's queue,
+its prefill and the transfer). Writes every
 `pdserve bench` JSON and a summary (--out DIR).
 
     python benchmarks/serving/gpu_serving.py --model builtin:llama3.2-1b-shape --out /tmp/serving
@@ -43,6 +48,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -55,7 +61,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.serving.launched import engine_pid, wait_healthy  # noqa: E402
-from benchmarks.serving.mps import private_mps  # noqa: E402
 from benchmarks.serving.proc_cpu import Cpu, read_tree_cpu  # noqa: E402
 from benchmarks.serving.sim_device import HOST_ENV, SIM_ENV  # noqa: E402
 from pdserve.engine_flags import engine_process_argv  # noqa: E402
@@ -71,16 +76,17 @@ def engine_flag(name: str) -> bool | None:
     return True if "-engproc" in name else False if "-inproc" in name else None
 
 
-def launch(
-    name: str, args: argparse.Namespace, port: int, out: Path, extra_env: dict[str, str]
-) -> subprocess.Popen[bytes]:
+def launch(name: str, args: argparse.Namespace, port: int, out: Path) -> subprocess.Popen[bytes]:
     topology = ["--prefill", "0", "--decode", "1"]
     if not name.startswith("colocated"):
-        topology = ["--prefill", "1", "--decode", "1", "--backend", args.backend]
+        backend = "tcp" if "-tcp" in name else args.backend
+        topology = ["--prefill", "1", "--decode", "1", "--backend", backend]
     if "-plain" in name:  # without overlapped scheduling, for the comparison
         topology.append("--no-overlap-schedule")
     if "-shared" in name:  # every worker on the GPU the launcher sees first
         topology += ["--gpus", "none"]
+    if "-mps" in name:  # the cluster's own MPS daemon (runtime/mps.py)
+        topology.append("--mps")
     if "-perreq" in name:  # the router's old way: one /generate stream per request
         topology += ["--worker-streams", "per-request"]
     topology += engine_process_argv(engine_flag(name))
@@ -96,11 +102,14 @@ def launch(
     ]  # fmt: skip
     if args.max_model_len != 0:  # 0: serve's own (the model's context)
         cmd += ["--max-model-len", str(args.max_model_len or args.input_len + args.output_len + 64)]
-    if args.max_batched_tokens is not None:
+    step = re.search(r"-step(\d+)", name)  # this cluster's own step budget
+    if step is not None:
+        cmd += ["--max-batched-tokens", step.group(1)]
+    elif args.max_batched_tokens is not None:
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.router_processes is not None:
         cmd += ["--router-processes", str(args.router_processes)]
-    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU), **extra_env}
+    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", UCX_GPU)}
     if args.sim_step_ms:
         env[SIM_ENV] = str(args.sim_step_ms)
         env[HOST_ENV] = str(args.sim_host_us)
@@ -117,6 +126,14 @@ def worker_counts(url: str) -> dict[str, float]:
     names = {
         "pdserve_inter_token_latency_seconds_sum": "itl_sum",
         "pdserve_inter_token_latency_seconds_count": "itl_count",
+        "pdserve_time_to_first_token_seconds_sum": "ttft_sum",
+        "pdserve_time_to_first_token_seconds_count": "ttft_count",
+        # a decode worker of a PD cluster: per request, room opened to decoding (kv_wait) and
+        # PrefillRequest sent to KV complete (kv_transfer; P's queue and prefill included)
+        "pdserve_pd_kv_wait_seconds_sum": "kv_wait_sum",
+        "pdserve_pd_kv_wait_seconds_count": "kv_wait_count",
+        "pdserve_pd_kv_transfer_seconds_sum": "kv_transfer_sum",
+        "pdserve_pd_kv_transfer_seconds_count": "kv_transfer_count",
     }
     got: dict[str, float] = {}
     for line in text.splitlines():
@@ -134,6 +151,7 @@ def bench(
     out: Path,
     procs: dict[str, int],
     decode_url: str,
+    prefill_url: str | None,
 ) -> dict[str, Any]:
     n = args.prompts_at_1 if conc == 1 else args.num_prompts
     path = out / f"{name}-c{conc}.json"
@@ -146,6 +164,7 @@ def bench(
     ]  # fmt: skip
     before = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     counts_before = worker_counts(decode_url)
+    p_before = worker_counts(prefill_url) if prefill_url else {}
     client_before = _children_cpu_s()
     spies = start_profiles(args, procs, out / f"{name}-c{conc}")
     try:
@@ -154,7 +173,14 @@ def bench(
         stop_profiles(spies)
     after = {p: read_tree_cpu(pid) for p, pid in procs.items()}
     counts_after = worker_counts(decode_url)
+    p_after = worker_counts(prefill_url) if prefill_url else {}
     gaps = counts_after.get("itl_count", 0.0) - counts_before.get("itl_count", 0.0)
+
+    def mean_ms(what: str, after: dict[str, float], before: dict[str, float]) -> float | None:
+        n = after.get(f"{what}_count", 0.0) - before.get(f"{what}_count", 0.0)
+        total = after.get(f"{what}_sum", 0.0) - before.get(f"{what}_sum", 0.0)
+        return round(total / n * 1e3, 2) if n else None
+
     client_s = _children_cpu_s() - client_before
     if done.returncode != 0:
         raise RuntimeError(f"bench {name} c={conc} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -180,6 +206,14 @@ def bench(
         )
         if gaps
         else None,
+        # the worker's side of the TTFT: its engine's arrival to first token (the rest of the
+        # client's is HTTP, the router and streaming)
+        "engine_ttft_mean_ms": mean_ms("ttft", counts_after, counts_before),
+        # D's side of the TTFT (PD only): waiting for P's KV, and P's part of that wait
+        "kv_wait_mean_ms": mean_ms("kv_wait", counts_after, counts_before),
+        "kv_transfer_mean_ms": mean_ms("kv_transfer", counts_after, counts_before),
+        # P's engine: a room's request arriving there to its first token (queue and prefill)
+        "prefill_ttft_mean_ms": mean_ms("ttft", p_after, p_before),
         # above 1.0: a stage fell behind and merged tokens into one chunk (ITL counts chunks)
         "tokens_per_chunk": None if (t := s["tokens_per_chunk"]) is None else round(t, 3),
         "cores_main_other": cores(used, client_s, tokens, rate),
@@ -280,10 +314,13 @@ def run_cluster(
         p["url"] for p in table["processes"] if p["name"].startswith(("colo", "decode"))
     )
     # as the worker resolved it (a plain name has serve's default for the device)
+    prefill_url = next(
+        (p["url"] for p in table["processes"] if p["name"].startswith("prefill")), None
+    )
     own_engine = engine_pid(decode_url, Path(table["cluster_key_file"])) is not None
     rows = []
     for conc in args.concurrency:
-        row = bench(url, name, conc, args, out, procs, decode_url)
+        row = bench(url, name, conc, args, out, procs, decode_url, prefill_url)
         sim = {"step_ms": args.sim_step_ms, "host_us": args.sim_host_us}
         row.update(
             placement=where, engine_process=own_engine, sim=sim if args.sim_step_ms else None
@@ -305,7 +342,9 @@ def main() -> int:
         help="of colocated, 1p1d, either with -plain (no overlapped scheduling), -perreq (a "
         "stream per request), -engproc (--engine-process) or -inproc (--no-engine-process; "
         "neither: serve's default), and 1p1d with -shared (--gpus none: both workers on one "
-        "GPU); any with -mps: under a private MPS daemon (benchmarks/serving/mps.py)",
+        "GPU); any with -mps: under the cluster's own MPS daemon (launch --mps); 1p1d "
+        "with -tcp: KV over tcp whatever --backend says; any with -stepN: --max-batched-tokens N "
+        "(in 1P+1D it bounds P's prompt steps: D's decode steps take one token a request)",
     )
     ap.add_argument("--concurrency", default="32,64,128,256,512")
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -358,8 +397,7 @@ def main() -> int:
     for k, name in enumerate(args.clusters.split(",")):
         port = 18000 + k
         with contextlib.ExitStack() as stack:
-            mps = stack.enter_context(private_mps(out / name)) if "-mps" in name else {}
-            proc = launch(name, args, port, out, mps)
+            proc = launch(name, args, port, out)
             stack.callback(stop, proc)
             rows += run_cluster(name, proc, port, args, out)
     colo = {r["concurrency"]: r for r in rows if r["cluster"] == "colocated"}

@@ -117,10 +117,12 @@ class RoleHosting(RequestEnds):
         if not self.grammar_waits.hold(req, (tok, lp, now)):  # else taken once it compiled
             self._take_first_token(req, tok, lp, now)
 
-    def took_token(self, now: float) -> None:
-        """The role took a sampled token (P's first): counted as generated, then what the role
-        asked done (P's room leaves the batch)."""
+    def took_token(self, req: Request, now: float) -> None:
+        """The role took `req`'s sampled token (P's first): counted as generated, its time to
+        first token observed (P's own: its queue and the prompt), then what the role asked
+        done (P's room leaves the batch)."""
         self._generated += 1  # counted into metrics once a step, with the engine's own
+        self.metrics.ttft.observe(now - req.arrival)
         self.apply_effects(now)
 
     def _take_first_token(

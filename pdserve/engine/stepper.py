@@ -55,8 +55,8 @@ class StepHost(Protocol):
     def apply_effects(self, now: float) -> None:
         """What the role asked in the verb just called (engine/role_host.py)."""
 
-    def took_token(self, now: float) -> None:
-        """The role took a sampled token: counted, and what it asked applied."""
+    def took_token(self, req: Request, now: float) -> None:
+        """The role took `req`'s sampled token: counted, and what it asked applied."""
 
 
 class Stepper:
@@ -173,7 +173,7 @@ class Stepper:
                 continue
             try:
                 if take_token is not None and take_token(req, tok, lp, now):
-                    h.took_token(now)
+                    h.took_token(req, now)
                 else:
                     emit_token(req, tok, lp, now)
             except Exception as e:  # noqa: BLE001 - a bug handling one token costs its request

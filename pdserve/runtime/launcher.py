@@ -7,7 +7,9 @@ table once it sees READY; the same table goes to LOG_DIR/cluster.json.
 GPUs: with `gpus` the workers are spread over those GPUs round-robin in start order (prefill
 workers first), each seeing only its own through CUDA_VISIBLE_DEVICES, so 1P+1D on a two-GPU
 host puts each on its own GPU (as SGLang's --base-gpu-id and vLLM/Dynamo's per-worker
-CUDA_VISIBLE_DEVICES do); without, every worker sees what the launcher sees.
+CUDA_VISIBLE_DEVICES do); without, every worker sees what the launcher sees. With `mps`, the
+cluster's own MPS daemon starts first and stops last (runtime/mps.py), and every worker is its
+client: workers sharing a GPU run their kernels side by side.
 Once the router is up, the cluster key is also left for this user at the router's address
 (runtime/local_keys.py), so `pdserve doctor --url URL` needs no flag; it is removed once the
 cluster has stopped.
@@ -35,6 +37,7 @@ from typing import Any, TextIO
 from pdserve.runtime import local_keys
 from pdserve.runtime.child import Child, ChildFailed
 from pdserve.runtime.cluster_key import ClusterKey, ClusterKeyError
+from pdserve.runtime.mps import MpsDaemon
 from pdserve.runtime.ready import announce_ready
 from pdserve.runtime.timing import LAUNCH_POLL_S, LAUNCH_WAKE_S
 
@@ -84,6 +87,7 @@ class LaunchConfig:
     prefill_tp: int = 0
     decode_tp: int = 0
     flight_dir: str | None = None
+    mps: bool = False  # the workers run under the cluster's own MPS daemon (runtime/mps.py)
 
     def threads_for(self, role: str) -> int:
         per_role = self.prefill_threads if role == "prefill" else self.decode_threads
@@ -207,6 +211,7 @@ class Launcher:
         self._signal: int | None = None
         self._wake = threading.Event()  # set by SIGINT/SIGTERM/SIGCHLD handlers
         self._local_key: tuple[Path, ClusterKey] | None = None  # left for this user's tools
+        self.mps = MpsDaemon(cfg.log_dir) if cfg.mps else None
 
     @property
     def children(self) -> list[Child]:
@@ -243,9 +248,10 @@ class Launcher:
     def _start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         gpus = worker_gpus(self.cfg)
+        shared = self.mps.start(self.cfg.startup_timeout_s) if self.mps is not None else {}
         for name, argv in worker_argvs(self.cfg):
-            env = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else None
-            self.workers.append(self._spawn(name, argv, env))
+            env = {"CUDA_VISIBLE_DEVICES": gpus[name]} if name in gpus else {}
+            self.workers.append(self._spawn(name, argv, {**shared, **env}))
         self._barrier(self.workers, deadline)
         urls = {c.name: str(c.url) for c in self.workers}
         self.router = self._spawn(
@@ -272,7 +278,8 @@ class Launcher:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         child = Child(name, argv, self.cfg.log_dir / f"{name}.log", env)
         child.start()  # from the main thread: PDEATHSIG is tied to the forking thread
-        on = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if env else ""
+        gpu = (env or {}).get("CUDA_VISIBLE_DEVICES")
+        on = f" on GPU {gpu}" if gpu else ""
         log.info("started %s (pid %d)%s", name, child.pid, on)
         return child
 
@@ -367,6 +374,8 @@ class Launcher:
                     )
                     c.kill()
                     stuck = True
+        if self.mps is not None:  # once its clients are gone
+            stuck = self.mps.stop(self.cfg.stop_timeout_s) or stuck
         if self.children:
             log.info(
                 "cluster stopped: %s",

@@ -54,6 +54,9 @@ def test_a_remote_prefill_counts_once_with_its_bytes_transfer_and_wait(tiny_dir)
         assert value(p, "pdserve_pd_exports_total", outcome=outcome) == 0
     assert value(p, "pdserve_pd_export_bytes_total") == kv_bytes
     assert value(p, "pdserve_pd_exports_outstanding", decode=D_ID) == 0
+    # P's own time to first token: its queue and the prompt, within the quarter second
+    assert value(p, "pdserve_time_to_first_token_seconds_count") == 1
+    assert 0 <= value(p, "pdserve_time_to_first_token_seconds_sum") <= 0.25
     assert wire.idle()
 
 
