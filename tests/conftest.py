@@ -21,6 +21,21 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist the workers share the machine's cores: each test process takes its
+    share of torch threads, not all of them (two workers of two threads each on `make test`'s
+    two cores thrashed: the three heaviest model files took 187 s, 80 s at one thread each).
+    Processes the tests start set their own (`--threads`)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cluster_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cluster key for the run: every worker, router and tool we start inherits it."""
