@@ -78,7 +78,14 @@ class MpsDaemon:
         assert self.exe is not None  # a started daemon has one
         try:
             env = {**os.environ, **self.env}
-            subprocess.run([self.exe], input=b"quit\n", env=env, timeout=timeout_s, check=False)
+            subprocess.run(  # its answer stays off our stdout (READY lines go there)
+                [self.exe],
+                input=b"quit\n",
+                stdout=subprocess.DEVNULL,
+                env=env,
+                timeout=timeout_s,
+                check=False,
+            )
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("MPS daemon: quit failed (%s); stopping it by signal", e)
         deadline = time.monotonic() + timeout_s
