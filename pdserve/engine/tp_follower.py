@@ -42,7 +42,7 @@ from pdserve.kvcache.rank_pages import ref_words
 from pdserve.model.loader import load_model
 from pdserve.parallel.dp_tokens import DpTokens
 from pdserve.parallel.group import BACKENDS, RankGroup
-from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, Tamper
+from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, Tamper, loaded_mark
 from pdserve.parallel.step_record import Kind, StepRecord
 from pdserve.runtime import logs
 from pdserve.runtime.child import die_with_parent
@@ -75,6 +75,8 @@ def build_runner(args: argparse.Namespace, group: RankGroup, lockstep: Lockstep)
     """This rank's shard, and its pool as the leader's SETUP record says."""
     device = torch.device(args.device)
     model = load_model(Path(args.model), getattr(torch, args.dtype), device, group)
+    FAULTS.hit("tp.follower.loaded")
+    group.mark(loaded_mark(group.rank))  # the leader's SETUP waits for every rank's
     group.wait_mark(SETUP_MARK, args.join_timeout)  # the leader loads and sizes first
     setup = lockstep.receive()
     if setup.pool is None:

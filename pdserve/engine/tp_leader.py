@@ -50,7 +50,7 @@ from pdserve.kvcache.rank_pages import REF_WORDS, RankPages, rank_layout, ref_of
 from pdserve.model.config import ModelArch
 from pdserve.parallel import flight_recorder
 from pdserve.parallel.group import CollectiveError, RankGroup
-from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError
+from pdserve.parallel.lockstep import SETUP_MARK, Lockstep, LockstepError, loaded_mark
 from pdserve.parallel.step_record import Kind, PoolPlan, SeqPlan
 from pdserve.runtime.supervisor import ThreadFatal
 from pdserve.runtime.timing import (
@@ -217,8 +217,30 @@ class TpLeader:
         """Every follower builds its pool as the leader's sizing chose (SETUP, the first record).
         The followers wait for it on the store (SETUP_MARK) as long as a start may take: the
         leader's own load and sizing come first, longer than any collective may."""
+        self._await_loaded()
         self.group.mark(SETUP_MARK)
         self._send(Kind.SETUP, pool=pool)
+
+    def _await_loaded(self) -> None:
+        """Until every follower has marked its shard loaded, within TP_JOIN_TIMEOUT_S, naming
+        one that exits meanwhile: SETUP is a collective, bounded by the collective timeout, and
+        a follower that loads more slowly than rank 0 is not a hung one."""
+        deadline = time.monotonic() + TP_JOIN_TIMEOUT_S
+        world = len(self.followers) + 1
+        for f in self.followers:
+            while True:
+                why = f.exited()
+                if why is not None:
+                    raise TpStartFailed(f"tensor parallelism {world}: {why} loading its shard")
+                try:
+                    self.group.wait_mark(loaded_mark(f.rank), JOIN_POLL_S)
+                    break
+                except CollectiveError as e:
+                    if time.monotonic() > deadline:
+                        raise TpStartFailed(
+                            f"tensor parallelism {world}: rank {f.rank} did not load its shard "
+                            f"within {TP_JOIN_TIMEOUT_S:.0f}s"
+                        ) from e
 
     def pages(self, whole: KVLayout, own: KVPool, dp: bool = False) -> RankPages:
         """Every rank's pool as the whole model's pages (`whole`): rank 0's `own`, then each

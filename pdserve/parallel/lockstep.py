@@ -64,6 +64,12 @@ Tamper = Callable[[StepRecord], StepRecord]
 SETUP_MARK = "tp-setup"
 
 
+def loaded_mark(rank: int) -> str:
+    """What follower `rank` marks once its shard is loaded: the leader sends SETUP, a collective
+    bounded by the collective timeout, only after every follower has (a slow load is not a hang)."""
+    return f"tp-loaded-{rank}"
+
+
 class LockstepError(RuntimeError):
     """The ranks are out of step, or one of them is gone: the message names the step and the
     rank(s) at fault where known (`step`, `ranks`). The group cannot be used again."""

@@ -200,6 +200,18 @@ def test_a_follower_killed_mid_generation_fails_the_engine(tiny_dir, monkeypatch
         assert all(o[-1].finish_reason == "error" for o in outs.values())
 
 
+def test_a_follower_that_loads_slower_than_the_collective_bound_still_starts(tiny_dir, monkeypatch):
+    """SETUP, a collective, waits for every follower's loaded mark (under the join timeout):
+    a follower whose load ends 4 s after rank 0's, under a 3 s collective bound, is slow, not
+    hung. Before the mark, rank 0's SETUP broadcast timed out and the engine never started."""
+    monkeypatch.setattr(tp_leader, "TP_COLLECTIVE_TIMEOUT_S", 3.0)
+    monkeypatch.setenv("PDSERVE_FAULTS", "tp.follower.loaded=delay:4")
+    with tp_engine(tiny_dir, 2) as engine:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        [(ids, _, _, reason)] = run(engine, [[5, 6, 7, 8]], [params])
+        assert len(ids) == 4 and reason == "length"
+
+
 def test_a_follower_that_stalls_fails_the_engine_at_the_collective_timeout(tiny_dir, monkeypatch):
     bound = 3.0
     monkeypatch.setattr(tp_leader, "TP_COLLECTIVE_TIMEOUT_S", bound)
