@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 SIM_ENV = "PDSERVE_BENCH_SIM_STEP_MS"
 HOST_ENV = "PDSERVE_BENCH_SIM_HOST_US"
@@ -91,9 +92,11 @@ def install(step_ms: float, host_us: float = 0.0) -> None:
 
     picks = inflight.InFlight.picks
 
-    def picks_after_the_step(self: inflight.InFlight) -> inflight.Picks:
+    def picks_after_the_step(
+        self: inflight.InFlight, meanwhile: Callable[[], None] | None = None
+    ) -> inflight.Picks:
         if self._done is not None:  # the sampled ids' copy lands when the step ends
-            wait_event(self._done, "a simulated step")
+            wait_event(self._done, "a simulated step", meanwhile=meanwhile)
         return picks(self)
 
     engine_module.Engine.__init__ = engine_init  # type: ignore[method-assign]

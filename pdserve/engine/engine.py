@@ -141,6 +141,7 @@ class Engine(RoleHosting):
         # (a bug), and /health says so. Read by other threads; replaced, never mutated.
         self.overdue: tuple[str, ...] = ()
         self._overdue_at = 0.0  # when `overdue` was last computed
+        self._meanwhile_ok = True  # the role's while_waiting did not raise this tick
 
     @classmethod
     def build(
@@ -245,6 +246,7 @@ class Engine(RoleHosting):
     def tick(self) -> None:
         """One loop iteration; the supervisor calls it forever."""
         self.last_tick = self.clock.monotonic()
+        self._meanwhile_ok = True
         self._drain_inbox(self._wait_s())
         now = self.clock.monotonic()
         self._settle_grammars(now)
@@ -262,6 +264,20 @@ class Engine(RoleHosting):
             except LockstepError as e:
                 self._ranks_lost(e)
         self._refresh_overdue()
+
+    def while_waiting(self) -> None:
+        """Mid-step, while the thread waits for the step's tokens: the role's `while_waiting`
+        (engine/role.py), and what it sent, sent. Its effects wait for the step's end. Should it
+        raise, it is logged and not called again until the next tick, whose own verbs then do
+        the same work and fail the usual way."""
+        if not self._meanwhile_ok:
+            return
+        try:
+            self.role.while_waiting(self.clock.monotonic())
+            self._send_outbox()
+        except Exception:  # noqa: BLE001 - the step's tokens must not be lost to it
+            self._meanwhile_ok = False
+            log.exception("the %s role's work during a step failed", self.role.name)
 
     def _role_verb(self, verb: Callable[[float], None], now: float) -> None:
         """Call one of the role's loop verbs, then apply what it asked, even if it raised: an

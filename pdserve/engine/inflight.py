@@ -36,7 +36,7 @@ What makes it exact:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -120,10 +120,11 @@ class InFlight:
             self._done = torch.cuda.Event()
             self._done.record()
 
-    def wait(self) -> None:
-        """Until the step ran on the device (its pages may then be reused by anyone)."""
+    def wait(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """Until the step ran on the device (its pages may then be reused by anyone), doing
+        `meanwhile` between polls (Role.while_waiting)."""
         if self._done is not None:
-            wait_event(self._done, "a step's end")
+            wait_event(self._done, "a step's end", meanwhile=meanwhile)
 
     def computes(self, req: Request) -> bool:
         """Whether this step reads or writes `req`'s pages."""
@@ -134,9 +135,10 @@ class InFlight:
             return None
         return Feed(self.sampled.ids, self.sampling)
 
-    def picks(self) -> Picks:
-        """The step's tokens, waiting for its device->host copy if it has not landed."""
+    def picks(self, meanwhile: Callable[[], None] | None = None) -> Picks:
+        """The step's tokens, waiting for its device->host copy if it has not landed (doing
+        `meanwhile` between polls: Role.while_waiting)."""
         if self.sampled is None:
             return []
-        ids, lps = self.sampled.result()
+        ids, lps = self.sampled.result(meanwhile)
         return list(zip(self.sampling, ids, lps, strict=True))

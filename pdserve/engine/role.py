@@ -20,8 +20,10 @@ and, off the loop: `abort` (the AbortCommand), `fail` (a step failed a request),
 (a command raised), `local_prefill` (a submission the engine prefills itself: the decode role
 counts it, as no prefill worker was named), `kept` (the pages a `KeepPages` kept), `pins` (the
 scheduler: may this request be preempted), `on_control` (on the control thread, before a
-message is queued: it may answer, never ask for an effect), `has_work`, `rooms`, `snapshot`,
-and at shutdown `settle` and `hard_exit`.
+message is queued: it may answer, never ask for an effect), `while_waiting` (mid-step, while
+the engine thread waits for a step's tokens, if `works_while_waiting`: the prefill role answers
+finished writes there rather than a step later), `has_work`, `rooms`, `snapshot`, and at
+shutdown `settle` and `hard_exit`.
 
 Time is an input: every verb that may change a room or judge a deadline takes `now`, the
 engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a role reads no
@@ -155,6 +157,8 @@ class Role:
     # Whether take_token may ever return True (a prefill role's first tokens); False: the
     # engine streams every token without asking, a call saved per token.
     takes_tokens = False
+    # Whether `while_waiting` does anything; False: the engine does not call it.
+    works_while_waiting = False
 
     def __init__(self) -> None:
         self.effects: list[Effect] = []  # asked for, not yet applied: the engine drains it
@@ -197,6 +201,13 @@ class Role:
 
     def expire(self, now: float) -> None:
         pass
+
+    def while_waiting(self, now: float) -> None:
+        """Called by the engine thread, every half millisecond or so, while it waits for a
+        step's tokens on the device (runtime/gpu_wait.py): work that would otherwise wait for
+        the step's end, such as answering finished transfers. Mid-step, so it must leave
+        alone every request of the batch and the scheduler. What it sends goes out at once.
+        Effects it asks are applied after the step."""
 
     def admit(self, now: float) -> None:
         pass

@@ -26,7 +26,7 @@ and for tests; its logits are bit-identical to the Sampler's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -73,10 +73,13 @@ class Sampled:
     def ready(self) -> bool:
         return self._copied is None or self._copied.query()
 
-    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Waits for the copy (the step that sampled has then run) and decodes it."""
+    def result(
+        self, meanwhile: Callable[[], None] | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Waits for the copy (the step that sampled has then run), doing `meanwhile` between
+        polls (runtime/gpu_wait.py), and decodes it."""
         if self._copied is not None:
-            wait_event(self._copied, "a step's sampled ids")
+            wait_event(self._copied, "a step's sampled ids", meanwhile=meanwhile)
         flat = self._host.tolist()
         if self._lp is None:
             return [int(t) for t in flat], [None] * self._n

@@ -58,6 +58,10 @@ class StepHost(Protocol):
     def took_token(self, req: Request, now: float) -> None:
         """The role took `req`'s sampled token: counted, and what it asked applied."""
 
+    def while_waiting(self) -> None:
+        """While the thread waits for a step's tokens: the role's `while_waiting`, and what
+        it sent."""
+
 
 class Stepper:
     def __init__(self, host: StepHost) -> None:
@@ -144,8 +148,9 @@ class Stepper:
         step, self._inflight = self._inflight, None
         if step is None:
             return
+        meanwhile = self.host.while_waiting if self.host.role.works_while_waiting else None
         try:
-            picks = step.picks()
+            picks = step.picks(meanwhile)
         except Exception as e:  # noqa: BLE001 - its draws are lost: their requests fail
             self.host.metrics.step_errors.inc()
             log.exception("a step's sampled tokens could not be read")
@@ -157,7 +162,7 @@ class Stepper:
             req.pending -= 1  # 2 while the step after this one is being launched
             req.pending_last = req.pending_last and req.pending > 0
         self._emit(picks)
-        step.wait()
+        step.wait(meanwhile)  # a step that sampled nothing (a prompt's chunk) waits here
         for lease in step.retire:
             lease.release()
 

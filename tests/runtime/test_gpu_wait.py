@@ -59,3 +59,32 @@ def test_the_time_a_thread_polled_is_counted_for_that_thread_only() -> None:
     t.start()
     t.join(timeout=5)
     assert other == [0.0]
+
+
+def test_meanwhile_runs_between_polls_at_most_every_bound_and_is_not_counted_as_waited() -> None:
+    from pdserve.runtime.gpu_wait import MEANWHILE_EVERY_S
+
+    calls: list[float] = []
+
+    def meanwhile() -> None:
+        calls.append(time.monotonic())
+        time.sleep(0.002)  # host work: not time spent waiting for the device
+
+    before = waited_s()
+    start = time.monotonic()
+    wait_event(Until(0.1), "a step", meanwhile=meanwhile)
+    took = time.monotonic() - start
+    assert len(calls) >= 5  # it ran during the wait, again and again
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert min(gaps) >= 0.002 + MEANWHILE_EVERY_S  # its own time, then the bound, between calls
+    assert waited_s() - before <= took - 0.002 * len(calls) + 1e-3
+    calls.clear()
+    wait_event(After(0), "a step done already", meanwhile=meanwhile)
+    assert calls == []  # no wait, no work
+
+
+def test_a_wait_that_times_out_still_ends_with_meanwhile_running() -> None:
+    calls: list[int] = []
+    with pytest.raises(GpuWaitTimeout):
+        wait_event(After(-1), "a hung step", timeout_s=0.02, meanwhile=lambda: calls.append(1))
+    assert calls

@@ -51,6 +51,7 @@ class PrefillRole(PrefillRoomMachine):
     name = "prefill"
     overlaps = False  # the first token and the written pages go to D at once
     takes_tokens = True  # a room's first token goes to D, not to a client
+    works_while_waiting = True  # finished writes are answered mid-step (`while_waiting`)
 
     def __init__(
         self,
@@ -307,6 +308,16 @@ class PrefillRole(PrefillRoomMachine):
         """Collect completed writes; a failed or overdue one fails its room."""
         self.peers.tick(now)
         self.writes.poll(self.by_room.values(), now)
+
+    def while_waiting(self, now: float) -> None:
+        """Mid-step: collect the finished writes of rooms whose request left the batch, so that
+        their PrefillDone goes to D now rather than after this step (a prompt step takes
+        milliseconds), with UCX progressed meanwhile. Rooms still in the batch wait for the
+        tick, and so does dropping a peer found gone (it fails such rooms)."""
+        if self.nixl is not None:
+            self.nixl.progress()
+        rooms = [r for r in self.by_room.values() if r.inflight and not r.in_batch]
+        self.writes.poll(rooms, now, drop_peers=False)
 
     def expire(self, now: float) -> None:
         """Rooms past their deadline fail; decode workers silent too long are dropped."""

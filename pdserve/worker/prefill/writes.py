@@ -53,6 +53,9 @@ class PrefillWrites:
         self.stats = stats
         self.apply = apply
         self.drop_peer = drop_peer
+        # Peers whose transfer layer disconnected, found by a poll that may not drop them
+        # (mid-step: dropping fails rooms still in the batch): (peer, registration) -> why.
+        self.gone: dict[tuple[str, int], str] = {}
 
     def post(self, plan: StepPlan, rooms: Mapping[str, PRoom], now: float, wall: float) -> None:
         """Post writes of the pages this step completed, for each of `rooms` (by request id)
@@ -111,9 +114,11 @@ class PrefillWrites:
         first = self.pool.state.first_page(slot)
         return list(range(first, first + self.pool.state.pages_each))
 
-    def poll(self, rooms: Iterable[PRoom], now: float) -> None:
-        """Collect completed writes of `rooms`; a failed or overdue one fails its room."""
-        gone: dict[tuple[str, int], str] = {}  # (peer, registration) -> what NIXL said
+    def poll(self, rooms: Iterable[PRoom], now: float, drop_peers: bool = True) -> None:
+        """Collect completed writes of `rooms`; a failed or overdue one fails its room. A peer
+        whose transfer layer disconnected is dropped, or with `drop_peers` False only noted,
+        for the next poll that may drop it."""
+        gone = self.gone  # (peer, registration) -> what NIXL said
         for room in [r for r in rooms if r.inflight]:
             error = None
             for xfer in list(room.inflight):
@@ -132,6 +137,9 @@ class PrefillWrites:
                 self.apply(room, PEvent.WRITE_FAILED, now, f"KV write failed: {error}")
             if not room.inflight and room.state in WAITING_FOR_WRITES:
                 self.apply(room, PEvent.WRITES_DONE, now, "")
+        if not drop_peers:
+            return
+        self.gone = {}
         for (peer_id, generation), why in gone.items():
             peer = self.peers.current(peer_id, generation)  # not a former pairing's
             if peer is not None:
