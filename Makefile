@@ -28,11 +28,12 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m pdserve.demo
 
-# Two test processes, each taking whole files (module fixtures start their servers once): the
-# suite waits on child processes as much as it computes, so two share 2 cores well (11.4 min
-# serially, 8.5 in two, on the 2-core CI machine).
+# Three test processes, each taking whole files (module fixtures start their servers once):
+# the suite waits on child processes as much as it computes, so three share 2 cores better
+# than two (16:24 in two, 15:21 in three, on a 2-core machine like CI's; each takes one torch
+# thread then, tests/conftest.py).
 test: $(STAMP) lint
-	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 tests
 
 # The fast tier for a developer's loop: every test that starts no process (the others are
 # marked `process`; tests/conftest.py refuses one that starts processes unmarked), about 2
