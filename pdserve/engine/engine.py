@@ -265,18 +265,20 @@ class Engine(RoleHosting):
                 self._ranks_lost(e)
         self._refresh_overdue()
 
-    def while_waiting(self) -> None:
-        """Mid-step, while the thread waits for the step's tokens: the role's `while_waiting`
-        (engine/role.py), and what it sent, sent. Its effects wait for the step's end. Should it
-        raise, it is logged and not called again until the next tick, whose own verbs then do
-        the same work and fail the usual way."""
+    def while_waiting(self, in_step: Callable[[Request], bool]) -> None:
+        """Mid-step, while the thread waits for the step on the device: the role's
+        `while_waiting` (engine/role.py), and what it sent, sent. Its effects wait for the
+        step's end. Should it raise, the step goes on (its tokens are not lost to it): the
+        error is logged and counted as a step error, and the role is not asked again until the
+        next tick."""
         if not self._meanwhile_ok:
             return
         try:
-            self.role.while_waiting(self.clock.monotonic())
+            self.role.while_waiting(self.clock.monotonic(), in_step)
             self._send_outbox()
         except Exception:  # noqa: BLE001 - the step's tokens must not be lost to it
             self._meanwhile_ok = False
+            self.metrics.step_errors.inc()
             log.exception("the %s role's work during a step failed", self.role.name)
 
     def _role_verb(self, verb: Callable[[float], None], now: float) -> None:

@@ -202,12 +202,13 @@ class Role:
     def expire(self, now: float) -> None:
         pass
 
-    def while_waiting(self, now: float) -> None:
+    def while_waiting(self, now: float, in_step: Callable[[Request], bool]) -> None:
         """Called by the engine thread, every half millisecond or so, while it waits for a
-        step's tokens on the device (runtime/gpu_wait.py): work that would otherwise wait for
-        the step's end, such as answering finished transfers. Mid-step, so it must leave
-        alone every request of the batch and the scheduler. What it sends goes out at once.
-        Effects it asks are applied after the step."""
+        step on the device (runtime/gpu_wait.py): work that would otherwise wait for the
+        step's end, such as answering finished transfers. Mid-step, so it must leave alone
+        the scheduler, every request of the batch and every request the step computes
+        (`in_step(req)`: the device may still write its pages), and must not block. What it
+        sends goes out at once; effects it asks are applied after the step."""
 
     def admit(self, now: float) -> None:
         pass

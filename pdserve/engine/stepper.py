@@ -17,6 +17,7 @@ fault: it leaves the step at once, for the engine to end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.engine.inflight import InFlight, Picks
@@ -58,9 +59,9 @@ class StepHost(Protocol):
     def took_token(self, req: Request, now: float) -> None:
         """The role took `req`'s sampled token: counted, and what it asked applied."""
 
-    def while_waiting(self) -> None:
-        """While the thread waits for a step's tokens: the role's `while_waiting`, and what
-        it sent."""
+    def while_waiting(self, in_step: Callable[[Request], bool]) -> None:
+        """While the thread waits for a step on the device: the role's `while_waiting`, and
+        what it sent. `in_step(req)`: whether that step computes `req`."""
 
 
 class Stepper:
@@ -148,7 +149,8 @@ class Stepper:
         step, self._inflight = self._inflight, None
         if step is None:
             return
-        meanwhile = self.host.while_waiting if self.host.role.works_while_waiting else None
+        h = self.host
+        meanwhile = (lambda: h.while_waiting(step.computes)) if h.role.works_while_waiting else None
         try:
             picks = step.picks(meanwhile)
         except Exception as e:  # noqa: BLE001 - its draws are lost: their requests fail

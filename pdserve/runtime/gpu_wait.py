@@ -50,7 +50,7 @@ def wait_event(
     """Until `event` completed (at once if it has). Between polls the thread yields the GIL,
     as `synchronize()` spins without it: the same latency, and other threads run. `meanwhile`,
     if given, is called between polls every MEANWHILE_EVERY_S at most; its time is the host's,
-    not counted as waited."""
+    not counted as waited. It must not block: the bound is checked between its calls."""
     if event.query():
         return
     start = time.monotonic()

@@ -22,10 +22,11 @@ import pytest
 
 from pdserve.engine.inflight import InFlight
 from pdserve.engine.offline import build_engine, generate
+from pdserve.kvcache.lease import Lease
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.runtime.gpu_wait import wait_event
-from pdserve.transfer.errors import PeerGone
+from pdserve.transfer.errors import PeerGone, WriteError
 from pdserve.worker.prefill.rooms import PRoom
 from tests.worker.wire import D_ID, Wire, ended, tokens
 
@@ -106,8 +107,11 @@ class HoldingWriter:
         self.inner, self.device = inner, device
         self.writes: list[HeldWrite] = []
         self.hold = True  # False: each write lands as it is posted
+        self.refuse: set[int] = set()  # rooms whose next writes fail as they are posted
 
     def write(self, room: int, *args: Any, **kwargs: Any) -> HeldWrite:
+        if room in self.refuse:
+            raise WriteError("the stand-in refused this room's write")
         done = self.inner.write(room, *args, **kwargs)
         held = HeldWrite(done.nbytes, room, self.device)
         held.landed = not self.hold
@@ -218,3 +222,70 @@ def test_a_peer_found_gone_mid_step_is_dropped_by_the_next_tick_not_mid_step(set
     wire.tick(d=False)  # the tick's own poll drops the peer, and fails r2's room with it
     assert wire.p_role.peers.get(D_ID) is None
     assert any(s[0] == "PrefillFailed" and s[1] == room2.room and not s[2] for s in sent)
+
+
+def test_a_room_the_step_computes_is_left_alone_mid_step_though_it_left_the_batch(
+    setup, monkeypatch
+):
+    """A room whose write failed as its chunk's step launched leaves the batch with its pages
+    (FAILING, an earlier write still in flight); the device may still write those pages until
+    the step ends, so even once that earlier write lands mid-step, the room is not answered
+    (nor its pages freed) before the step's end."""
+    wire, device, writer, sent = setup
+    wire.submit("r2", LONG, GREEDY)
+    room = None
+
+    def first_chunk_written() -> bool:
+        nonlocal room
+        room = p_room(wire, LONG)
+        return room is not None and bool(room.inflight)
+
+    wire.run_until(first_chunk_written)
+    assert room is not None and room.in_batch
+    earlier = list(writer.writes)
+
+    def land() -> None:
+        for w in earlier:
+            w.landed = True
+
+    writer.refuse.add(room.room)
+    device.on, device.at_launch = True, land
+    freed_mid_step: list[bool] = []  # each release of the room's pages: during the step?
+    release = Lease.release
+
+    def watched_release(lease: Lease) -> None:
+        if lease.owner == f"room {room.room}":  # the pages the room kept (KeepPages)
+            freed_mid_step.append(device.running())
+        release(lease)
+
+    monkeypatch.setattr(Lease, "release", watched_release)
+    wire.tick(d=False)  # its second chunk: the write fails as the step launches
+    assert not room.in_batch and room.state.value == "failing"
+    assert not any(s[0] == "PrefillFailed" for s in sent)  # not mid-step
+    assert freed_mid_step == []
+    device.on = False
+    wire.tick(d=False)  # the tick's own poll: the room fails and frees its pages
+    assert ("PrefillFailed", room.room, False) in sent
+    assert freed_mid_step == [False]
+
+
+def test_a_role_that_raises_mid_step_costs_no_token_and_is_counted(setup, tiny_dir, monkeypatch):
+    wire, device, writer, sent = setup
+    calls: list[float] = []
+
+    def broken(now: float, in_step: Any) -> None:
+        calls.append(now)
+        raise RuntimeError("a bug in the role's mid-step work")
+
+    monkeypatch.setattr(wire.p_role, "while_waiting", broken)
+    errors = "pdserve_step_errors_total"
+    before = wire.p.metrics.registry.get_sample_value(errors) or 0.0
+    device.on, writer.hold = True, False
+    outs = wire.submit("r1", LONG, GREEDY)
+    wire.run_until(lambda: ended(outs) and wire.idle())
+    colocated = build_engine(tiny_dir, page_size=4, max_batched_tokens=16, kv_budget_mb=4.0)
+    assert tokens(outs) == generate(colocated, [LONG], GREEDY)[0]  # the steps went on
+    # Once a tick at most: after it raised, the role is not asked again until the next tick.
+    assert len(calls) >= 1 and wire.p.metrics.registry.get_sample_value(errors) == before + len(
+        calls
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -309,14 +310,20 @@ class PrefillRole(PrefillRoomMachine):
         self.peers.tick(now)
         self.writes.poll(self.by_room.values(), now)
 
-    def while_waiting(self, now: float) -> None:
-        """Mid-step: collect the finished writes of rooms whose request left the batch, so that
-        their PrefillDone goes to D now rather than after this step (a prompt step takes
-        milliseconds), with UCX progressed meanwhile. Rooms still in the batch wait for the
-        tick, and so does dropping a peer found gone (it fails such rooms)."""
+    def while_waiting(self, now: float, in_step: Callable[[Request], bool]) -> None:
+        """Mid-step: collect the finished writes of rooms whose request left the batch before
+        this step, so that their PrefillDone goes to D now rather than after the step (a prompt
+        step takes milliseconds), with UCX progressed meanwhile. A room still in the batch, or
+        computed by this step (one failed as it launched: the device may still write its
+        pages, which its end would free), waits for the tick, and so does dropping a peer found
+        gone (it fails such rooms)."""
         if self.nixl is not None:
             self.nixl.progress()
-        rooms = [r for r in self.by_room.values() if r.inflight and not r.in_batch]
+        rooms = [
+            r
+            for r in self.by_room.values()
+            if r.inflight and not r.in_batch and not in_step(r.request)
+        ]
         self.writes.poll(rooms, now, drop_peers=False)
 
     def expire(self, now: float) -> None:
