@@ -154,7 +154,7 @@ class Stepper:
         try:
             picks = step.picks(meanwhile)
         except Exception as e:  # noqa: BLE001 - its draws are lost: their requests fail
-            self.host.metrics.step_errors.inc()
+            h.metrics.step_errors.inc()
             log.exception("a step's sampled tokens could not be read")
             picks = []
             for req in step.sampling:

@@ -137,10 +137,8 @@ class PrefillWrites:
                 self.apply(room, PEvent.WRITE_FAILED, now, f"KV write failed: {error}")
             if not room.inflight and room.state in WAITING_FOR_WRITES:
                 self.apply(room, PEvent.WRITES_DONE, now, "")
-        if not drop_peers:
-            return
-        self.gone = {}
-        for (peer_id, generation), why in gone.items():
+        while drop_peers and gone:  # one at a time: should a drop raise, the rest stay noted
+            (peer_id, generation), why = gone.popitem()
             peer = self.peers.current(peer_id, generation)  # not a former pairing's
             if peer is not None:
                 self.drop_peer(peer, f"its transfer layer disconnected ({why})", now)
