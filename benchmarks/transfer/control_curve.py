@@ -4,7 +4,8 @@ The tcp backend sends a room's KV as one `KVChunk` message plus a frame per page
 control sockets (transfer/dataplane.py, TcpWriter), so CURVE (transfer/control_handshake.py)
 encrypts every page. Here a prefill side (this process) sends a 2,048-token prompt's KV of
 the qwen2-0.5b shape (128 pages of 192 KiB, 24 MiB, as benchmarks/transfer/transfer.py) to a decode
-side in another process, which copies the pages into its pool (`receive_chunk`) and answers;
+side in another process, which checks and stages the pages (`Stager`) and writes them into its
+pool (`TcpReceiver.accept_rows`) and answers;
 one write is that round trip. Each mode has its own pair of Controls, ticked by their own
 threads as in a worker; calls alternate between the two modes, and the ratio is the median of
 per-pair ratios.
@@ -31,11 +32,14 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.kvcache.layout import KVLayout  # noqa: E402
 from pdserve.kvcache.pool import KVPool  # noqa: E402
+from pdserve.kvcache.rank_pages import RankPages  # noqa: E402
 from pdserve.protocol.messages import KVChunk, Msg, Ping  # noqa: E402
 from pdserve.runtime.cluster_key import ClusterKey  # noqa: E402
+from pdserve.transfer.bulk import Bulk  # noqa: E402
 from pdserve.transfer.control import Control, Inbound  # noqa: E402
 from pdserve.transfer.control_handshake import Handshake  # noqa: E402
-from pdserve.transfer.dataplane import receive_chunk  # noqa: E402
+from pdserve.transfer.receiver import TcpReceiver  # noqa: E402
+from pdserve.transfer.stager import StagedChunk, Stager  # noqa: E402
 
 LAYOUT = KVLayout.llama("bfloat16", page_size=16, num_layers=24, num_kv_heads=2, head_dim=64)
 MODES = {"plain": Handshake.PLAIN, "curve": Handshake.CURVE}
@@ -61,17 +65,25 @@ def decode_side(key_hex: str, addresses: dict[str, str], pages: int) -> None:
     """Connect to each prefill side, say hello, copy every chunk in and answer with a Ping."""
     key = ClusterKey(bytes.fromhex(key_hex))
     pool = KVPool(LAYOUT, pages, torch.device("cpu"))
+    rx = TcpReceiver(RankPages.of(pool))
     controls: dict[str, Control] = {}
+    stagers: list[Stager] = []
     for mode, hs in MODES.items():
 
-        def on_message(inbound: Inbound, mode: str = mode) -> None:
-            if isinstance(inbound.msg, KVChunk):
-                receive_chunk(pool, inbound.msg.dst_pages, inbound.frames)
-                controls[mode].send(inbound.peer, Ping(nonce=inbound.msg.room))
+        def on_staged(staged: object, mode: str = mode) -> None:  # the stager's thread
+            if isinstance(staged, StagedChunk):
+                msg = staged.msg
+                rx.accept_rows(msg.room, msg.epoch, msg.dst_pages, staged.rows)
+                controls[mode].send(staged.peer, Ping(nonce=msg.room))
 
-        controls[mode] = Control(f"d-{mode}", on_message, failed, key, handshake=hs)
+        stager = Stager(on_staged, LAYOUT.page_bytes, pin=False)
+        stagers.append(stager)
+        controls[mode] = Control(f"d-{mode}", stager.put, failed, key, handshake=hs)
     stop = threading.Event()
     spin(list(controls.values()), stop)
+    for stager in stagers:
+        threading.Thread(target=lambda s=stager: [s.tick() for _ in iter(stop.is_set, True)],
+                         daemon=True).start()  # fmt: skip
     for mode, c in controls.items():
         c.send(addresses[mode], Ping(nonce=0))
     sys.stdin.readline()  # the prefill side closes it when done
@@ -121,8 +133,8 @@ def main() -> None:
         for i in range(1, args.iters + 2):  # the first round warms up and is not counted
             for mode, c in controls.items():
                 t = time.perf_counter()
-                frames = tuple(page.numpy().tobytes() for page in src)  # as TcpWriter does
-                c.send(peers[mode], KVChunk(room=i, dst_pages=list(range(pages))), frames)
+                bulk = Bulk.seal([memoryview(row) for row in src.clone().numpy()])  # as TcpWriter
+                c.send(peers[mode], KVChunk(room=i, dst_pages=list(range(pages))), bulk)
                 if not acks[mode].acquire(timeout=WAIT_S):
                     raise SystemExit(f"{mode}: write {i} was not answered in {WAIT_S} s")
                 if i > 1:

@@ -184,6 +184,23 @@ class RankPages:
                         whole[:, :, h] = mine[:, :, j]
         return list(out)
 
+    def copy_out(self, pages: Sequence[int]) -> torch.Tensor:
+        """A copy of `pages`' whole-model bytes on the host, [len(pages), page_bytes] uint8, that
+        no later step touches: from a CUDA pool one gather and one copy into pinned memory (a
+        DMA, no host copy), on the CPU one gather."""
+        first = self.pools[0]
+        if self.dp or self.by_head:  # assembled from several pools: already a copy
+            return torch.stack(self.read(pages)) if pages else self._empty(0, pin=False)
+        idx = torch.tensor(list(pages), dtype=torch.long, device=first.device)
+        if not first.is_cuda:
+            return first.index_select(0, idx)
+        out = self._empty(len(idx), pin=True)
+        out.copy_(first.index_select(0, idx))  # waits for the copy: the caller reads it next
+        return out
+
+    def _empty(self, n: int, pin: bool) -> torch.Tensor:
+        return torch.empty(n, self.page_bytes, dtype=torch.uint8, pin_memory=pin)
+
     def write(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
         """Write the whole model's bytes `data` (one uint8 [page_bytes] per page, any device)
         into `pages` of every rank's pool, each rank taking its heads."""

@@ -210,7 +210,6 @@ class Send(NamedTuple):
 
     peer: str  # P: the D's identity; D: the P's control address
     msg: Msg  # `sender` already set to the role's identity
-    frames: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

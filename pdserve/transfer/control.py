@@ -30,7 +30,7 @@ import os
 import queue
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -40,6 +40,7 @@ from pdserve.protocol.messages import DecodeError, Message, Msg, Unreadable, dec
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
+from pdserve.transfer.bulk import Bulk, Frame
 from pdserve.transfer.control_handshake import (
     ZAP_ENDPOINT,
     Handshake,
@@ -68,10 +69,10 @@ MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
 class Inbound:
     peer: str  # P: the D's identity; D: the P's address
     msg: Message | Unreadable
-    frames: tuple[bytes, ...] = ()  # extra frames (KV page bytes on the tcp backend)
+    bulk: Bulk | None = None  # KV page frames on the tcp backend, not checked yet (bulk.py)
 
 
-Outgoing = tuple[str, Msg, tuple[bytes, ...]]  # peer, message, extra frames
+Outgoing = tuple[str, Msg, Bulk | None]  # peer, message, bulk frames
 
 
 @dataclass
@@ -171,9 +172,11 @@ class Control:
         self.max_send_bytes = max_bytes
 
     # -- any thread -------------------------------------------------------------------------
-    def send(self, peer: str, msg: Msg, frames: tuple[bytes, ...] = ()) -> None:
+    def send(self, peer: str, msg: Msg, bulk: Bulk | None = None) -> None:
+        """Queue `msg` for `peer`, followed by `bulk`'s frames, which go out without a copy:
+        their buffers must not change after this call."""
         try:
-            self.outbox.put_nowait((peer, msg, frames))
+            self.outbox.put_nowait((peer, msg, bulk))
         except queue.Full:
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, "control outbox full")
@@ -246,20 +249,23 @@ class Control:
         peer = "" if on_router else next(a for a, d in self.dealers.items() if d is sock)
         budget = RECV_BYTES
         for _ in range(RECV_BATCH):
+            routing_id: str | None = None
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                if on_router:  # a decode worker's messages: small, and never bulk
+                    parts: list[Frame] = list(sock.recv_multipart(zmq.NOBLOCK))
+                    peer, parts = bytes(parts[0]).decode(errors="replace"), parts[1:]
+                    routing_id = peer
+                else:  # a prefill worker's: KV page frames stay in ZMQ's buffers
+                    got = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    parts = [f.bytes for f in got[:2]] + [f.buffer for f in got[2:]]
             except zmq.Again:
                 return
             budget -= sum(map(len, parts))  # a refused message cost its hashing too
-            routing_id: str | None = None
-            if on_router:
-                peer, parts = parts[0].decode(errors="replace"), parts[1:]
-                routing_id = peer
             refused = self.auth.check(routing_id, parts, self.inbound)
             if refused is not None:
                 self._dropped(refused.value, peer, "not authenticated")
             else:
-                self._deliver(peer, parts[1:])
+                self._deliver(peer, parts)
             if budget <= 0:
                 return
 
@@ -284,12 +290,9 @@ class Control:
         except BlockingIOError:
             pass
 
-    def _decode(self, peer: str, parts: list[bytes]) -> Inbound | None:
+    def _decode(self, peer: str, body: bytes, bulk: Bulk | None = None) -> Inbound | None:
         """The one way in: None for a frame that cannot be read (counted, logged, dropped)."""
-        if not parts:
-            self.stats.dropped["empty"] += 1
-            return None
-        msg = decode(parts[0])
+        msg = decode(body)
         if isinstance(msg, DecodeError):
             self._dropped(msg.kind, peer, msg.detail)
             if not msg.of:
@@ -298,7 +301,7 @@ class Control:
             what = Unreadable(room=msg.room, epoch=msg.epoch, of=msg.of, detail=msg.detail[:300])
             return Inbound(peer, what)
         self.stats.received[type(msg).__name__] += 1
-        return Inbound(peer, msg, tuple(parts[1:]))
+        return Inbound(peer, msg, bulk)
 
     def _dropped(self, kind: str, peer: str, detail: str) -> None:
         """Count a frame dropped unread; log it, at most once per kind every few seconds."""
@@ -328,8 +331,17 @@ class Control:
                 e,
             )
 
-    def _deliver(self, peer: str, parts: list[bytes]) -> None:
-        inbound = self._decode(peer, parts)
+    def _deliver(self, peer: str, parts: list[Frame]) -> None:
+        """An authenticated [auth, body, *bulk frames] to its handler, through the faults."""
+        digests = FrameAuth.digests(bytes(parts[0]))
+        if len(parts) < 2:
+            self.stats.dropped["empty"] += 1
+            return
+        if len(parts) != 2 + len(digests):  # frames after the body that are not bulk
+            self._dropped("unexpected_frames", peer, f"{len(parts) - 2} frames after the body")
+            return
+        bulk = Bulk.received(parts[2:], digests) if digests else None
+        inbound = self._decode(peer, bytes(parts[1]), bulk)
         if inbound is None:
             return
         match FAULTS.hit(f"control.recv.{type(inbound.msg).__name__}"):
@@ -344,9 +356,9 @@ class Control:
                 self.held_in.append((time.monotonic(), inbound))
                 return
             case Verdict.UNKNOWN:
-                self._decode(peer, [UNKNOWN_FRAME])
+                self._decode(peer, UNKNOWN_FRAME)
             case Verdict.MALFORMED:
-                self._decode(peer, [MALFORMED_FRAME])
+                self._decode(peer, MALFORMED_FRAME)
         while self.held_in:
             self._dispatch(self.held_in.popleft()[1])
 
@@ -371,7 +383,7 @@ class Control:
             self._transmit(self.held_out.popleft()[1])
 
     def _transmit(self, out: Outgoing) -> None:
-        peer, msg, frames = out
+        peer, msg, bulk = out
         try:
             body = encode(msg)
         except Exception as e:  # noqa: BLE001 - OverflowError, TypeError, msgspec.EncodeError
@@ -385,7 +397,10 @@ class Control:
             self.on_send_failed(peer, msg, why)
             return
         try:
-            self.send_raw(peer, self.auth.sign([body, *frames]))
+            if bulk is None:
+                self.send_raw(peer, self.auth.sign([body]))
+            else:  # the frames' buffers are the sender's, unchanged until sent: no copy
+                self.send_raw(peer, [*self.auth.sign([body], bulk.digests), *bulk.frames()], False)
         except zmq.ZMQError as e:  # Again (peer not draining) or EHOSTUNREACH (gone)
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, f"send failed: {e}")
@@ -400,13 +415,13 @@ class Control:
             self.stats.send_failed += 1
             log.warning("could not send a fault-injected frame to %s: %s", peer, e)
 
-    def send_raw(self, peer: str, parts: list[bytes]) -> None:
-        """Put frames on the wire as they are, signed or not (I/O thread only); raises
-        zmq.ZMQError."""
+    def send_raw(self, peer: str, parts: Sequence[Frame], copy: bool = True) -> None:
+        """Put frames on the wire as they are, signed or not (I/O thread only); `copy=False`:
+        ZMQ sends from the frames' own buffers. Raises zmq.ZMQError."""
         if self.router is not None and not peer.startswith("tcp://"):
-            self.router.send_multipart([peer.encode(), *parts], zmq.NOBLOCK)
+            self.router.send_multipart([peer.encode(), *parts], zmq.NOBLOCK, copy=copy)
         else:
-            self._dealer(peer).send_multipart(parts, zmq.NOBLOCK)
+            self._dealer(peer).send_multipart(parts, zmq.NOBLOCK, copy=copy)
 
     def close(self) -> None:
         for s in [self.router, self.zap, *self.dealers.values()]:

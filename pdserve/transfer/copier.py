@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pdserve.runtime.timing import COPIER_QUEUE_WAIT_S
 from pdserve.transfer.errors import WriteError
+from pdserve.transfer.frame_workers import FrameWorkers
 
 
 @dataclass
@@ -45,7 +46,9 @@ class CopyTransfer:
 
 
 class Copier:
-    def __init__(self) -> None:
+    def __init__(self, workers: FrameWorkers | None = None) -> None:
+        """`workers`: threads that share a copy's per-page work (the tcp backend's digests)."""
+        self.workers = workers
         self.jobs: queue.Queue[tuple[Future[None], Callable[[], None]]] = queue.Queue()
         self.copied = 0  # jobs run, for /debug/state
 

@@ -6,8 +6,10 @@ cancelled. `shm` and `tcp` copy on the data-plane worker thread (transfer/copier
 one is given, else inside `write()`; `nixl` (transfer/nixl.py) completes in UCX's background
 progress. Either way the engine computes the next chunk while the last one's pages move.
 * `shm` — the decode pool lives in /dev/shm; P maps it and copies pages straight in.
-* `tcp` — P copies the pages out into frames that follow a KVChunk message on the control
-  socket; D's engine copies them into the pool if the room still holds those pages.
+* `tcp` — P copies the pages out (pinned host memory from a GPU) and sends them, with their
+  digests, as bulk frames after a KVChunk message on the control socket (transfer/bulk.py);
+  D's stager checks and stages them (transfer/stager.py) and D's engine writes them into the
+  pool if the room still holds those pages.
 * `nixl` — P WRITEs into D's NIXL-registered pool; notifications tell D what landed.
 A page is one contiguous run of `layout.page_bytes` bytes (every layer's typed buffers,
 kvcache/layout.py) of the whole model's layout, the same on both sides because the layouts were
@@ -29,6 +31,7 @@ from pdserve.kvcache.pool import KVPool, ShmRef, map_shared
 from pdserve.kvcache.rank_pages import RankPages, rank_layout
 from pdserve.protocol.messages import KVChunk
 from pdserve.runtime.gpu_wait import wait_event
+from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Control
 from pdserve.transfer.errors import PeerGone as PeerGone
 from pdserve.transfer.errors import WriteError as WriteError
@@ -159,8 +162,11 @@ class TcpWriter:
     def __init__(
         self, control: Control, peer: str, sender: str, copier: Copier | None = None
     ) -> None:
+        """`copier`: the data-plane thread that copies and hashes the pages (with its frame
+        workers), else this thread, inside `write()`."""
         self.control, self.peer, self.sender = control, peer, sender
         self.copier = copier
+        self.workers = copier.workers if copier is not None else None
 
     def write(
         self,
@@ -177,13 +183,14 @@ class TcpWriter:
         def copy() -> None:
             if ready is not None:
                 wait_event(ready, "the step that computed the pages")
-            # One frame per page, its raw bytes. The send only queues the frames on the
-            # control outbox, ahead of the PrefillDone that follows this write.
-            frames = tuple(page.numpy().tobytes() for page in src.read(src_pages))
+            # One bulk frame per page, a row of our own copy (ZMQ sends from it). The send only
+            # queues the message on the control outbox, ahead of the PrefillDone that follows.
+            rows = src.copy_out(src_pages).numpy()  # [n, page_bytes]
+            bulk = Bulk.seal([memoryview(row) for row in rows], self.workers)
             self.control.send(
                 self.peer,
                 KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=dst_pages),
-                frames,
+                bulk,
             )
 
         nbytes = len(src_pages) * src.page_bytes
@@ -191,21 +198,3 @@ class TcpWriter:
 
     def close(self) -> None:
         pass
-
-
-def receive_chunk(pages: RankPages, dst_pages: Sequence[int], frames: Sequence[bytes]) -> int:
-    """D side of tcp: copy page frames into the pool; raises ValueError on a size mismatch."""
-    per_page = pages.page_bytes
-    if len(frames) != len(dst_pages) or any(len(f) != per_page for f in frames):
-        raise ValueError(
-            f"KVChunk: {len(frames)} frames for {len(dst_pages)} pages, "
-            f"{per_page} bytes each expected"
-        )
-    if not frames:
-        return 0
-    # One writable copy of every frame (frombuffer of bytes would be read-only), moved to the
-    # pool's device at once; then a plain copy per page, as the shm writer does.
-    host = torch.frombuffer(bytearray().join(frames), dtype=torch.uint8)
-    rows = host.view(len(frames), per_page).to(pages.pools[0].device)  # [n, page_bytes]
-    pages.write(dst_pages, list(rows))
-    return per_page * len(frames)

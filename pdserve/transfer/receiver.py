@@ -5,8 +5,9 @@ receiver on D, and the decode role talks only to this interface, never to a back
 
 * `registration()`: what D's `Register` carries so P can open a writer (the shm pools'
   references, one per rank, the NIXL agent's descriptor, or nothing for tcp);
-* `landed()`: every `Landed(room, epoch, nbytes)` since the last call. tcp reports the frames
-  that followed a `KVChunk` (handed in by `accept_frames`), nixl its WRITE notifications;
+* `landed()`: every `Landed(room, epoch, nbytes)` since the last call. tcp reports the pages
+  of a `KVChunk` (staged by transfer/stager.py, handed in by `accept_rows`), nixl its WRITE
+  notifications;
 * `counts_bytes`: whether D must see PrefillDone's `kv_bytes` land before decoding (tcp, nixl:
   the bytes pass through something D can observe); with shm, P wrote straight into D's pool and
   PrefillDone follows its last copy, so there is nothing to count;
@@ -23,10 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import torch
+
 from pdserve.kvcache.pool import KVPool
 from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import BACKENDS, NixlPool, Register, ShmPool
-from pdserve.transfer.dataplane import receive_chunk
 from pdserve.transfer.nixl import INSTALL_HINT, NixlAgent, nixl_available
 
 
@@ -43,11 +45,12 @@ class KVReceiver(Protocol):
 
     def registration(self) -> tuple[list[ShmPool], NixlPool | None]: ...
 
-    def accept_frames(
-        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    def accept_rows(
+        self, room: int, epoch: int, dst_pages: Sequence[int], rows: torch.Tensor | None
     ) -> int:
-        """tcp: copy a KVChunk's page frames into the pool (the caller checked that the room
-        holds `dst_pages`); raises ValueError on a malformed chunk or another backend."""
+        """tcp: write a KVChunk's staged pages (`StagedChunk.rows`, None for a chunk that was
+        not staged) into the pool (the caller checked that the room holds `dst_pages`);
+        raises ValueError on a malformed chunk or another backend."""
         ...
 
     def landed(self) -> list[Landed]: ...
@@ -73,8 +76,8 @@ class ShmReceiver:
     def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
         return [ShmPool(pid=r.pid, fd=r.fd, token=r.token) for r in self.refs], None
 
-    def accept_frames(
-        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    def accept_rows(
+        self, room: int, epoch: int, dst_pages: Sequence[int], rows: torch.Tensor | None
     ) -> int:
         raise ValueError("a KVChunk on the shm backend (pages arrive through shared memory)")
 
@@ -98,10 +101,19 @@ class TcpReceiver:
     def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
         return [], None
 
-    def accept_frames(
-        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    def accept_rows(
+        self, room: int, epoch: int, dst_pages: Sequence[int], rows: torch.Tensor | None
     ) -> int:
-        moved = receive_chunk(self.pages, dst_pages, frames)
+        per_page = self.pages.page_bytes
+        if rows is None or rows.shape != (len(dst_pages), per_page):
+            got = "no staged pages" if rows is None else f"rows of shape {tuple(rows.shape)}"
+            raise ValueError(f"KVChunk: {got} for {len(dst_pages)} pages of {per_page} bytes")
+        if len(dst_pages):
+            # From pinned memory to a GPU pool the copy is queued on the engine's stream, ahead
+            # of any step that reads the pages; the host allocator keeps `rows` until it ran.
+            on_device = rows.to(self.pages.pools[0].device, non_blocking=True)
+            self.pages.write(dst_pages, list(on_device))
+        moved = per_page * len(dst_pages)
         self._landed.append(Landed(room, epoch, moved))
         return moved
 
@@ -125,8 +137,8 @@ class NixlReceiver:
     def registration(self) -> tuple[list[ShmPool], NixlPool | None]:
         return [], self.agent.descriptor()
 
-    def accept_frames(
-        self, room: int, epoch: int, dst_pages: Sequence[int], frames: Sequence[bytes]
+    def accept_rows(
+        self, room: int, epoch: int, dst_pages: Sequence[int], rows: torch.Tensor | None
     ) -> int:
         raise ValueError("a KVChunk on the nixl backend (pages arrive by NIXL WRITE)")
 

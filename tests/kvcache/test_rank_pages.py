@@ -87,9 +87,11 @@ def test_what_it_refuses() -> None:
 
 @pytest.mark.parametrize("heads, p_tp, d_tp", [(4, 2, 1), (4, 1, 2), (2, 2, 4)])
 def test_the_data_planes_move_whole_pages_between_layouts(heads: int, p_tp: int, d_tp: int) -> None:
-    """shm: P's writer maps each of D's ranks' shared pools and writes their heads; tcp: D's
-    frames split over its ranks. bfloat16 (the 2-byte views)."""
-    from pdserve.transfer.dataplane import ShmWriter, receive_chunk
+    """shm: P's writer maps each of D's ranks' shared pools and writes their heads; tcp: P's
+    copy of its pages, assembled from its ranks, is split over D's ranks. bfloat16 (the 2-byte
+    views)."""
+    from pdserve.transfer.dataplane import ShmWriter
+    from pdserve.transfer.receiver import TcpReceiver
 
     layout = KVLayout.llama("bfloat16", PAGE, LAYERS, heads, DIM)
     whole = KVPool(layout, PAGES, torch.device("cpu"))
@@ -99,8 +101,10 @@ def test_the_data_planes_move_whole_pages_between_layouts(heads: int, p_tp: int,
              for r in range(d_tp)]  # fmt: skip
     refs = [p.shm for p in ranks if p.shm is not None]
     ShmWriter(refs, layout, PAGES).write(1, 1, src, [4, 1], [0, 5], deadline=0.0)
-    frames = [page.numpy().tobytes() for page in src.read([2])]
-    assert receive_chunk(RankPages(layout, [p.data for p in ranks]), [3], frames) == len(frames[0])
+    rows = src.copy_out([2])  # what TcpWriter sends (D's stager stages the same bytes)
+    assert torch.equal(rows, whole.data[[2]])
+    rx = TcpReceiver(RankPages(layout, [p.data for p in ranks]))
+    assert rx.accept_rows(1, 1, [3], rows.clone()) == layout.page_bytes
     got = RankPages(layout, [p.data for p in ranks])
     assert torch.equal(torch.stack(got.read([0, 5, 3])), whole.data[[4, 1, 2]])
     for r, mine in enumerate(ranks):  # each rank's own heads, nothing else

@@ -46,7 +46,7 @@ if sys.argv[4]:  # PLAIN's password: past the handshake
     s.setsockopt(zmq.PLAIN_USERNAME, b"pdserve")
     s.setsockopt(zmq.PLAIN_PASSWORD, sys.argv[4].encode())
 s.connect(sys.argv[1])
-head = _HEAD.pack(MAGIC, bytes(16), 1, time.time()) + bytes(MAC_LEN) + ident
+head = _HEAD.pack(MAGIC, bytes(16), 1, time.time(), 0) + bytes(MAC_LEN) + ident
 parts = [b"x"] if sys.argv[3] == "0" else [head, zmq.Frame(bytes(32768))]
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
@@ -189,9 +189,9 @@ def test_a_frame_over_the_limit_is_never_hashed(make_peers, monkeypatch):
     hashed: list[int] = []
     real_mac = peers.p.auth._mac
 
-    def counting_mac(sender: bytes, head: bytes, frames: list[bytes]) -> bytes:
+    def counting_mac(sender: bytes, head: bytes, frames: list[bytes], digests: bytes) -> bytes:
         hashed.append(sum(map(len, frames)))
-        return real_mac(sender, head, frames)
+        return real_mac(sender, head, frames, digests)
 
     monkeypatch.setattr(peers.p.auth, "_mac", counting_mac)
     member = zmq.Context.instance().socket(zmq.DEALER)

@@ -10,9 +10,10 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.protocol.messages import Msg, Ping, Register, encode
+from pdserve.protocol.messages import KVChunk, Msg, Ping, Register, encode
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.supervisor import Supervisor
+from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Control, Inbound
 from tests.helpers import join_as_member
 
@@ -27,6 +28,7 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
 class Side:
     def __init__(self, name: str, key: ClusterKey, raise_on: int | None = None) -> None:
         self.got: list[Msg] = []
+        self.inbound: list[Inbound] = []
         self.failed: list[tuple[str, str]] = []
         self.raise_on = raise_on
         self.key = key
@@ -36,6 +38,7 @@ class Side:
         if isinstance(inbound.msg, Ping) and inbound.msg.nonce == self.raise_on:
             raise RuntimeError("a handler bug")
         self.got.append(inbound.msg)
+        self.inbound.append(inbound)
 
     def on_failed(self, peer: str, msg: Msg, why: str) -> None:
         self.failed.append((type(msg).__name__, why))
@@ -149,3 +152,43 @@ def test_a_replayed_member_frame_is_dropped(sides):
         assert p.nonces() == [7] and unhurt(sup)
     finally:
         replayer.close(0)
+
+
+def test_bulk_frames_cross_unchecked_and_unaltered():
+    """P's KV pages reach D as bulk frames: D's control thread checks the MAC over the body
+    and the digests only, and hands on ZMQ's own buffers, which match their digests. Frames
+    after the body that the auth frame does not declare bulk are dropped unread. (Both
+    controls are ticked here, on the test's thread, so that it may put raw frames on P's
+    socket: a socket is its I/O thread's alone.)"""
+    key = ClusterKey(secrets.token_bytes(32))
+    p, d = Side("p-test", key), Side("d-test", key)
+    p.control.bind("127.0.0.1", 0)
+
+    def pump(pred: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline, "timed out"
+            p.control.tick()
+            d.control.tick()
+
+    try:
+        d.control.send(p.control.address, Ping(nonce=1))  # P learns D's identity
+        pump(lambda: p.nonces() == [1])
+        pages = [secrets.token_bytes(64 * 1024) for _ in range(3)]
+        chunk = KVChunk(room=7, epoch=1, dst_pages=[4, 0, 2])
+        p.control.send("d-test", chunk, Bulk.seal(pages))
+        pump(lambda: bool(d.inbound))
+        (got,) = d.inbound
+        assert isinstance(got.msg, KVChunk) and got.bulk is not None
+        assert got.bulk.sizes == [len(x) for x in pages]
+        frames = got.bulk.frames()
+        assert all(isinstance(f, memoryview) for f in frames)  # not copied out of ZMQ
+        assert [bytes(f) for f in frames] == pages
+        # A member's frame after the body, MACed whole but not declared bulk: dropped unread.
+        p.control.send_raw("d-test", p.control.auth.sign([encode(Ping(nonce=2)), b"extra"]))
+        p.control.send("d-test", Ping(nonce=3))
+        pump(lambda: d.nonces() == [3])
+        assert d.control.stats.dropped["unexpected_frames"] == 1
+    finally:
+        p.control.close()
+        d.control.close()

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.runtime.cluster_key import ClusterKey, ClusterKeyError, generate
 from pdserve.transfer import frame_auth
+from pdserve.transfer.bulk import Bulk, BulkRefused
 from pdserve.transfer.frame_auth import FrameAuth, Refusal
 
 
@@ -106,3 +107,40 @@ def test_http_token():
     assert not k.http_ok(None)
     assert not k.http_ok(k.http_token)  # no scheme
     assert k.secret.hex() not in k.http_token  # the token is derived, not the key itself
+
+
+def test_bulk_frames_are_covered_by_their_digests():
+    k = key()
+    p, d = FrameAuth(k, "prefill-1"), FrameAuth(k, "decode-1")
+    pages = [b"page one" * 100, b"page two" * 100]
+    bulk = Bulk.seal(pages)
+    parts = [*p.sign([b"body"], bulk.digests), *pages]
+    assert d.check(None, parts) is None  # the MAC covered the digests, not the pages
+    assert FrameAuth.digests(parts[0]) == bulk.digests
+    # Altered bytes pass the MAC (it never read them), but not their digest's check.
+    altered = Bulk.received([pages[0], b"x" + pages[1][1:]], FrameAuth.digests(parts[0]))
+    assert altered.checked(0) == pages[0]
+    with pytest.raises(BulkRefused, match="frame 1 of 2 does not match its digest"):
+        altered.checked(1)
+    with pytest.raises(BulkRefused):
+        altered.frames()
+    # The digests themselves are under the MAC: another digest fails the frame.
+    fresh = [*p.sign([b"body"], bulk.digests), *pages]
+    forged = bytearray(fresh[0])
+    forged[frame_auth._HEAD.size + frame_auth.MAC_LEN] ^= 1
+    assert d.check(None, [bytes(forged), *fresh[1:]]) is Refusal.BAD_MAC
+
+
+def test_the_body_is_never_bulk_and_the_count_must_fit():
+    k = key()
+    p, d = FrameAuth(k, "prefill-1"), FrameAuth(k, "decode-1")
+    with pytest.raises(ValueError, match="follow a body"):
+        p.sign([], [bytes(32)])
+    one = Bulk.seal([b"page"])
+    signed = p.sign([b"body"], one.digests)
+    assert d.check(None, [signed[0], b"body"]) is Refusal.MISSING  # a bulk frame missing
+    assert d.check(None, [signed[0], b"body", b"page", b"more"]) is Refusal.BAD_MAC
+    # An auth frame that declares more digests than it carries is refused before its MAC.
+    head = bytearray(signed[0])
+    struct.pack_into(">H", head, frame_auth._HEAD.size - 2, 9)
+    assert d.check(None, [bytes(head), b"body", *[b"p"] * 9]) is Refusal.MISSING

@@ -81,7 +81,7 @@ class Wire:
             return
         self.sent.append(("d>p", type(out.msg).__name__))
         if self.to_p:
-            inbound = Inbound(out.msg.sender, out.msg, out.frames)
+            inbound = Inbound(out.msg.sender, out.msg)
             self.p.on_control(inbound)
             self.p.inbox.put(inbound)
 
@@ -89,7 +89,7 @@ class Wire:
         assert out.peer == D_ID, out.peer
         self.sent.append(("p>d", type(out.msg).__name__))
         if self.to_d:
-            self.d.inbox.put(Inbound(P_ADDR, out.msg, out.frames))
+            self.d.inbox.put(Inbound(P_ADDR, out.msg))
 
     def submit(
         self, rid: str, prompt: list[int], params: SamplingParams, timeout_s: float | None = None

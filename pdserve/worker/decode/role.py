@@ -35,6 +35,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
+from pdserve.transfer.stager import StagedChunk
 from pdserve.worker.decode.metrics import DecodeMetrics
 from pdserve.worker.decode.pairing import PrefillPairing
 from pdserve.worker.decode.peers import PrefillPeers
@@ -112,8 +113,10 @@ class DecodeRole(Role):
                 if isinstance(msg, m.PrefillRequest) and room is not None:
                     reason = f"could not reach prefill worker {peer}: {why}"
                     self._apply(room, DEvent.REJECT, now, reason)
-            case Inbound():
-                self._inbound(cmd, now)
+            case Inbound(peer=peer, msg=msg):
+                self._inbound(peer, msg, None, now)
+            case StagedChunk(peer=peer, msg=msg):  # tcp: a KVChunk's pages, checked (stager)
+                self._inbound(peer, msg, cmd, now)
             case _:
                 raise TypeError(f"decode inbox: unexpected {type(cmd).__name__}")
 
@@ -123,7 +126,7 @@ class DecodeRole(Role):
 
     def command_failed(self, cmd: object, why: str, now: float) -> None:
         """A message or submission whose handling raised ends its own room or request only."""
-        if isinstance(cmd, Inbound):
+        if isinstance(cmd, Inbound | StagedChunk):
             room = self.by_room.get(cmd.msg.room)
             if room is not None and room.epoch == cmd.msg.epoch and room.peer == cmd.peer:
                 self._apply(room, DEvent.LOCAL_FAIL, now, why)
@@ -131,17 +134,19 @@ class DecodeRole(Role):
             for sub in [a for a in self.admitting if a.request is cmd.request]:
                 self.admitting.remove(sub)
 
-    def _inbound(self, cmd: Inbound, now: float) -> None:
-        msg = cmd.msg
-        self.pairing.heard(cmd.peer, msg, now, self.engine.clock.wall())
+    def _inbound(
+        self, peer: str, msg: m.Message | m.Unreadable, staged: StagedChunk | None, now: float
+    ) -> None:
+        """A message from prefill worker `peer`; `staged`: a KVChunk's pages (tcp)."""
+        self.pairing.heard(peer, msg, now, self.engine.clock.wall())
         if isinstance(msg, m.HelloAck):
-            return self._paired(*self.pairing.hello_acked(cmd.peer, msg, now), now)
+            return self._paired(*self.pairing.hello_acked(peer, msg, now), now)
         if isinstance(msg, m.RegisterAck):
-            return self._paired(*self.pairing.acked(cmd.peer, msg), now)
+            return self._paired(*self.pairing.acked(peer, msg), now)
         if isinstance(msg, m.Pong):
             return
         room = self.by_room.get(msg.room)
-        if room is None or room.epoch != msg.epoch or room.peer != cmd.peer:
+        if room is None or room.epoch != msg.epoch or room.peer != peer:
             self.stats.stale[type(msg).__name__] += 1
             return
         match msg:
@@ -162,7 +167,7 @@ class DecodeRole(Role):
                 why = "prefill worker cancelled writes it could not confirm"
                 self._apply(room, event, now, why)
             case m.KVChunk():
-                self._kv_chunk(room, msg, cmd.frames, now)
+                self._kv_chunk(room, msg, staged, now)
             case _:
                 self.stats.unexpected[type(msg).__name__] += 1
 
@@ -192,12 +197,19 @@ class DecodeRole(Role):
             if room.done is not None:
                 self._try_done(room, now)
 
-    def _kv_chunk(self, room: DRoom, msg: m.KVChunk, frames: tuple[bytes, ...], now: float) -> None:
+    def _kv_chunk(
+        self, room: DRoom, msg: m.KVChunk, staged: StagedChunk | None, now: float
+    ) -> None:
+        """`staged`: its pages (None where no stager runs: a KVChunk on shm or nixl)."""
         if room.state in D_TERMINAL or not set(msg.dst_pages) <= room.writable(self.pool):
             self.stats.stale["KVChunk"] += 1  # never write into pages the room does not hold
             return
+        if staged is not None and staged.refused:
+            self._apply(room, DEvent.FAILED, now, f"bad KV chunk: {staged.refused}")
+            return
+        rows = staged.rows if staged is not None else None
         try:
-            self.receiver.accept_frames(room.room, room.epoch, msg.dst_pages, frames)
+            self.receiver.accept_rows(room.room, room.epoch, msg.dst_pages, rows)
         except ValueError as e:
             self._apply(room, DEvent.FAILED, now, f"bad KV chunk: {e}")
             return

@@ -27,7 +27,9 @@ from pdserve.runtime.timing import ENGINE_HEARTBEAT_S, IO_HEARTBEAT_S
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.control_limits import prefill_inbound_bytes
 from pdserve.transfer.copier import Copier
+from pdserve.transfer.frame_workers import FrameWorkers, default_workers
 from pdserve.transfer.receiver import needs_shared_pool
+from pdserve.transfer.stager import Stager
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.worker.pd_role import SendFailed
 from pdserve.worker.prefill.role import PrefillRole
@@ -86,6 +88,8 @@ class LocalEngine:
         self.cfg = cfg
         self.control: Control | None = None
         self.copier: Copier | None = None
+        self.stager: Stager | None = None  # D on tcp
+        self.workers: FrameWorkers | None = None  # the tcp data plane's, P or D
         self.info: dict[str, Any] = {"pid": os.getpid()}
         self.engine: Engine
         if cfg.role == "colocated":
@@ -98,7 +102,8 @@ class LocalEngine:
                 self.engine = Engine.build(cfg.engine, eos_token_ids, pd=True)
                 limit = prefill_inbound_bytes(self.engine.model.arch.max_position_embeddings)
                 self.info["control"] = self.control.bind(cfg.host, cfg.control_port, limit)
-                self.copier = Copier()
+                self.workers = FrameWorkers(default_workers())
+                self.copier = Copier(self.workers)
                 role = PrefillRole(
                     self.engine,
                     identity,
@@ -121,6 +126,11 @@ class LocalEngine:
                     registry=self.engine.metrics.registry,  # the role adds its own metrics
                 )
                 self.engine.attach(d_role, self._send)
+                if d_role.receiver.backend == "tcp":  # KV frames checked off both threads
+                    self.workers = FrameWorkers(default_workers())
+                    pool = self.engine.pool.data
+                    page_bytes = d_role.pages.page_bytes
+                    self.stager = Stager(self._queue, page_bytes, pool.is_cuda, self.workers)
             self.info.update(identity=identity, backend=cfg.backend)
         # what a peer compares: the whole model's (rank 0's pool holds its heads only at TP > 1)
         pages = self.engine.pages
@@ -149,11 +159,17 @@ class LocalEngine:
 
     def _to_engine(self, inbound: Inbound) -> None:
         self.engine.on_control(inbound)  # on this (control) thread: see Engine.on_control
-        self.engine.inbox.put(inbound)
+        if self.stager is not None:
+            self.stager.put(inbound)  # in order, behind the KV chunks it stages
+        else:
+            self.engine.inbox.put(inbound)
+
+    def _queue(self, cmd: object) -> None:
+        self.engine.inbox.put(cmd)
 
     def _send(self, out: Send) -> None:
         assert self.control is not None  # only a prefill or decode role sends
-        self.control.send(out.peer, out.msg, out.frames)
+        self.control.send(out.peer, out.msg)
 
     def _send_failed(self, peer: str, msg: Msg, why: str) -> None:
         self.engine.inbox.put(SendFailed(peer, msg, why))
@@ -176,6 +192,12 @@ class LocalEngine:
             supervisor.spawn("control", self.control.tick, heartbeat_timeout_s=IO_HEARTBEAT_S)
         if self.copier is not None:
             supervisor.spawn("dataplane", self.copier.tick, heartbeat_timeout_s=IO_HEARTBEAT_S)
+        if self.stager is not None:
+            supervisor.spawn("stager", self.stager.tick, heartbeat_timeout_s=IO_HEARTBEAT_S)
+        if self.workers is not None:
+            for i in range(self.workers.workers):
+                work = self.workers.tick
+                supervisor.spawn(f"frames-{i}", work, heartbeat_timeout_s=IO_HEARTBEAT_S)
 
     def problems(self) -> list[str]:
         """The engine's own: a loop that stopped ticking, requests past their deadline."""

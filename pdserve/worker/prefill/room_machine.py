@@ -31,8 +31,8 @@ class PrefillRoomMachine(Role):
     stats: RoleStats
     outbox: list[m.Send]
 
-    def _reply(self, peer: str, msg: m.Msg, frames: tuple[bytes, ...] = ()) -> None:
-        self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity), frames))
+    def _reply(self, peer: str, msg: m.Msg) -> None:
+        self.outbox.append(m.Send(peer, msgspec.structs.replace(msg, sender=self.identity)))
 
     def _apply(self, room: PRoom, event: PEvent, now: float, reason: str = "") -> None:
         out = step_p(room.state, event)

@@ -1,0 +1,138 @@
+"""D's stager (tcp backend): KV page frames checked and staged off the control and engine threads.
+
+A KVChunk's bulk frames reach D's control thread unchecked (transfer/bulk.py). The `stager`
+thread, with the frame workers (transfer/frame_workers.py), checks each frame against its
+digest and copies it out of ZMQ's buffers into one host tensor (pinned for a GPU pool), and
+hands the engine a `StagedChunk`. So the control thread only reads sockets and checks MACs,
+and the engine thread only writes a staged chunk into the room's pages (from a GPU, one
+asynchronous copy).
+
+Order: a room's PrefillDone follows its KVChunks on the socket, and D decodes only once every
+byte it counts has landed (transfer/receiver.py: tcp's bytes never trail PrefillDone). So the
+stager keeps the control thread's order for every message: one that comes while chunks are
+queued goes behind them, through the stager; with none queued it goes straight to the engine.
+
+Bound (LESSONS #18): at most STAGE_MAX_BYTES of frames wait here. A chunk that comes when more
+would wait is refused without a byte of it read: the engine gets it as refused, and its room
+fails. The control thread never blocks, and D's memory stays bounded whatever a peer sends.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.protocol.messages import KVChunk
+from pdserve.runtime.timing import COPIER_QUEUE_WAIT_S
+from pdserve.transfer.bulk import Bulk
+from pdserve.transfer.control import Inbound
+from pdserve.transfer.frame_workers import FrameWorkers
+
+# Frames waiting to be staged, at most (one chunk over it is taken when nothing waits): far
+# above what the stager holds while it keeps up (a few chunks), far below a host's memory.
+STAGE_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """A KVChunk for D's engine: its pages' bytes, each checked, in host memory; or why not."""
+
+    peer: str
+    msg: KVChunk
+    rows: torch.Tensor | None  # [len(msg.dst_pages), page_bytes] uint8, pinned for a GPU pool
+    refused: str = ""  # why the chunk was not staged (its room fails with it)
+
+
+class Stager:
+    def __init__(
+        self,
+        deliver: Callable[[object], None],
+        page_bytes: int,
+        pin: bool,
+        workers: FrameWorkers | None = None,
+    ) -> None:
+        """`deliver`: hands a message or StagedChunk to the engine (its inbox); `page_bytes`:
+        the size of every frame; `pin`: stage in pinned memory (a GPU pool)."""
+        self.deliver = deliver
+        self.page_bytes = page_bytes
+        self.pin = pin
+        self.workers = workers
+        self._jobs: queue.Queue[tuple[Inbound, str]] = queue.Queue()
+        self._lock = threading.Lock()  # order: the queue's state and every delivery
+        self._waiting = 0  # messages put and not yet delivered
+        self._bytes = 0  # of their frames
+        self.staged = 0  # chunks staged, for /debug/state
+        self.refused = 0  # chunks refused (full, bad frames)
+
+    def put(self, inbound: Inbound) -> None:
+        """The control thread's: `inbound` to the engine, after every message before it."""
+        chunk = isinstance(inbound.msg, KVChunk)
+        size = inbound.bulk.nbytes if chunk and inbound.bulk is not None else 0
+        with self._lock:
+            if not chunk and not self._waiting:
+                self.deliver(inbound)
+                return
+            why = ""
+            if size and self._bytes and self._bytes + size > STAGE_MAX_BYTES:
+                why = f"D's stager already holds {self._bytes} bytes of KV frames to check"
+                size = 0
+            self._waiting += 1
+            self._bytes += size
+            self._jobs.put((inbound, why))
+
+    def tick(self) -> None:
+        """Stage the next queued chunk and deliver it (the supervisor calls this forever, on
+        the `stager` thread)."""
+        try:
+            inbound, why = self._jobs.get(timeout=COPIER_QUEUE_WAIT_S)
+        except queue.Empty:
+            return
+        out: object = inbound
+        size = 0
+        if isinstance(inbound.msg, KVChunk):
+            size = 0 if why or inbound.bulk is None else inbound.bulk.nbytes
+            out = self._stage(inbound.peer, inbound.msg, inbound.bulk, why)
+        with self._lock:
+            self._waiting -= 1
+            self._bytes -= size
+            self.deliver(out)
+
+    def _stage(self, peer: str, msg: KVChunk, bulk: Bulk | None, why: str) -> StagedChunk:
+        """The chunk's rows, every frame checked against its digest, or why not."""
+        if not why:
+            try:
+                rows = self._rows(msg, bulk)
+            except Exception as e:  # noqa: BLE001 - a bad chunk fails its room, not this thread
+                why = f"{type(e).__name__}: {e}"
+            else:
+                self.staged += 1
+                return StagedChunk(peer, msg, rows)
+        self.refused += 1
+        return StagedChunk(peer, msg, None, why)
+
+    def _rows(self, msg: KVChunk, bulk: Bulk | None) -> torch.Tensor:
+        n = len(msg.dst_pages)
+        sizes = bulk.sizes if bulk is not None else []
+        if len(sizes) != n or any(s != self.page_bytes for s in sizes):
+            raise ValueError(
+                f"{len(sizes)} frames for {n} pages, {self.page_bytes} bytes each expected"
+            )
+        rows = torch.empty(n, self.page_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        if bulk is None:
+            return rows
+        out = rows.numpy()
+
+        def one(i: int) -> None:  # hashlib and numpy's copy release the GIL
+            np.copyto(out[i], np.frombuffer(bulk.checked(i), dtype=np.uint8))
+
+        if self.workers is None:
+            for i in range(n):
+                one(i)
+        else:
+            self.workers.map(one, n)
+        return rows

@@ -1,0 +1,118 @@
+"""D's stager: KV frames checked and staged off the control thread, every message kept in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.protocol.messages import KVChunk, PrefillDone
+from pdserve.runtime.supervisor import Supervisor
+from pdserve.transfer import stager as stager_mod
+from pdserve.transfer.bulk import Bulk
+from pdserve.transfer.control import Inbound
+from pdserve.transfer.frame_workers import FrameWorkers
+from pdserve.transfer.stager import StagedChunk, Stager
+
+PAGE = 4096
+
+
+def chunk(room: int, pages: list[int], fill: int = 1) -> Inbound:
+    sealed = Bulk.seal([bytes([fill + i]) * PAGE for i in range(len(pages))])
+    bulk = Bulk.received([bytes(f) for f in sealed.frames()], sealed.digests)
+    return Inbound("p0", KVChunk(room=room, epoch=1, dst_pages=pages), bulk)
+
+
+def done(room: int) -> Inbound:
+    return Inbound("p0", PrefillDone(room=room, epoch=1, first_token=3))
+
+
+def kinds(got: list[object]) -> list[str]:
+    return [type(getattr(x, "msg", x)).__name__ + ("!" if getattr(x, "refused", "") else "")
+            for x in got]  # fmt: skip
+
+
+def test_messages_keep_their_order_behind_the_chunks_being_staged():
+    got: list[object] = []
+    s = Stager(got.append, PAGE, pin=False)
+    s.put(done(1))  # nothing queued: straight to the engine
+    assert kinds(got) == ["PrefillDone"]
+    s.put(chunk(2, [4, 5]))
+    s.put(done(2))  # behind the chunk, though it needs no work
+    assert kinds(got) == ["PrefillDone"]
+    s.tick()
+    s.tick()
+    assert kinds(got) == ["PrefillDone", "KVChunk", "PrefillDone"]
+    staged = got[1]
+    assert isinstance(staged, StagedChunk) and staged.rows is not None
+    assert staged.rows.shape == (2, PAGE) and staged.rows[1].eq(2).all()
+    assert (s.staged, s.refused) == (1, 0)
+    s.put(done(3))
+    assert len(got) == 4  # nothing queued again: straight through
+    s.tick()  # an empty queue: returns after its bounded wait
+
+
+def test_frames_are_checked_on_the_workers():
+    workers = FrameWorkers(2)
+    sup = Supervisor()
+    for i in range(2):
+        sup.spawn(f"frames-{i}", workers.tick)
+    try:
+        got: list[object] = []
+        s = Stager(got.append, PAGE, pin=False, workers=workers)
+        s.put(chunk(2, list(range(16)), fill=7))
+        s.tick()
+        (staged,) = got
+        assert isinstance(staged, StagedChunk) and staged.rows is not None
+        expected = torch.arange(7, 23, dtype=torch.uint8)[:, None].expand(16, PAGE)
+        assert torch.equal(staged.rows, expected)
+    finally:
+        assert sup.stop() == []
+
+
+def test_past_its_bound_a_chunk_is_refused_unread(monkeypatch):
+    monkeypatch.setattr(stager_mod, "STAGE_MAX_BYTES", 3 * PAGE)
+    got: list[object] = []
+    s = Stager(got.append, PAGE, pin=False)
+    s.put(chunk(1, [0, 1, 2, 3]))  # over the bound alone, but nothing waits: taken
+    s.put(chunk(2, [4]))  # would make 5 pages wait: refused
+    s.put(done(2))
+    for _ in range(3):
+        s.tick()
+    assert kinds(got) == ["KVChunk", "KVChunk!", "PrefillDone"]
+    refused = got[1]
+    assert isinstance(refused, StagedChunk) and refused.rows is None
+    assert "already holds 16384 bytes" in refused.refused
+    assert (s._waiting, s._bytes) == (0, 0)
+    s.put(chunk(3, [5]))  # drained: taken again
+    s.tick()
+    assert kinds(got)[-1] == "KVChunk" and (s.staged, s.refused) == (2, 1)
+
+
+def test_a_chunk_that_cannot_be_staged_fails_itself_not_the_thread():
+    got: list[object] = []
+
+    class Broken(FrameWorkers):
+        def map(self, fn, n):  # type: ignore[no-untyped-def, override]
+            raise TimeoutError("a frame worker held an item for over 10.0 s")
+
+    s = Stager(got.append, PAGE, pin=False, workers=Broken(1))
+    s.put(chunk(1, [0]))
+    s.put(done(1))
+    s.tick()  # raises nothing
+    s.tick()
+    assert kinds(got) == ["KVChunk!", "PrefillDone"]
+    assert "TimeoutError: a frame worker held" in got[0].refused  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pages", [[], [9]])
+def test_a_chunk_without_frames(pages):
+    got: list[object] = []
+    s = Stager(got.append, PAGE, pin=False)
+    s.put(Inbound("p0", KVChunk(room=1, epoch=1, dst_pages=pages)))
+    s.tick()
+    (staged,) = got
+    assert isinstance(staged, StagedChunk)
+    if pages:
+        assert staged.rows is None and "0 frames for 1 pages" in staged.refused
+    else:
+        assert staged.rows is not None and staged.rows.shape == (0, PAGE) and not staged.refused
