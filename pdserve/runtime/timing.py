@@ -86,8 +86,9 @@ PEER_SILENCE_S = 15.0  # a decode worker silent this long (it pings every second
 TRANSFER_TIMEOUT_S = 30.0  # no single NIXL WRITE may stay in flight longer than this
 COPIER_QUEUE_WAIT_S = 0.1  # the copier's tick blocks this long at most (its heartbeat stays fresh)
 # A frame worker's item (hashing or copying one KV page, milliseconds) that has not finished
-# after this is a worker stuck in a call: the chunk it belongs to fails (transfer/frame_workers.py).
-FRAME_WORK_WAIT_S = 10.0
+# after this is a worker stuck in a call: the chunk it belongs to fails (transfer/frame_workers.py)
+# before the waiting thread's heartbeat (IO_HEARTBEAT_S) goes stale.
+FRAME_WORK_WAIT_S = 2.0
 MAX_SKEW_S = 30.0  # a control frame stamped further than this from our clock is stale
 HOLD_S = 1.0  # a message held back by a `reorder` fault goes out after this at the latest
 DROP_LOG_EVERY_S = 5.0  # a flood of bad frames logs one line per kind this often

@@ -7,12 +7,14 @@ thread sleeps in poll instead of waking every few ms). The I/O thread sends with
 (a peer that does not drain fails that message, reported through `on_send_failed`, instead
 of freezing a thread: LESSONS #5). A message that cannot be encoded fails the same way.
 
-Every frame is authenticated (transfer/frame_auth.py: an HMAC with the cluster key, fresh
-and not replayed) before anything reads it; a frame that fails is counted by why and dropped
-unread (LESSONS #15). What passes goes through the one decoder; what it cannot read is counted
-and dropped (LESSONS #1). A handler that raises on a message is counted too; the thread goes
-on. What comes in is bounded per message, per peer queue and per tick, so a flood keeps
-neither the heartbeat nor the outbox waiting and no peer makes us allocate without bound
+Every message is authenticated (transfer/frame_auth.py: an HMAC with the cluster key, fresh
+and not replayed) before anything reads it; a message that fails is counted by why and dropped
+unread (LESSONS #15). Its bulk frames (a KVChunk's pages, the only message that has them) are
+covered by digests under that HMAC and are read only once each matches (transfer/bulk.py, on
+D's stager thread), never here. What passes goes through the one decoder; what it cannot read
+is counted and dropped (LESSONS #1). A handler that raises on a message is counted too; the
+thread goes on. What comes in is bounded per message, per peer queue and per tick, so a flood
+keeps neither the heartbeat nor the outbox waiting and no peer makes us allocate without bound
 (transfer/control_limits.py, LESSONS #18), and a stranger does not get past ZMQ's handshake
 at all (transfer/control_handshake.py: PLAIN with a password from the cluster key, whose ZAP
 requests this thread answers, or CURVE).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import struct
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -36,7 +39,15 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from pdserve.protocol.messages import DecodeError, Message, Msg, Unreadable, decode, encode
+from pdserve.protocol.messages import (
+    DecodeError,
+    KVChunk,
+    Message,
+    Msg,
+    Unreadable,
+    decode,
+    encode,
+)
 from pdserve.runtime.cluster_key import ClusterKey
 from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
@@ -344,6 +355,11 @@ class Control:
         inbound = self._decode(peer, bytes(parts[1]), bulk)
         if inbound is None:
             return
+        if bulk is not None and not isinstance(inbound.msg, KVChunk):  # nobody would read them
+            self._dropped(
+                "unexpected_frames", peer, f"bulk frames after a {type(inbound.msg).__name__}"
+            )
+            return
         match FAULTS.hit(f"control.recv.{type(inbound.msg).__name__}"):
             case Verdict.PASS:
                 self._dispatch(inbound)
@@ -397,10 +413,17 @@ class Control:
             self.on_send_failed(peer, msg, why)
             return
         try:
+            parts: list[Frame]
             if bulk is None:
-                self.send_raw(peer, self.auth.sign([body]))
+                parts = list(self.auth.sign([body]))
             else:  # the frames' buffers are the sender's, unchanged until sent: no copy
-                self.send_raw(peer, [*self.auth.sign([body], bulk.digests), *bulk.frames()], False)
+                parts = [*self.auth.sign([body], bulk.digests), *bulk.frames()]
+        except (ValueError, struct.error) as e:  # more bulk frames than the auth frame counts
+            self.stats.encode_failed += 1
+            self.on_send_failed(peer, msg, f"cannot sign {type(msg).__name__}: {e}")
+            return
+        try:
+            self.send_raw(peer, parts, bulk is None)
         except zmq.ZMQError as e:  # Again (peer not draining) or EHOSTUNREACH (gone)
             self.stats.send_failed += 1
             self.on_send_failed(peer, msg, f"send failed: {e}")

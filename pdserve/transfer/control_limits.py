@@ -34,6 +34,18 @@ RECV_BATCH = 256  # messages read from one socket per tick
 # Bytes read from one socket per tick (a message that crosses it is still read whole): a few
 # KV chunks of a large model on D, many times the largest message P takes.
 RECV_BYTES = 64 * 2**20
+# The most KV a KVChunk carries (tcp backend): P splits a write into chunks of at most this many
+# bytes (one page at least), so a chunk is read within one tick's budget, its page count fits the
+# auth frame's 2-byte bulk count, and D stages it in one bounded step; D refuses a larger one.
+MAX_CHUNK_BYTES = RECV_BYTES
+MAX_CHUNK_PAGES = 0xFFFF  # the auth frame counts bulk frames in 2 bytes
+
+
+def chunk_pages(page_bytes: int) -> int:
+    """Pages a KVChunk may carry, for pages of `page_bytes` (always at least one)."""
+    return max(1, min(MAX_CHUNK_PAGES, MAX_CHUNK_BYTES // page_bytes))
+
+
 ROUTER_RCVHWM = 1000  # messages ZMQ queues per connected peer on P (ZMQ's default, made explicit)
 # A connection must finish ZMQ's handshake this soon (ZMQ's default is 30 s): a half-open
 # connection holds a descriptor on P until then.

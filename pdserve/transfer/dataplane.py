@@ -33,6 +33,7 @@ from pdserve.protocol.messages import KVChunk
 from pdserve.runtime.gpu_wait import wait_event
 from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Control
+from pdserve.transfer.control_limits import chunk_pages
 from pdserve.transfer.errors import PeerGone as PeerGone
 from pdserve.transfer.errors import WriteError as WriteError
 
@@ -183,15 +184,16 @@ class TcpWriter:
         def copy() -> None:
             if ready is not None:
                 wait_event(ready, "the step that computed the pages")
-            # One bulk frame per page, a row of our own copy (ZMQ sends from it). The send only
-            # queues the message on the control outbox, ahead of the PrefillDone that follows.
-            rows = src.copy_out(src_pages).numpy()  # [n, page_bytes]
-            bulk = Bulk.seal([memoryview(row) for row in rows], self.workers)
-            self.control.send(
-                self.peer,
-                KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=dst_pages),
-                bulk,
-            )
+            # One bulk frame per page, a row of our own copy (ZMQ sends from it), in chunks of
+            # at most chunk_pages. A send only queues the message on the control outbox, ahead
+            # of the PrefillDone that follows.
+            step = chunk_pages(src.page_bytes)
+            for at in range(0, max(1, len(src_pages)), step):
+                rows = src.copy_out(src_pages[at : at + step]).numpy()  # [n, page_bytes]
+                bulk = Bulk.seal([memoryview(row) for row in rows], self.workers)
+                pages = dst_pages[at : at + step]
+                msg = KVChunk(room=room, epoch=epoch, sender=self.sender, dst_pages=pages)
+                self.control.send(self.peer, msg, bulk)
 
         nbytes = len(src_pages) * src.page_bytes
         return post(self.copier, nbytes, copy, deadline)

@@ -12,15 +12,20 @@ byte it counts has landed (transfer/receiver.py: tcp's bytes never trail Prefill
 stager keeps the control thread's order for every message: one that comes while chunks are
 queued goes behind them, through the stager; with none queued it goes straight to the engine.
 
-Bound (LESSONS #18): at most STAGE_MAX_BYTES of frames wait here. A chunk that comes when more
-would wait is refused without a byte of it read: the engine gets it as refused, and its room
-fails. The control thread never blocks, and D's memory stays bounded whatever a peer sends.
+Bounds (LESSONS #18): a chunk of more than MAX_CHUNK_BYTES (control_limits.py: P splits its
+writes below it) is refused unread. At most STAGE_MAX_BYTES of KV is held between the control
+thread and the engine: frames waiting here, and staged rows until the engine has written and
+dropped them (each row tensor releases its bytes when it is freed). A chunk that comes when more
+would be held is refused without a byte of it read and its frames let go: the engine gets it as
+refused, and its room fails. So the control thread never blocks, and D's memory for KV in
+transit stays bounded whatever a peer sends.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,10 +36,11 @@ from pdserve.protocol.messages import KVChunk
 from pdserve.runtime.timing import COPIER_QUEUE_WAIT_S
 from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Inbound
+from pdserve.transfer.control_limits import MAX_CHUNK_BYTES
 from pdserve.transfer.frame_workers import FrameWorkers
 
-# Frames waiting to be staged, at most (one chunk over it is taken when nothing waits): far
-# above what the stager holds while it keeps up (a few chunks), far below a host's memory.
+# KV held between the control thread and the engine, at most: far above what is held while the
+# stager and the engine keep up (a few chunks), far below a host's memory.
 STAGE_MAX_BYTES = 1 << 30
 
 
@@ -63,9 +69,11 @@ class Stager:
         self.pin = pin
         self.workers = workers
         self._jobs: queue.Queue[tuple[Inbound, str]] = queue.Queue()
-        self._lock = threading.Lock()  # order: the queue's state and every delivery
+        # Order: the queue's state and every delivery. Reentrant: a staged row freed on this
+        # thread while it delivers releases its bytes under it.
+        self._lock = threading.RLock()
         self._waiting = 0  # messages put and not yet delivered
-        self._bytes = 0  # of their frames
+        self._bytes = 0  # KV held: queued frames, and staged rows not yet freed
         self.staged = 0  # chunks staged, for /debug/state
         self.refused = 0  # chunks refused (full, bad frames)
 
@@ -78,9 +86,12 @@ class Stager:
                 self.deliver(inbound)
                 return
             why = ""
-            if size and self._bytes and self._bytes + size > STAGE_MAX_BYTES:
-                why = f"D's stager already holds {self._bytes} bytes of KV frames to check"
-                size = 0
+            if size > max(MAX_CHUNK_BYTES, self.page_bytes):
+                why = f"a KV chunk of {size} bytes (at most {MAX_CHUNK_BYTES})"
+            elif size and self._bytes + size > STAGE_MAX_BYTES:
+                why = f"D already holds {self._bytes} bytes of KV in transit"
+            if why:  # refused unread: its frames go now
+                inbound, size = Inbound(inbound.peer, inbound.msg), 0
             self._waiting += 1
             self._bytes += size
             self._jobs.put((inbound, why))
@@ -93,14 +104,15 @@ class Stager:
         except queue.Empty:
             return
         out: object = inbound
-        size = 0
-        if isinstance(inbound.msg, KVChunk):
-            size = 0 if why or inbound.bulk is None else inbound.bulk.nbytes
-            out = self._stage(inbound.peer, inbound.msg, inbound.bulk, why)
-        with self._lock:
-            self._waiting -= 1
-            self._bytes -= size
-            self.deliver(out)
+        size = inbound.bulk.nbytes if inbound.bulk is not None else 0
+        try:
+            if isinstance(inbound.msg, KVChunk):
+                out = self._stage(inbound.peer, inbound.msg, inbound.bulk, why)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                self._bytes -= size  # the frames go; staged rows hold their own bytes
+                self.deliver(out)
 
     def _stage(self, peer: str, msg: KVChunk, bulk: Bulk | None, why: str) -> StagedChunk:
         """The chunk's rows, every frame checked against its digest, or why not."""
@@ -111,9 +123,25 @@ class Stager:
                 why = f"{type(e).__name__}: {e}"
             else:
                 self.staged += 1
+                self._hold(rows)
                 return StagedChunk(peer, msg, rows)
         self.refused += 1
         return StagedChunk(peer, msg, None, why)
+
+    def _hold(self, rows: torch.Tensor) -> None:
+        """Count `rows` as held until the tensor is freed (the engine wrote it, or dropped it)."""
+        size = rows.numel()
+        with self._lock:
+            self._bytes += size
+        weakref.finalize(rows, self._release, size)
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._bytes -= size
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
 
     def _rows(self, msg: KVChunk, bulk: Bulk | None) -> torch.Tensor:
         n = len(msg.dst_pages)

@@ -189,6 +189,19 @@ def test_bulk_frames_cross_unchecked_and_unaltered():
         p.control.send("d-test", Ping(nonce=3))
         pump(lambda: d.nonces() == [3])
         assert d.control.stats.dropped["unexpected_frames"] == 1
+        # Bulk frames after any message but a KVChunk: nobody would read them, dropped.
+        page = Bulk.seal([b"page"])
+        signed = p.control.auth.sign([encode(Ping(nonce=4))], page.digests)
+        p.control.send_raw("d-test", [*signed, b"page"])
+        p.control.send("d-test", Ping(nonce=5))
+        pump(lambda: d.nonces() == [3, 5])
+        assert d.control.stats.dropped["unexpected_frames"] == 2
+        # More bulk frames than the auth frame can count fail their send, saying why.
+        p.control.send("d-test", chunk, Bulk.seal([b"x"] * 0x10000))
+        p.control.tick()
+        assert p.failed == [
+            ("KVChunk", "cannot sign KVChunk: 'H' format requires 0 <= number <= 65535")
+        ]
     finally:
         p.control.close()
         d.control.close()

@@ -10,6 +10,7 @@ import torch
 from pdserve.kvcache.pool import KVPool
 from pdserve.kvcache.rank_pages import RankPages
 from pdserve.protocol.messages import KVChunk, Msg
+from pdserve.transfer import control_limits
 from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Inbound
 from pdserve.transfer.dataplane import ShmWriter, TcpWriter
@@ -212,3 +213,17 @@ def test_a_copy_waits_for_the_step_that_computes_its_pages(backend):
         assert_landed(src, dst)  # the bytes after the step, not before
     finally:
         dst.close()
+
+
+def test_a_large_write_goes_in_chunks_of_at_most_its_bound(monkeypatch):
+    src, dst = pools("bfloat16", shared=False)
+    monkeypatch.setattr(control_limits, "MAX_CHUNK_BYTES", 2 * src.layout.page_bytes + 1)
+    ctl = CapturingControl()
+    TcpWriter(ctl, "d0", "p0").write(5, 2, RankPages.of(src), SRC, DST, 0.0)  # type: ignore[arg-type]
+    chunks = [(msg, bulk) for _, msg, bulk in ctl.sent]
+    assert [m.dst_pages for m, _ in chunks] == [DST[:2], DST[2:]]  # type: ignore[attr-defined]
+    for msg, bulk in chunks:
+        assert isinstance(msg, KVChunk)
+        receive(dst, msg, bulk)
+    assert_landed(src, dst)
+    assert control_limits.chunk_pages(10**12) == 1  # a page larger than the bound goes alone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -70,22 +72,36 @@ def test_frames_are_checked_on_the_workers():
 
 
 def test_past_its_bound_a_chunk_is_refused_unread(monkeypatch):
+    """What D holds in transit counts queued frames and staged rows until the engine frees them;
+    a chunk that would take it past the bound, or one larger than P ever sends, is refused and
+    its frames let go at once."""
     monkeypatch.setattr(stager_mod, "STAGE_MAX_BYTES", 3 * PAGE)
+    monkeypatch.setattr(stager_mod, "MAX_CHUNK_BYTES", 2 * PAGE)
     got: list[object] = []
     s = Stager(got.append, PAGE, pin=False)
-    s.put(chunk(1, [0, 1, 2, 3]))  # over the bound alone, but nothing waits: taken
-    s.put(chunk(2, [4]))  # would make 5 pages wait: refused
+    s.put(chunk(1, [0, 1]))
+    assert s.held_bytes == 2 * PAGE
+    s.put(chunk(2, [2, 3]))  # would hold 4 pages: refused
+    s.put(chunk(3, [4, 5, 6]))  # larger than any chunk P sends: refused
     s.put(done(2))
-    for _ in range(3):
+    assert s.held_bytes == 2 * PAGE  # the refused ones' frames are not held
+    for _ in range(4):
         s.tick()
-    assert kinds(got) == ["KVChunk", "KVChunk!", "PrefillDone"]
-    refused = got[1]
-    assert isinstance(refused, StagedChunk) and refused.rows is None
-    assert "already holds 16384 bytes" in refused.refused
-    assert (s._waiting, s._bytes) == (0, 0)
-    s.put(chunk(3, [5]))  # drained: taken again
+    assert kinds(got) == ["KVChunk", "KVChunk!", "KVChunk!", "PrefillDone"]
+    assert "holds 8192 bytes of KV in transit" in got[1].refused  # type: ignore[attr-defined]
+    assert "a KV chunk of 12288 bytes" in got[2].refused  # type: ignore[attr-defined]
+    assert s.held_bytes == 2 * PAGE  # the staged rows, until the engine lets them go
+    s.put(chunk(4, [7]))
+    s.put(chunk(5, [8]))  # 4 pages again: refused
     s.tick()
-    assert kinds(got)[-1] == "KVChunk" and (s.staged, s.refused) == (2, 1)
+    s.tick()
+    assert kinds(got)[-2:] == ["KVChunk", "KVChunk!"]
+    got.clear()  # the engine wrote them and dropped them
+    gc.collect()
+    assert s.held_bytes == 0 and s._waiting == 0
+    s.put(chunk(6, [9, 10]))  # taken again
+    s.tick()
+    assert kinds(got) == ["KVChunk"] and (s.staged, s.refused) == (3, 3)
 
 
 def test_a_chunk_that_cannot_be_staged_fails_itself_not_the_thread():
