@@ -132,6 +132,7 @@ class RankPages:
         if len(rows) != 1:
             raise ValueError(f"the ranks' pools differ in pages: {sorted(rows)}")
         self.num_rows = rows.pop()
+        self._copy_stream: torch.cuda.Stream | None = None  # copy_out's, made on first use
         self.dp = dp and self.tp > 1
         if self.dp and (split_by_head(whole) or whole.state):
             raise ValueError("data-parallel attention's pages are whole, without state (MLA)")
@@ -186,16 +187,22 @@ class RankPages:
 
     def copy_out(self, pages: Sequence[int]) -> torch.Tensor:
         """A copy of `pages`' whole-model bytes on the host, [len(pages), page_bytes] uint8, that
-        no later step touches: from a CUDA pool one gather and one copy into pinned memory (a
-        DMA, no host copy), on the CPU one gather."""
+        no later step touches: from a CUDA pool a DMA per page into pinned memory, on the CPU
+        one gather. The caller has waited for the step that computed the pages (a write's
+        `ready`): on a GPU the copies run on a stream of their own, so they wait for nothing the
+        engine queued since, and return once they are done."""
         first = self.pools[0]
         if self.dp or self.by_head:  # assembled from several pools: already a copy
             return torch.stack(self.read(pages)) if pages else self._empty(0, pin=False)
-        idx = torch.tensor(list(pages), dtype=torch.long, device=first.device)
         if not first.is_cuda:
-            return first.index_select(0, idx)
-        out = self._empty(len(idx), pin=True)
-        out.copy_(first.index_select(0, idx))  # waits for the copy: the caller reads it next
+            return first.index_select(0, torch.tensor(list(pages), dtype=torch.long))
+        out = self._empty(len(pages), pin=True)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(first.device)
+        with torch.cuda.stream(self._copy_stream):
+            for row, page in zip(out, pages, strict=True):
+                row.copy_(first[page], non_blocking=True)
+        self._copy_stream.synchronize()
         return out
 
     def _empty(self, n: int, pin: bool) -> torch.Tensor:

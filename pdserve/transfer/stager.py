@@ -143,6 +143,16 @@ class Stager:
     def held_bytes(self) -> int:
         return self._bytes
 
+    def snapshot(self) -> dict[str, int]:
+        """For /debug/state: chunks staged and refused, KV bytes held, messages queued."""
+        with self._lock:
+            return {
+                "staged": self.staged,
+                "refused": self.refused,
+                "held_bytes": self._bytes,
+                "waiting": self._waiting,
+            }
+
     def _rows(self, msg: KVChunk, bulk: Bulk | None) -> torch.Tensor:
         n = len(msg.dst_pages)
         sizes = bulk.sizes if bulk is not None else []

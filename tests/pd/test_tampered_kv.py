@@ -116,6 +116,8 @@ def test_a_kv_frame_altered_after_signing_fails_its_request(tiny_dir, tmp_path):
         assert good["finish_reason"] == "length", good
         state = call("GET", d.url + "/debug/state")[1]
         assert all(t["alive"] and t["crashes"] == 0 for t in state["threads"]), state["threads"]
+        stager = state["engine"]["role"]["stager"]
+        assert (stager["staged"], stager["refused"], stager["waiting"]) == (1, 1, 0), stager
         assert call("GET", d.url + "/health")[0] == 200
     finally:
         d.stop()

@@ -35,7 +35,7 @@ from pdserve.runtime.faults import FAULTS
 from pdserve.runtime.timing import PD_TIMING, PdTiming
 from pdserve.transfer.control import Control, Inbound
 from pdserve.transfer.receiver import KVReceiver, open_receiver, register_message
-from pdserve.transfer.stager import StagedChunk
+from pdserve.transfer.stager import StagedChunk, Stager
 from pdserve.worker.decode.metrics import DecodeMetrics
 from pdserve.worker.decode.pairing import PrefillPairing
 from pdserve.worker.decode.peers import PrefillPeers
@@ -74,6 +74,7 @@ class DecodeRole(Role):
         self.identity = identity
         self.receiver: KVReceiver = open_receiver(backend, identity, self.pool, self.pages)
         self.control = control
+        self.stager: Stager | None = None  # tcp: the host's stager, read for /debug/state only
         self.by_room: dict[int, DRoom] = {}
         self.by_request: dict[str, DRoom] = {}
         self.admitting: deque[HeldSubmit] = deque()  # waiting for destination pages
@@ -424,4 +425,5 @@ class DecodeRole(Role):
             self.control.stats.snapshot() if self.control is not None else {},
             self.metrics.snapshot(now),
             now,
+            self.stager.snapshot() if self.stager is not None else None,
         )

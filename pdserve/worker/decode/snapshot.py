@@ -23,8 +23,10 @@ def decode_snapshot(
     control: dict[str, object],
     prefill: dict[str, Any],
     now: float,
+    stager: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """`prefill`: DecodeMetrics.snapshot, where this worker's requests were prefilled."""
+    """`prefill`: DecodeMetrics.snapshot, where this worker's requests were prefilled;
+    `stager`: Stager.snapshot (tcp), None without one."""
     return {
         "peers": [
             {
@@ -57,4 +59,5 @@ def decode_snapshot(
         "stats": stats.snapshot(),
         "prefill": prefill,  # {remote, local, last_local_age_s}: doctor's decode-only finding
         "control": control,
+        "stager": stager,  # tcp: KV chunks staged and refused, bytes in transit
     }

@@ -131,6 +131,7 @@ class LocalEngine:
                     pool = self.engine.pool.data
                     page_bytes = d_role.pages.page_bytes
                     self.stager = Stager(self._queue, page_bytes, pool.is_cuda, self.workers)
+                    d_role.stager = self.stager
             self.info.update(identity=identity, backend=cfg.backend)
         # what a peer compares: the whole model's (rank 0's pool holds its heads only at TP > 1)
         pages = self.engine.pages
