@@ -20,9 +20,8 @@ at all (transfer/control_handshake.py: PLAIN with a password from the cluster ke
 requests this thread answers, or CURVE).
 
 Fault points `control.recv.<Type>` / `control.send.<Type>` (runtime/faults.py) are carried out
-here, on the I/O thread: a message may be dropped, doubled, swapped with the next one in the
-same direction (held at most HOLD_S, flushed by `tick`), or replaced by an unknown-type or
-malformed frame, which goes through the same decoder (recv) or onto the wire (send).
+on the I/O thread, one `FaultedPath` a direction (transfer/control_faults.py); `tick` releases
+what a `reorder` held for HOLD_S.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from pdserve.protocol.messages import (
@@ -49,9 +47,9 @@ from pdserve.protocol.messages import (
     encode,
 )
 from pdserve.runtime.cluster_key import ClusterKey
-from pdserve.runtime.faults import FAULTS, Verdict
 from pdserve.runtime.timing import DROP_LOG_EVERY_S, HOLD_S
 from pdserve.transfer.bulk import Bulk, Frame
+from pdserve.transfer.control_faults import FaultedPath
 from pdserve.transfer.control_handshake import (
     ZAP_ENDPOINT,
     Handshake,
@@ -71,9 +69,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the I/O loop's longest sleep in poll (sends wake it; this bounds held messages)
 OUTBOX_LIMIT = 10_000
-# What `unknown` and `malformed` faults put in a message's place.
-UNKNOWN_FRAME = msgspec.msgpack.encode({"type": "FaultInjectedUnknown", "room": 0})
-MALFORMED_FRAME = b"\xc1 fault-injected garbage"  # 0xc1 is never valid msgpack
 
 
 @dataclass(frozen=True)
@@ -138,9 +133,9 @@ class Control:
         self.router: zmq.Socket[bytes] | None = None
         self.dealers: dict[str, zmq.Socket[bytes]] = {}
         self.outbox: queue.Queue[Outgoing] = queue.Queue(OUTBOX_LIMIT)
-        # Messages a `reorder` fault holds back, oldest first, with when they were held.
-        self.held_in: deque[tuple[float, Inbound]] = deque()
-        self.held_out: deque[tuple[float, Outgoing]] = deque()
+        # Each direction through its fault points (transfer/control_faults.py).
+        self.faults_in: FaultedPath[Inbound] = FaultedPath(self._dispatch, self._decode_junk)
+        self.faults_out: FaultedPath[Outgoing] = FaultedPath(self._transmit, self._send_junk)
         self._forget: deque[str] = deque()  # dealers to close (D): see forget()
         self.stats = ControlStats()
         self.address = ""
@@ -242,17 +237,15 @@ class Control:
                 out = self.outbox.get_nowait()
             except queue.Empty:
                 break
-            self._send_now(out)
+            self.faults_out.through(f"control.send.{type(out[1]).__name__}", out)
         while self._forget:
             dealer = self.dealers.pop(self._forget.popleft(), None)
             if dealer is not None:
                 self.poller.unregister(dealer)
                 dealer.close(0)
         too_old = time.monotonic() - HOLD_S
-        while self.held_in and self.held_in[0][0] < too_old:
-            self._dispatch(self.held_in.popleft()[1])
-        while self.held_out and self.held_out[0][0] < too_old:
-            self._transmit(self.held_out.popleft()[1])
+        self.faults_in.release_older(too_old)
+        self.faults_out.release_older(too_old)
 
     def _read(self, sock: zmq.Socket[bytes]) -> None:
         """Read at most RECV_BATCH messages or RECV_BYTES bytes from `sock` (LESSONS #18)."""
@@ -360,43 +353,12 @@ class Control:
                 "unexpected_frames", peer, f"bulk frames after a {type(inbound.msg).__name__}"
             )
             return
-        match FAULTS.hit(f"control.recv.{type(inbound.msg).__name__}"):
-            case Verdict.PASS:
-                self._dispatch(inbound)
-            case Verdict.DROP:
-                pass
-            case Verdict.DUPLICATE:
-                self._dispatch(inbound)
-                self._dispatch(inbound)
-            case Verdict.REORDER:
-                self.held_in.append((time.monotonic(), inbound))
-                return
-            case Verdict.UNKNOWN:
-                self._decode(peer, UNKNOWN_FRAME)
-            case Verdict.MALFORMED:
-                self._decode(peer, MALFORMED_FRAME)
-        while self.held_in:
-            self._dispatch(self.held_in.popleft()[1])
+        self.faults_in.through(f"control.recv.{type(inbound.msg).__name__}", inbound)
 
-    def _send_now(self, out: Outgoing) -> None:
-        peer, msg, _ = out
-        match FAULTS.hit(f"control.send.{type(msg).__name__}"):
-            case Verdict.PASS:
-                self._transmit(out)
-            case Verdict.DROP:
-                pass
-            case Verdict.DUPLICATE:
-                self._transmit(out)
-                self._transmit(out)
-            case Verdict.REORDER:
-                self.held_out.append((time.monotonic(), out))
-                return
-            case Verdict.UNKNOWN:
-                self._send_junk(peer, UNKNOWN_FRAME)
-            case Verdict.MALFORMED:
-                self._send_junk(peer, MALFORMED_FRAME)
-        while self.held_out:
-            self._transmit(self.held_out.popleft()[1])
+    def _decode_junk(self, inbound: Inbound, frame: bytes) -> None:
+        """A fault's frame in place of a received message: through the one decoder, no
+        further (it is counted and dropped there)."""
+        self._decode(inbound.peer, frame)
 
     def _transmit(self, out: Outgoing) -> None:
         peer, msg, bulk = out
@@ -430,8 +392,9 @@ class Control:
             return
         self.stats.sent[type(msg).__name__] += 1
 
-    def _send_junk(self, peer: str, frame: bytes) -> None:
+    def _send_junk(self, out: Outgoing, frame: bytes) -> None:
         """A fault's frame in place of a message; the message is lost either way."""
+        peer = out[0]
         try:
             self.send_raw(peer, self.auth.sign([frame]))  # a member's junk: it gets decoded
         except zmq.ZMQError as e:
