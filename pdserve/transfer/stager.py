@@ -4,8 +4,8 @@ A KVChunk's bulk frames reach D's control thread unchecked (transfer/bulk.py). T
 thread, with the frame workers (transfer/frame_workers.py), checks each frame against its
 digest and copies it out of ZMQ's buffers into one host tensor (pinned for a GPU pool), and
 hands the engine a `StagedChunk`. So the control thread only reads sockets and checks MACs,
-and the engine thread only writes a staged chunk into the room's pages (from a GPU, one
-asynchronous copy).
+and the engine thread only writes a staged chunk into the room's pages (to a GPU: one
+asynchronous copy from pinned memory, then one per page).
 
 Order: a room's PrefillDone follows its KVChunks on the socket, and D decodes only once every
 byte it counts has landed (transfer/receiver.py: tcp's bytes never trail PrefillDone). So the
