@@ -5,7 +5,9 @@ else: P's `TcpWriter` posts the room's pages on the data-plane `Copier` thread (
 the pool, the pages' digests on the frame workers), P's `Control` signs and sends; D's
 `Control` checks the message, D's `Stager` checks and stages the pages (with its frame
 workers), and an engine-thread stand-in writes them into D's pool (`TcpReceiver.accept_rows`)
-and answers with a Ping that names the room. P keeps `--inflight` rooms in flight. Reported:
+and answers with a Ping that names the room; beside it a thread stands in for D's decode
+steps (`decode_steps`) and reports how late each woke: the time it waited for the GIL while
+the path ran in its process. P keeps `--inflight` rooms in flight. Reported:
 GB/s of KV, each process's CPU seconds per GB (user + system, all its threads), and a room's
 round trip (its write posted to its answer; with `--inflight 1`, the path's latency).
 
@@ -42,6 +44,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0  # the whole run's answers must come within this of each other
 PAGE = 16
+STEP_S = 0.002  # a decode step on the GPU at batch 128 (issue 38's H100 figures)
+STEP_HOST_S = 0.0003  # its host work
 
 
 def cpu_s() -> float:
@@ -106,15 +110,35 @@ def decode_side(tree: str, key_hex: str, address: str, pages: int) -> None:
     for tick in threads:
         threading.Thread(target=lambda t=tick: [t() for _ in iter(stop.is_set, True)],
                          daemon=True).start()  # fmt: skip
+    late: list[float] = []
+    steps = threading.Thread(target=decode_steps, args=(stop, late), daemon=True)
     control.send(address, Ping(nonce=0))  # hello: P learns our identity
     before = cpu_s()
+    steps.start()
     while True:
         cmd = inbox.get(timeout=WAIT_S)
         if isinstance(cmd, Inbound) and isinstance(cmd.msg, Ping):  # P: done
             break
         control.send(address, Ping(nonce=take(cmd)))
-    print(json.dumps({"d_cpu_s": cpu_s() - before}), flush=True)
+    d_cpu = cpu_s() - before
     stop.set()
+    steps.join(timeout=WAIT_S)
+    late.sort()
+    at = [late[min(len(late) - 1, int(q * len(late)))] * 1e3 for q in (0.5, 0.9, 0.99)]
+    print(json.dumps({"d_cpu_s": d_cpu, "step_late_ms": [round(x, 3) for x in at]}), flush=True)
+
+
+def decode_steps(stop: threading.Event, late: list[float]) -> None:
+    """D's engine as the GIL sees it: a GPU step of STEP_S (the thread holds no GIL, as in
+    `wait_event`), then STEP_HOST_S of Python. Each step's wake-up lateness is the time it
+    waited for the GIL (and, on a machine with few cores, for a core)."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        time.sleep(STEP_S)
+        woke = time.perf_counter()
+        late.append(woke - t - STEP_S)
+        while time.perf_counter() - woke < STEP_HOST_S:
+            pass
 
 
 def prefill_side(tree: str, rooms: int, inflight: int, tokens: int) -> dict[str, Any]:
@@ -202,14 +226,22 @@ def prefill_side(tree: str, rooms: int, inflight: int, tokens: int) -> dict[str,
             d.kill()  # by its own handle: only the process this run started
             d.wait(5.0)
     gb = rooms * per_room * lay.page_bytes / 1e9
-    d_cpu = json.loads(out.strip().splitlines()[-1])["d_cpu_s"]
+    d_said = json.loads(out.strip().splitlines()[-1])
     return {
         "GBps": round(gb / wall, 3),
         "p_cpu_s_per_GB": round(p_cpu / gb, 3),
-        "d_cpu_s_per_GB": round(d_cpu / gb, 3),
+        "d_cpu_s_per_GB": round(d_said["d_cpu_s"] / gb, 3),
+        "d_step_late_ms_p50_p90_p99": d_said["step_late_ms"],
         "room_ms_p50": round(statistics.median(took) * 1e3, 3),
         "wall_s": round(wall, 3),
     }
+
+
+def median_of(values: list[Any]) -> Any:
+    """The median of numbers, or of lists of numbers position by position."""
+    if isinstance(values[0], list):
+        return [statistics.median(col) for col in zip(*values, strict=True)]
+    return statistics.median(values)
 
 
 def main() -> None:
@@ -247,8 +279,7 @@ def main() -> None:
         "bytes_per_room": args.tokens * 32 * 1024,
         "runs": runs,
         "median": {
-            name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            for name, rs in runs.items()
+            name: {k: median_of([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()
         },
     }
     names = list(trees)

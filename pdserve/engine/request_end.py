@@ -59,6 +59,22 @@ class RequestEnds:
             )
         )
 
+    def streams_early(self, req: Request, tok: int) -> bool:
+        """Whether `req`'s first token `tok`, sampled by a peer, may be streamed before the
+        request decodes here (engine/role.py StreamFirst): it cannot end the request (by any
+        stop token, min_tokens aside, or by length), and the request needs nothing that comes
+        only with its KV (its prompt's logprobs, which go out with the first token; a grammar's
+        matcher, which takes the token once compiled)."""
+        p = req.params
+        return (
+            not req.constrained
+            and p.prompt_logprobs is None
+            and p.max_tokens > 1
+            and len(req.prompt_ids) + 1 < self.max_model_len
+            and tok not in p.stop_token_ids
+            and (p.ignore_eos or tok not in req.eos_token_ids)
+        )
+
     def _stop_event(self, req: Request, tok: int) -> Event | None:
         p = req.params
         if len(req.output_ids) >= p.min_tokens and (

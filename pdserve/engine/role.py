@@ -42,10 +42,11 @@ scheduler, the leases of requests or the engine's metrics. The tokens the engine
 itself: a submission's prompt (the decode role's too), a prompt it computes, a token a role
 takes. Two effects answer: `KeepPages` ends a request but hands its lease to the role through a
 verb (`kept`), whose room then releases it; an `Adopt` calls its `started(now)` once the
-scheduler took the request (the decode role counts a completed transfer there). The scheduler
-asks `pins(req)` before preempting. `Role` is the base every role derives from: each verb's
-default is "nothing to add", so a role writes only the verbs it has. `Colocated`, the role of a
-worker that prefills and decodes itself, is the base alone.
+scheduler took the request (the decode role counts a completed transfer there). A
+`StreamFirst` streams a peer's first token ahead of its Adopt where it cannot end the
+request. The scheduler asks `pins(req)` before preempting. `Role` is the base every role
+derives from: each verb's default is "nothing to add", so a role writes only the verbs it has.
+`Colocated`, the role of a worker that prefills and decodes itself, is the base alone.
 """
 
 from __future__ import annotations
@@ -115,6 +116,19 @@ class Adopt:
 
 
 @dataclass(frozen=True)
+class StreamFirst:
+    """Stream `req`'s first token `token`, sampled by a peer, before its KV is here, unless the
+    token would end the request or the request needs what only comes with the KV (its prompt's
+    logprobs, a grammar's matcher): its Adopt then takes the token without streaming it again,
+    and a request that did not stream it early streams it at its Adopt, as before."""
+
+    req: Request
+    token: int
+    logprob: TokenLogprob | None
+    why_failed: ClassVar[str] = "its first token could not be streamed"
+
+
+@dataclass(frozen=True)
 class Finish:
     """End `req` (Engine.finish): a request outside the scheduler (its room owns its pages),
     or one the scheduler releases."""
@@ -136,7 +150,7 @@ class KeepPages:
     why_failed: ClassVar[str] = "it could not leave the batch"
 
 
-Effect = ComputePrompt | Adopt | Finish | KeepPages
+Effect = ComputePrompt | Adopt | StreamFirst | Finish | KeepPages
 
 
 class Room(Protocol):

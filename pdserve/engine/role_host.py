@@ -21,7 +21,15 @@ from pdserve.config import EngineConfig
 from pdserve.engine.grammar_waits import GrammarWaits
 from pdserve.engine.request import Event, Request, TokenLogprob
 from pdserve.engine.request_end import RequestEnds
-from pdserve.engine.role import Adopt, ComputePrompt, Effect, Finish, KeepPages, Role
+from pdserve.engine.role import (
+    Adopt,
+    ComputePrompt,
+    Effect,
+    Finish,
+    KeepPages,
+    Role,
+    StreamFirst,
+)
 from pdserve.kvcache.lease import Lease, Leases
 
 log = logging.getLogger(__name__)
@@ -100,6 +108,9 @@ class RoleHosting(RequestEnds):
                 self._adopt(req, lease, tok, lp, now)
                 if started is not None:
                     started(now)
+            case StreamFirst(req=req, token=tok, logprob=lp):
+                if not req.status.finished and not req.output_ids and self.streams_early(req, tok):
+                    self.emit_token(req, tok, lp, now)
             case Finish(req=req, event=event, error=error):
                 self.finish(req, event, error)
             case KeepPages(req=req, event=event, owner=owner):
@@ -109,11 +120,16 @@ class RoleHosting(RequestEnds):
         self, req: Request, lease: Lease, tok: int, lp: TokenLogprob | None, now: float
     ) -> None:
         req.num_computed = len(req.prompt_ids)
+        streamed = bool(req.output_ids)  # its StreamFirst streamed P's first token
         try:
+            if streamed and req.output_ids != [tok]:
+                raise ValueError(f"first token {tok} is not the {req.output_ids} streamed")
             self.scheduler.adopt(req, lease)  # the scheduler owns the lease from here
         except Exception:
             lease.release()  # never the scheduler's: it goes back, and the request fails
             raise
+        if streamed:
+            return
         if not self.grammar_waits.hold(req, (tok, lp, now)):  # else taken once it compiled
             self._take_first_token(req, tok, lp, now)
 

@@ -34,6 +34,7 @@ import torch
 
 from pdserve.kvcache.layout import KVLayout
 from pdserve.kvcache.pool import KVPool, ShmRef
+from pdserve.runtime.gpu_wait import wait_event
 
 REF_WORDS = 4  # a pool reference as int64 words: pid, fd, and the token's 16 bytes
 
@@ -202,7 +203,9 @@ class RankPages:
         with torch.cuda.stream(self._copy_stream):
             for row, page in zip(out, pages, strict=True):
                 row.copy_(first[page], non_blocking=True)
-        self._copy_stream.synchronize()
+            done = torch.cuda.Event()
+            done.record()
+        wait_event(done, "copy of a room's pages out of the GPU pool")
         return out
 
     def _empty(self, n: int, pin: bool) -> torch.Tensor:

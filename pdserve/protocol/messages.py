@@ -135,6 +135,16 @@ class PrefillDone(Msg, frozen=True):
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
+class FirstToken(Msg, frozen=True):
+    """P -> D, the moment P sampled the room's first token while KV writes of the room are
+    still in flight: D may stream it to the client at once, so that the first token does not
+    wait for the transfer (worker/decode/role.py). PrefillDone still follows with the same
+    token, and decoding still waits for it."""
+
+    token: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
 class PrefillFailed(Msg, frozen=True):
     reason: str
     # P released writes it could not confirm (deadline, peer error): some bytes may still
@@ -179,6 +189,7 @@ Message = (
     | PrefillAccept
     | PrefillReject
     | KVChunk
+    | FirstToken
     | PrefillDone
     | PrefillFailed
     | Abort
@@ -195,6 +206,7 @@ MESSAGE_TYPES: tuple[type[Msg], ...] = (
     PrefillAccept,
     PrefillReject,
     KVChunk,
+    FirstToken,
     PrefillDone,
     PrefillFailed,
     Abort,

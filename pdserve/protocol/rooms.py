@@ -26,6 +26,7 @@ class Cmd(enum.Enum):
     STOP_COMPUTE = "stop_compute"  # P: drop the room from the prefill batch
     CANCEL_WRITES = "cancel_writes"  # P: release in-flight write handles (deadline hit)
     SEND_DONE = "send_done"  # P -> D: PrefillDone (writes are complete)
+    SEND_FIRST_TOKEN = "send_first_token"  # P -> D: FirstToken, if writes are still in flight
     SEND_FAILED = "send_failed"  # P -> D: PrefillFailed (no write in flight)
     SEND_ABORT_ACK = "send_abort_ack"  # P -> D: AbortAck (no write in flight)
 
@@ -121,7 +122,7 @@ D_TABLE: dict[tuple[DState, DEvent], tuple[DState, tuple[Cmd, ...]]] = {
 }
 
 P_TABLE: dict[tuple[PState, PEvent], tuple[PState, tuple[Cmd, ...]]] = {
-    (PState.PREFILLING, PEvent.COMPUTED): (PState.WRITING, ()),
+    (PState.PREFILLING, PEvent.COMPUTED): (PState.WRITING, (C.SEND_FIRST_TOKEN,)),
     (PState.PREFILLING, PEvent.ABORT): (PState.ABORTING, (C.STOP_COMPUTE,)),
     (PState.PREFILLING, PEvent.WRITE_FAILED): (PState.FAILING, (C.STOP_COMPUTE,)),
     (PState.PREFILLING, PEvent.DEADLINE): (PState.FAILING, (C.STOP_COMPUTE,)),

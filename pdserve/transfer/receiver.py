@@ -42,6 +42,7 @@ class KVReceiver(Protocol):
     backend: str
     counts_bytes: bool
     bytes_may_trail: bool
+    stages_frames: bool  # KV pages come as bulk frames that D's stager checks and stages
 
     def registration(self) -> tuple[list[ShmPool], NixlPool | None]: ...
 
@@ -67,6 +68,7 @@ class ShmReceiver:
     backend = "shm"
     counts_bytes = False
     bytes_may_trail = False
+    stages_frames = False
 
     def __init__(self, pages: RankPages) -> None:
         if any(ref is None for ref in pages.refs):
@@ -93,6 +95,7 @@ class TcpReceiver:
     backend = "tcp"
     counts_bytes = True
     bytes_may_trail = False
+    stages_frames = True
 
     def __init__(self, pages: RankPages) -> None:
         self.pages = pages
@@ -130,6 +133,7 @@ class NixlReceiver:
     backend = "nixl"
     counts_bytes = True
     bytes_may_trail = True
+    stages_frames = False
 
     def __init__(self, identity: str, pool: KVPool) -> None:
         self.agent = NixlAgent(identity, pool)

@@ -11,6 +11,8 @@ Order: a room's PrefillDone follows its KVChunks on the socket, and D decodes on
 byte it counts has landed (transfer/receiver.py: tcp's bytes never trail PrefillDone). So the
 stager keeps the control thread's order for every message: one that comes while chunks are
 queued goes behind them, through the stager; with none queued it goes straight to the engine.
+A FirstToken always goes straight: it asks for no order (D streams the token only while the
+room still waits for its PrefillDone), and it exists so the first token need not wait for KV.
 
 Bounds (LESSONS #18): a chunk of more than MAX_CHUNK_BYTES (control_limits.py: P splits its
 writes below it) is refused unread. At most STAGE_MAX_BYTES of KV is held between the control
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.protocol.messages import KVChunk
+from pdserve.protocol.messages import FirstToken, KVChunk
 from pdserve.runtime.timing import COPIER_QUEUE_WAIT_S
 from pdserve.transfer.bulk import Bulk
 from pdserve.transfer.control import Inbound
@@ -82,7 +84,7 @@ class Stager:
         chunk = isinstance(inbound.msg, KVChunk)
         size = inbound.bulk.nbytes if chunk and inbound.bulk is not None else 0
         with self._lock:
-            if not chunk and not self._waiting:
+            if isinstance(inbound.msg, FirstToken) or (not chunk and not self._waiting):
                 self.deliver(inbound)
                 return
             why = ""

@@ -2,7 +2,8 @@
 
 Every KVChunk is dropped on arrival (a fault point), so each PrefillDone reports more bytes
 than arrived: the request must fail with an error naming the shortfall — never stream tokens
-computed on incomplete KV — and the pages must come back.
+computed on incomplete KV (P's first token, computed on the whole prompt, may go ahead) — and
+the pages must come back.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def test_dropped_kv_chunks_fail_the_request(tiny_dir, tmp_path):
             )
             with urllib.request.urlopen(req, timeout=30) as r:
                 lines = [json.loads(ln) for ln in r if ln.strip()]
-            assert [ln["token_ids"] for ln in lines] == [[]]
+            # At most P's first token, streamed ahead of the KV (FirstToken), perhaps in the
+            # same line as the error; nothing decoded.
+            assert sum(len(ln["token_ids"]) for ln in lines) <= 1
             assert lines[-1]["finish_reason"] == "error"
             assert "incomplete KV" in lines[-1]["error"]
             pd.wait_quiet()

@@ -33,6 +33,7 @@ SAMPLES = [
     m.PrefillAccept(room=1, epoch=1),
     m.PrefillReject(room=1, reason="full"),
     m.KVChunk(room=1, epoch=1, dst_pages=[4]),
+    m.FirstToken(room=1, epoch=1, token=42),
     m.PrefillDone(room=1, epoch=1, first_token=42),
     m.PrefillFailed(room=1, reason="x"),
     m.Abort(room=1, epoch=1),

@@ -42,6 +42,7 @@ def test_a_request_through_both_roles_matches_colocated(wire, tiny_dir):
         ("p>d", "RegisterAck"),
         ("d>p", "PrefillRequest"),
         ("p>d", "PrefillAccept"),
+        ("p>d", "FirstToken"),  # its writes were in flight when P sampled it
         ("p>d", "PrefillDone"),
     ]
     assert wire.p_role.stats.done == 1 and wire.d_role.stats.done == 1

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.commands import SubmitCommand
 from pdserve.engine.request import Event, Request
-from pdserve.engine.role import Adopt, Finish, Role, RoleHost, Room
+from pdserve.engine.role import Adopt, Finish, Role, RoleHost, Room, StreamFirst
 from pdserve.protocol import messages as m
 from pdserve.protocol.outputs import DEADLINE_ERROR
 from pdserve.protocol.rooms import D_TERMINAL, Cmd, DEvent, DState, step_d
@@ -157,6 +157,10 @@ class DecodeRole(Role):
                 if not (msg.unregistered and self.pairing.register_again(room)):
                     why = blame(room, f"prefill worker refused: {reason}", now)
                     self._apply(room, DEvent.REJECT, now, why)
+            case m.FirstToken(token=tok, logprob=lp):  # the client has it before the KV lands
+                if room.state in (DState.PENDING, DState.PREFILLING) and room.done is None:
+                    lp = lp if room.request.params.logprobs is not None else None
+                    self.effects.append(StreamFirst(room.request, tok, lp))
             case m.PrefillDone():
                 room.done = msg
                 self._try_done(room, now)
@@ -182,8 +186,6 @@ class DecodeRole(Role):
             return
         if problem is not None:
             return self._apply(room, DEvent.FAILED, now, problem)
-        assert room.done is not None
-        self.stats.bytes_acked += room.done.kv_bytes
         self._apply(room, DEvent.DONE, now)
 
     def _take_landed(self, now: float) -> None:
@@ -348,6 +350,8 @@ class DecodeRole(Role):
     def _decoding(self, room: DRoom, now: float) -> None:
         """`room`'s request is decoding (its Adopt applied): a completed transfer."""
         self.stats.done += 1
+        if room.done is not None:  # what it decodes on (a room aborted first decodes nothing)
+            self.stats.bytes_acked += room.done.kv_bytes
         self.metrics.kv_complete(room, now)
 
     def _end_detached(self, req: Request, event: Event, error: str | None) -> None:

@@ -126,7 +126,7 @@ class LocalEngine:
                     registry=self.engine.metrics.registry,  # the role adds its own metrics
                 )
                 self.engine.attach(d_role, self._send)
-                if d_role.receiver.backend == "tcp":  # KV frames checked off both threads
+                if d_role.receiver.stages_frames:  # KV frames checked off both threads
                     self.workers = FrameWorkers(default_workers())
                     pool = self.engine.pool.data
                     page_bytes = d_role.pages.page_bytes

@@ -55,6 +55,9 @@ class PrefillRoomMachine(Role):
                 if room.lease is not None:
                     room.lease.release()
                     room.lease = None
+            case Cmd.SEND_FIRST_TOKEN:  # with no write in flight PrefillDone follows at once
+                if room.inflight:
+                    self._reply(room.peer, room.first_token_message())
             case Cmd.SEND_DONE:
                 self.stats.done += 1
                 self.stats.bytes_acked += room.bytes_written  # reported to D as complete

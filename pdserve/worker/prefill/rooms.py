@@ -52,6 +52,13 @@ class PRoom:
         """The write deadline on the monotonic clock, given one reading of each clock."""
         return now + (self.write_deadline - wall)
 
+    def first_token_message(self) -> m.FirstToken:
+        """What lets D stream the first token before the KV lands."""
+        assert self.first_token is not None  # COMPUTED set it
+        return m.FirstToken(
+            room=self.room, epoch=self.epoch, token=self.first_token, logprob=self.first_logprob
+        )
+
     def done_message(self) -> m.PrefillDone:
         """What tells D its KV is complete: the first token (and its logprob), the bytes
         written, and the prompt's logprobs when asked."""
