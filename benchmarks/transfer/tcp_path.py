@@ -123,7 +123,7 @@ def decode_side(tree: str, key_hex: str, address: str, pages: int) -> None:
     d_cpu = cpu_s() - before
     stop.set()
     steps.join(timeout=WAIT_S)
-    late.sort()
+    late = sorted(late[:]) or [0.0]  # a copy: a thread that outlived its join still appends
     at = [late[min(len(late) - 1, int(q * len(late)))] * 1e3 for q in (0.5, 0.9, 0.99)]
     print(json.dumps({"d_cpu_s": d_cpu, "step_late_ms": [round(x, 3) for x in at]}), flush=True)
 

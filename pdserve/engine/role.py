@@ -30,11 +30,11 @@ engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a 
 clock of its own but that clock's `wall()`, for what crosses hosts.
 
 A role sees its engine only as a `RoleHost`, and only reads it: the clock, the pool, the EOS
-ids, the tick's start, the request timeout, and two questions that must be answered at once,
-`validate` (may this request be served: a PrefillRequest is refused on the spot) and
-`open_lease` (pages now, or PageAllocError: a room is opened only with its pages). Whatever
-changes the engine's requests, the role asks for and the engine does, as the rooms' tables
-return commands: it appends an *effect* (below) to `effects`, and the engine applies them in
+ids, the vocabulary's size, the tick's start, the request timeout, and two questions that must
+be answered at once, `validate` (may this request be served: a PrefillRequest is refused on the
+spot) and `open_lease` (pages now, or PageAllocError: a room is opened only with its pages).
+Whatever changes the engine's requests, the role asks for and the engine does, as the rooms'
+tables return commands: it appends an *effect* (below) to `effects`, and the engine applies them in
 order (`Engine.apply_effects`, engine/role_host.py) as soon as the verb that asked returns, or
 raises, before anything else happens; a failing effect costs its request alone (`fail`, else
 FAIL). Likewise it sends messages only by returning them (`take_outbox`). It never touches the
@@ -77,6 +77,7 @@ class RoleHost(Protocol):
     # None only for a co-located engine at TP > 1.
     pages: RankPages | None
     eos_token_ids: frozenset[int]
+    vocab_size: int  # a token id a peer sends is checked against it
     last_tick: float  # monotonic: when the engine's current tick began
 
     @property

@@ -128,7 +128,8 @@ class RoleHosting(RequestEnds):
         except Exception:
             lease.release()  # never the scheduler's: it goes back, and the request fails
             raise
-        if streamed:
+        if streamed:  # the client's gap to the next token includes the KV wait (D's kv_wait);
+            req.last_token_at = now  # the engine's ITL counts decode pace from here
             return
         if not self.grammar_waits.hold(req, (tok, lp, now)):  # else taken once it compiled
             self._take_first_token(req, tok, lp, now)

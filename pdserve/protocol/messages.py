@@ -85,6 +85,9 @@ class Register(Msg, frozen=True):
     # D runs attention data-parallel (`--dp`): its pages are numbered over its ranks' pools,
     # rank r's `num_pages` following rank r - 1's, each whole in its own rank's pool.
     dp: bool = False
+    # D streams a room's FirstToken ahead of its KV: P sends them only to a D that says so (one
+    # from before FirstToken leaves it False and would drop them as an unknown type).
+    first_tokens: bool = False
 
 
 class RegisterAck(Msg, frozen=True):

@@ -207,6 +207,7 @@ def register_message(receiver: KVReceiver, pool: KVPool, pages: RankPages) -> Re
         tp=pages.tp,
         rank_shm=shms[1:],
         dp=pages.dp,
+        first_tokens=True,  # worker/decode/role.py streams them (engine/role.py StreamFirst)
     )
 
 

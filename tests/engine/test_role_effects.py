@@ -26,6 +26,7 @@ READS = {
     "pool",
     "pages",
     "eos_token_ids",
+    "vocab_size",
     "last_tick",
     "request_timeout_s",
     "validate",

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from pdserve.protocol.messages import KVChunk, PrefillDone
+from pdserve.protocol.messages import FirstToken, KVChunk, PrefillDone
 from pdserve.runtime.supervisor import Supervisor
 from pdserve.transfer import stager as stager_mod
 from pdserve.transfer.bulk import Bulk
@@ -51,6 +51,19 @@ def test_messages_keep_their_order_behind_the_chunks_being_staged():
     s.put(done(3))
     assert len(got) == 4  # nothing queued again: straight through
     s.tick()  # an empty queue: returns after its bounded wait
+
+
+def test_a_first_token_goes_ahead_of_the_chunks_being_staged():
+    """FirstToken asks for no order: the client's first token does not wait for KV frames."""
+    got: list[object] = []
+    s = Stager(got.append, PAGE, pin=False)
+    s.put(chunk(2, [4, 5]))
+    s.put(Inbound("p0", FirstToken(room=2, epoch=1, token=3)))
+    s.put(done(2))
+    assert kinds(got) == ["FirstToken"] and s.snapshot()["waiting"] == 2
+    s.tick()
+    s.tick()
+    assert kinds(got) == ["FirstToken", "KVChunk", "PrefillDone"]
 
 
 def test_frames_are_checked_on_the_workers():

@@ -8,7 +8,9 @@ import msgspec
 import pytest
 
 from pdserve.engine.offline import build_engine, generate
+from pdserve.engine.request import Request
 from pdserve.protocol import messages as m
+from pdserve.protocol.constraint import Constraint, ConstraintKind
 from pdserve.protocol.rooms import DState
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.control import Inbound
@@ -16,6 +18,7 @@ from tests.worker.wire import Wire, ended, tokens
 
 PROMPT = [(i * 7) % 200 + 3 for i in range(37)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+REGEX = Constraint(kind=ConstraintKind.REGEX, spec="[a-z]+")
 
 
 @pytest.fixture
@@ -142,3 +145,84 @@ def test_a_request_aborted_after_its_streamed_first_token_decodes_nothing(wire):
     assert outs[-1].finish_reason == "abort" and len(tokens(outs)) == 1
     assert wire.d_role.stats.bytes_acked == 0 and wire.d_role.stats.done == 0
     assert wire.violations() == []
+
+
+def test_the_engines_itl_counts_decode_pace_from_the_adopt_not_the_kv_wait(wire):
+    """The client's gap after an early first token includes the rest of the transfer (D's
+    kv_wait says how long); the engine's ITL histogram keeps measuring decode steps."""
+    done = hold(wire, m.PrefillDone)
+    outs = wire.submit("r", PROMPT, GREEDY)
+    wire.run_until(lambda: bool(done) and bool(outs))
+    wire.clock.advance(2.0)  # the KV takes two seconds more
+    release(wire, done)
+    wire.run_until(lambda: ended(outs))
+    wire.d.metrics.itl.flush()
+    itl_sum = wire.d.metrics.registry.get_sample_value("pdserve_inter_token_latency_seconds_sum")
+    assert itl_sum is not None and itl_sum < 1.0  # the fake clock stands still while it decodes
+
+
+def test_a_token_outside_the_vocabulary_is_never_streamed(wire):
+    """From an authenticated but broken P: a FirstToken out of range is dropped and counted; a
+    PrefillDone whose token is out of range fails the room, saying so."""
+    firsts = hold(wire, m.FirstToken)
+    outs = wire.submit("r", PROMPT, GREEDY)
+    wire.run_until(lambda: bool(firsts))
+    vocab = wire.d.vocab_size
+    del wire.d.inbox.put
+    for bad in (-1, vocab, 2**63 - 1):
+        msg = msgspec.structs.replace(firsts[0].msg, token=bad)
+        wire.d.inbox.put(Inbound(firsts[0].peer, msg))
+    wire.run_until(lambda: ended(outs))
+    assert wire.d_role.stats.unexpected["FirstToken out of the vocabulary"] == 3
+    assert outs[-1].finish_reason == "length" and all(0 <= t < vocab for t in tokens(outs))
+
+    done = hold(wire, m.PrefillDone)
+    outs2 = wire.submit("r2", PROMPT[:9], GREEDY)
+    wire.run_until(lambda: bool(done))
+    release(wire, [Inbound(done[0].peer, msgspec.structs.replace(done[0].msg, first_token=vocab))])
+    wire.run_until(lambda: ended(outs2))
+    assert outs2[-1].finish_reason == "error"
+    assert f"first token {vocab} is not in the vocabulary" in (outs2[-1].error or "")
+    assert all(t < vocab for t in tokens(outs2))
+    wire.run_until(wire.idle)
+    assert wire.violations() == []
+
+
+def test_a_decode_worker_that_does_not_take_first_tokens_gets_none(wire, tiny_dir):
+    """Register.first_tokens: a D from before FirstToken leaves it False, and P sends it none
+    (it would drop them as an unknown type)."""
+    first = wire.submit("a", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(first))
+    assert ("p>d", "FirstToken") in wire.sent
+    for peer in wire.p_role.peers.by_id.values():
+        peer.first_tokens = False  # as an older D's Register pairs
+    wire.sent.clear()
+    second = wire.submit("b", PROMPT, GREEDY)
+    wire.run_until(lambda: ended(second))
+    assert ("p>d", "PrefillDone") in wire.sent and ("p>d", "FirstToken") not in wire.sent
+    assert tokens(second) == colocated(tiny_dir, GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("params", "early"),
+    [
+        (SamplingParams(max_tokens=4, temperature=0.0), True),
+        (SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(7,)), False),  # its token
+        (SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(8,)), True),
+        (SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), True),
+        (SamplingParams(max_tokens=1, temperature=0.0), False),
+        (SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0), False),
+        (SamplingParams(max_tokens=4, temperature=0.0, constraint=REGEX), False),
+    ],
+)
+def test_streams_early_only_a_token_that_cannot_end_the_request(wire, params, early):
+    req = Request("x", PROMPT, params, sink=lambda out: None, eos_token_ids=frozenset({2}))
+    assert wire.d.streams_early(req, 7) is early
+    assert wire.d.streams_early(req, 2) is (early and params.ignore_eos)  # its EOS
+
+
+def test_a_prompt_one_short_of_the_context_does_not_stream_early(wire):
+    long = [3] * (wire.d.max_model_len - 1)
+    req = Request("x", long, GREEDY, sink=lambda out: None)
+    assert not wire.d.streams_early(req, 7)  # its first token reaches max_model_len
+    assert wire.d.streams_early(Request("y", long[:-1], GREEDY, sink=lambda out: None), 7)

@@ -158,7 +158,9 @@ class DecodeRole(Role):
                     why = blame(room, f"prefill worker refused: {reason}", now)
                     self._apply(room, DEvent.REJECT, now, why)
             case m.FirstToken(token=tok, logprob=lp):  # the client has it before the KV lands
-                if room.state in (DState.PENDING, DState.PREFILLING) and room.done is None:
+                if not 0 <= tok < self.engine.vocab_size:  # PrefillDone's token decides
+                    self.stats.unexpected["FirstToken out of the vocabulary"] += 1
+                elif room.state in (DState.PENDING, DState.PREFILLING) and room.done is None:
                     lp = lp if room.request.params.logprobs is not None else None
                     self.effects.append(StreamFirst(room.request, tok, lp))
             case m.PrefillDone():
@@ -180,7 +182,10 @@ class DecodeRole(Role):
         """Decode once PrefillDone came and, where pages pass through us, all its bytes did."""
         state_bytes = len(room.state_pages(self.pool)) * self.pages.page_bytes
         problem = room.take_done(
-            self.receiver.counts_bytes, self.receiver.bytes_may_trail, state_bytes
+            self.receiver.counts_bytes,
+            self.receiver.bytes_may_trail,
+            state_bytes,
+            self.engine.vocab_size,
         )
         if problem == WAIT:
             return

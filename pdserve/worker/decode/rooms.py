@@ -81,7 +81,9 @@ class DRoom:
         """The pages P may write for it: its destination pages and its state slot's."""
         return set(self.lease.pages) | set(self.state_pages(pool))
 
-    def take_done(self, counts_bytes: bool, bytes_may_trail: bool, state_bytes: int) -> str | None:
+    def take_done(
+        self, counts_bytes: bool, bytes_may_trail: bool, state_bytes: int, vocab_size: int
+    ) -> str | None:
         """Check the PrefillDone it holds and take its first token (and prompt logprobs):
         None when the request can decode, WAIT while its bytes still travel apart from it
         (nixl; the room's deadline bounds the wait), else why the room fails (never decode on
@@ -89,6 +91,8 @@ class DRoom:
         which P must have written whole."""
         msg, req = self.done, self.request
         assert msg is not None  # only called after PrefillDone was recorded
+        if not 0 <= msg.first_token < vocab_size:
+            return f"the prefill worker's first token {msg.first_token} is not in the vocabulary"
         waits_for_kv = self.state in (DState.PENDING, DState.PREFILLING)
         if waits_for_kv and counts_bytes and self.bytes_received != msg.kv_bytes:
             if bytes_may_trail and self.bytes_received < msg.kv_bytes:

@@ -38,6 +38,7 @@ class DecodePeer:
     state_slots: int = 0  # per-request state slots after its pages (Register.state_slots)
     # The pages a PrefillRequest's dst_pages may name: num_pages, or every rank's with `dp`.
     dst_limit: int = 0
+    first_tokens: bool = False  # it takes FirstToken (Register.first_tokens)
 
 
 class DecodePeers:
@@ -101,7 +102,7 @@ class DecodePeers:
         self.pairings += 1
         peer = DecodePeer(
             identity, writer, msg.num_pages, self.pairings, now, msg.state_slots,
-            dst_limit=msg.num_pages * (msg.tp if msg.dp else 1),
+            dst_limit=msg.num_pages * (msg.tp if msg.dp else 1), first_tokens=msg.first_tokens,
         )  # fmt: skip
         self.by_id[identity] = peer
         return peer

@@ -272,6 +272,7 @@ class PrefillRole(PrefillRoomMachine):
             since=now,
             write_deadline=msg.write_deadline,
             state_pages=list(msg.state_pages),
+            sends_first_token=peer.first_tokens,
         )
         self.by_room[(peer_id, msg.room)] = room
         self.by_request[req.request_id] = room

@@ -56,7 +56,7 @@ class PrefillRoomMachine(Role):
                     room.lease.release()
                     room.lease = None
             case Cmd.SEND_FIRST_TOKEN:  # with no write in flight PrefillDone follows at once
-                if room.inflight:
+                if room.inflight and room.sends_first_token:
                     self._reply(room.peer, room.first_token_message())
             case Cmd.SEND_DONE:
                 self.stats.done += 1

@@ -33,6 +33,7 @@ class PRoom:
     pages_written: int = 0
     bytes_written: int = 0
     first_token: int | None = None
+    sends_first_token: bool = False  # its D takes FirstToken (DecodePeer.first_tokens)
     first_logprob: TokenLogprob | None = None
     reason: str = ""
     write_deadline: float = 0.0  # unix time; no write into dst_pages after it
