@@ -30,9 +30,10 @@ engine clock's monotonic reading (`Engine.clock`, runtime/timing.py `Clock`); a 
 clock of its own but that clock's `wall()`, for what crosses hosts.
 
 A role sees its engine only as a `RoleHost`, and only reads it: the clock, the pool, the EOS
-ids, the vocabulary's size, the tick's start, the request timeout, and two questions that must
-be answered at once, `validate` (may this request be served: a PrefillRequest is refused on the
-spot) and `open_lease` (pages now, or PageAllocError: a room is opened only with its pages).
+ids, the vocabulary's size, the tick's start, the request timeout, and three questions that
+must be answered at once, `validate` (may this request be served: a PrefillRequest is refused on
+the spot), `streams_early` (may a peer's first token stream before its KV) and `open_lease`
+(pages now, or PageAllocError: a room is opened only with its pages).
 Whatever changes the engine's requests, the role asks for and the engine does, as the rooms'
 tables return commands: it appends an *effect* (below) to `effects`, and the engine applies them in
 order (`Engine.apply_effects`, engine/role_host.py) as soon as the verb that asked returns, or
@@ -85,6 +86,10 @@ class RoleHost(Protocol):
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """InvalidParams for a request this engine can never serve."""
+
+    def streams_early(self, req: Request, tok: int) -> bool:
+        """May `req`'s first token `tok`, sampled by a peer, stream before its KV is here
+        (engine/request_end.py)."""
 
     def open_lease(self, owner: str, num_pages: int) -> Lease:
         """A lease on `num_pages` free pages for `owner`, with a state slot where the pool keeps

@@ -30,6 +30,7 @@ READS = {
     "last_tick",
     "request_timeout_s",
     "validate",
+    "streams_early",
     "open_lease",
 }
 PROMPT = [(7 * i) % 200 + 3 for i in range(9)]

@@ -85,7 +85,9 @@ def test_pd_disconnect_leaves_both_workers_quiet(pd_cluster):
     assert resp.status == 200
     assert resp.readline().startswith(b"data: ")
     workers = [pd_cluster.processes[n]["url"] for n in ("prefill-0", "decode-0")]
-    assert http("GET", workers[1] + "/debug/state")[1]["engine"]["requests"], "still running"
+    d = http("GET", workers[1] + "/debug/state")[1]["engine"]
+    # Decoding, or (its first token streamed ahead of its KV: FirstToken) still in its room.
+    assert d["requests"] or d["role"]["rooms"], "still running"
     conn.sock.close()
     conn.close()
     # 800 tokens take several seconds here; only an abort ends it within the bound.

@@ -63,6 +63,8 @@ def test_the_first_token_is_streamed_while_d_still_waits_for_the_kv(wire, tiny_d
     assert wire.d.scheduler.get("r") is None  # not decoding
     expected = colocated(tiny_dir, GREEDY)
     assert outs[0].token_ids == (expected[0],) and outs[0].finish_reason is None
+    ahead = "pdserve_pd_first_tokens_ahead_total"
+    assert wire.d.metrics.registry.get_sample_value(ahead) == 1.0  # D's /metrics shows it
     release(wire, done)
     wire.run_until(lambda: ended(outs))
     assert tokens(outs) == expected  # the first token once, then the rest
@@ -85,6 +87,7 @@ def test_a_first_token_that_ends_the_request_or_needs_the_kv_waits_for_it(wire, 
     for _ in range(5):
         wire.tick()
     assert outs == []  # FirstToken came, and D kept the token for its PrefillDone
+    assert wire.d_role.metrics.first_tokens_ahead == 0
     assert ("p>d", "FirstToken") in wire.sent
     release(wire, done)
     wire.run_until(lambda: ended(outs))

@@ -73,7 +73,7 @@ def test_a_request_with_no_prefill_address_is_counted_local_and_shown_to_doctor(
     assert wire.sent == []
     wire.clock.advance(3.0)
     snap = wire.d_role.snapshot(wire.clock.now)["prefill"]
-    assert snap == {"remote": 0, "local": 1, "last_local_age_s": 3.0}
+    assert snap == {"remote": 0, "local": 1, "last_local_age_s": 3.0, "first_tokens_ahead": 0}
 
 
 def test_outstanding_exports_rise_while_p_works_and_end_by_outcome(tiny_dir):

@@ -9,6 +9,9 @@
   (from the PrefillRequest that P accepted leaving D to the KV being complete: PrefillDone
   and, on tcp and nixl, every byte landed) and `pdserve_pd_kv_wait_seconds` (from the room's
   opening, once its pages were leased, to the same moment: pairing included).
+* `pdserve_pd_first_tokens_ahead_total`: first tokens a prefill worker sampled that this
+  decode worker streamed before their KV had landed (protocol FirstToken); the others went out
+  as their request started decoding (`pdserve_pd_kv_wait_seconds_count` counts those that did).
 
 Only the engine thread writes here, once per request: the counts are plain ints that a
 custom collector reads at scrape time, and the histograms are `StepHistogram`s published
@@ -30,6 +33,7 @@ from pdserve.worker.decode.rooms import DRoom
 # KV bytes per request: 1 KiB to 16 GiB, by fours (a tiny model's prompt to a long one's).
 KV_BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 18))
 REQUESTS = "pdserve_pd_requests"
+AHEAD = "pdserve_pd_first_tokens_ahead"
 
 
 class DecodeMetrics:
@@ -39,6 +43,7 @@ class DecodeMetrics:
         self.remote = 0  # requests with a prefill address (a room each)
         self.local = 0  # requests without one: prefilled by this engine
         self.last_local: float | None = None  # monotonic: when the last local one came
+        self.first_tokens_ahead = 0  # first tokens streamed before their KV landed
         self.kv_bytes = StepHistogram(
             "pdserve_pd_kv_bytes",
             "KV bytes a prefill worker delivered per request",
@@ -85,19 +90,27 @@ class DecodeMetrics:
             "remote": self.remote,
             "local": self.local,
             "last_local_age_s": None if last is None else round(now - last, 3),
+            "first_tokens_ahead": self.first_tokens_ahead,
         }
 
     # -- the registry's collector protocol ---------------------------------------------------
     def describe(self) -> list[CounterMetricFamily]:
-        return [self._requests()]
+        return [self._requests(), self._ahead()]
 
     def collect(self) -> list[CounterMetricFamily]:
         family = self._requests()
         family.add_metric(["remote"], self.remote)
         family.add_metric(["local"], self.local)
-        return [family]
+        ahead = self._ahead()
+        ahead.add_metric([], self.first_tokens_ahead)
+        return [family, ahead]
 
     @staticmethod
     def _requests() -> CounterMetricFamily:
         doc = "Requests this decode worker took, by where their prompt is computed"
         return CounterMetricFamily(REQUESTS, doc, labels=["prefill"])
+
+    @staticmethod
+    def _ahead() -> CounterMetricFamily:
+        doc = "First tokens from a prefill worker streamed before their KV landed"
+        return CounterMetricFamily(AHEAD, doc)

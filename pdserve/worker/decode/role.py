@@ -158,9 +158,14 @@ class DecodeRole(DecodeRoomMachine):
             case m.FirstToken(token=tok, logprob=lp):  # the client has it before the KV lands
                 if not 0 <= tok < self.engine.vocab_size:  # PrefillDone's token decides
                     self.stats.unexpected["FirstToken out of the vocabulary"] += 1
-                elif room.state in (DState.PENDING, DState.PREFILLING) and room.done is None:
+                elif (
+                    room.state in (DState.PENDING, DState.PREFILLING)
+                    and room.done is None
+                    and self.engine.streams_early(room.request, tok)
+                ):
                     lp = lp if room.request.params.logprobs is not None else None
                     self.effects.append(StreamFirst(room.request, tok, lp))
+                    self.metrics.first_tokens_ahead += 1
             case m.PrefillDone():
                 room.done = msg
                 self._try_done(room, now)

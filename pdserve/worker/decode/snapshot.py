@@ -57,7 +57,7 @@ def decode_snapshot(
         "backend": receiver.backend,
         "counts_bytes": receiver.counts_bytes,  # KV passes through D: bytes are conserved
         "stats": stats.snapshot(),
-        "prefill": prefill,  # {remote, local, last_local_age_s}: doctor's decode-only finding
+        "prefill": prefill,  # {remote, local, last_local_age_s, first_tokens_ahead}: doctor reads
         "control": control,
         "stager": stager,  # tcp: KV chunks staged and refused, bytes in transit
     }
