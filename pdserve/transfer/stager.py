@@ -141,10 +141,6 @@ class Stager:
         with self._lock:
             self._bytes -= size
 
-    @property
-    def held_bytes(self) -> int:
-        return self._bytes
-
     def snapshot(self) -> dict[str, int]:
         """For /debug/state: chunks staged and refused, KV bytes held, messages queued."""
         with self._lock:

@@ -93,17 +93,17 @@ def test_past_its_bound_a_chunk_is_refused_unread(monkeypatch):
     got: list[object] = []
     s = Stager(got.append, PAGE, pin=False)
     s.put(chunk(1, [0, 1]))
-    assert s.held_bytes == 2 * PAGE
+    assert s.snapshot()["held_bytes"] == 2 * PAGE
     s.put(chunk(2, [2, 3]))  # would hold 4 pages: refused
     s.put(chunk(3, [4, 5, 6]))  # larger than any chunk P sends: refused
     s.put(done(2))
-    assert s.held_bytes == 2 * PAGE  # the refused ones' frames are not held
+    assert s.snapshot()["held_bytes"] == 2 * PAGE  # the refused ones' frames are not held
     for _ in range(4):
         s.tick()
     assert kinds(got) == ["KVChunk", "KVChunk!", "KVChunk!", "PrefillDone"]
     assert "holds 8192 bytes of KV in transit" in got[1].refused  # type: ignore[attr-defined]
     assert "a KV chunk of 12288 bytes" in got[2].refused  # type: ignore[attr-defined]
-    assert s.held_bytes == 2 * PAGE  # the staged rows, until the engine lets them go
+    assert s.snapshot()["held_bytes"] == 2 * PAGE  # the staged rows, until the engine lets them go
     s.put(chunk(4, [7]))
     s.put(chunk(5, [8]))  # 4 pages again: refused
     s.tick()
@@ -111,7 +111,7 @@ def test_past_its_bound_a_chunk_is_refused_unread(monkeypatch):
     assert kinds(got)[-2:] == ["KVChunk", "KVChunk!"]
     got.clear()  # the engine wrote them and dropped them
     gc.collect()
-    assert s.held_bytes == 0 and s._waiting == 0
+    assert s.snapshot()["held_bytes"] == 0 and s._waiting == 0
     s.put(chunk(6, [9, 10]))  # taken again
     s.tick()
     assert kinds(got) == ["KVChunk"] and (s.staged, s.refused) == (3, 3)
